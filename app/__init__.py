@@ -1,0 +1,1 @@
+"""Stoker: the inference service (HTTP, protocol, batching, metrics, CLI)."""

@@ -1,0 +1,51 @@
+"""One error family; each member carries its HTTP status and a failure reason for metrics.
+
+Routes never build error responses themselves: they raise, and the single handler in
+``app.server`` turns any ``StokerError`` into ``{"error": message}`` with its status.
+"""
+
+from __future__ import annotations
+
+
+class StokerError(Exception):
+    status: int = 500
+    reason: str = "other"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(StokerError):
+    status = 400
+    reason = "invalid"
+
+
+class NotFound(StokerError):
+    status = 404
+    reason = "not_found"
+
+
+class PayloadTooLarge(StokerError):
+    status = 413
+    reason = "too_large"
+
+
+class QueueFull(StokerError):
+    status = 429
+    reason = "rejected"
+
+
+class Unavailable(StokerError):
+    status = 503
+    reason = "unavailable"
+
+
+class DeadlineExceeded(StokerError):
+    status = 504
+    reason = "timeout"
+
+
+class EngineError(StokerError):
+    status = 500
+    reason = "backend"

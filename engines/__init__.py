@@ -1,0 +1,1 @@
+"""Engines: turn a model file into a callable. Never imports the service."""
