@@ -42,9 +42,9 @@ def decode(data: bytes, max_pixels: int) -> Image.Image:
             width, height = image.size
             if width * height > max_pixels:
                 raise PayloadTooLarge(
-                    f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}"
+                    f"image is {width}x{height} = {width * height} pixels; "
+                    f"the limit is {max_pixels}"
                 )
-            image.draft("RGB", (width, height))
             return image.convert("RGB")
     except PayloadTooLarge:
         raise

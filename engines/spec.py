@@ -108,7 +108,9 @@ class ModelSpec:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     max_batch_size: int = 0
-    _by_name: dict[str, TensorSpec] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _by_name: dict[str, TensorSpec] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for tensor in (*self.inputs, *self.outputs):

@@ -1,0 +1,308 @@
+"""The dynamic batcher of one model version, with Triton's semantics.
+
+- Batch size counts rows (the first dimension), not requests; a batch never exceeds
+  ``max_batch_size`` and only requests with the same non-batch shapes share one.
+- A batch forms when a runner is free. It is sent at once when it is full, when the delay
+  is 0, or when it reaches the largest preferred size; otherwise it waits for more requests
+  until the oldest request in it has waited ``max_queue_delay_us``, and is then cut to the
+  largest preferred size it can reach (or sent whole when it reaches none).
+- The queue is bounded (429 when full); each request has a deadline (504, and a request
+  that expires while queued never reaches a runner); a request whose caller went away is
+  cancelled and dropped from the queue. Priority levels: 1 is served first.
+- Waiting is event-driven: an ``asyncio.Event`` set on arrival, a timeout for the delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
+from app.metrics import BatchTimes, ModelMetrics
+from app.pool import RunnerPool
+from app.repository import DynamicBatching
+from engines.base import Runner
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(eq=False)
+class Pending:
+    inputs: Mapping[str, np.ndarray]
+    rows: int
+    key: Hashable
+    level: int
+    enqueued: float
+    future: asyncio.Future[Tensors]
+    dispatched: bool = False
+
+
+@dataclass
+class Batch:
+    requests: list[Pending] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.requests)
+
+
+class OutputMismatch(Exception):
+    """An engine returned an output whose first dimension is not the batch's row count."""
+
+
+def run_batch(
+    runner: Runner, requests: list[Mapping[str, np.ndarray]], rows: list[int], batched: bool
+) -> tuple[list[Tensors], BatchTimes]:
+    """Concatenate, run, check and split one batch; runs on a runner's thread."""
+    start = time.perf_counter()
+    if batched and len(requests) > 1:
+        inputs: Mapping[str, np.ndarray] = {
+            name: np.concatenate([r[name] for r in requests]) for name in requests[0]
+        }
+    else:
+        inputs = requests[0]
+    ran = time.perf_counter()
+    outputs = runner.run(inputs)
+    done = time.perf_counter()
+    if batched:
+        total = sum(rows)
+        for name, value in outputs.items():
+            if value.ndim == 0 or value.shape[0] != total:
+                got = value.shape[0] if value.ndim else "no"
+                raise OutputMismatch(f"output {name!r} has {got} rows for a batch of {total}")
+        bounds = np.cumsum([0, *rows])
+        split = [
+            {name: value[bounds[i] : bounds[i + 1]] for name, value in outputs.items()}
+            for i in range(len(rows))
+        ]
+    else:
+        split = [outputs]
+    finished = time.perf_counter()
+    return split, BatchTimes(
+        rows=sum(rows),
+        requests=len(rows),
+        compute_input=ran - start,
+        compute_infer=done - ran,
+        compute_output=finished - done,
+    )
+
+
+class Batcher:
+    def __init__(
+        self,
+        pool: RunnerPool,
+        policy: DynamicBatching,
+        metrics: ModelMetrics,
+        max_batch_size: int,
+    ) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._metrics = metrics
+        self._max_rows = max(1, max_batch_size)
+        self._batched = max_batch_size > 0
+        self._delay = policy.max_queue_delay_us / 1e6
+        self._preferred = frozenset(policy.preferred_batch_size)
+        self._levels: list[deque[Pending]] = [deque() for _ in range(policy.priority_levels)]
+        self._queued = 0
+        self._arrived = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._in_flight = 0
+        self._executions: set[asyncio.Task[None]] = set()
+        self._dispatcher: asyncio.Task[None] | None = None
+        self._closing = False
+        self.failed: BaseException | None = None
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        self._dispatcher = asyncio.create_task(self._dispatch_forever(), name="batcher")
+        self._dispatcher.add_done_callback(self._dispatcher_ended)
+
+    def _dispatcher_ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.failed = task.exception()
+            log.error("batcher of %s stopped: %r", self._metrics.model, self.failed)
+
+    def level_of(self, priority: int) -> int:
+        """Index into the queues for a request's priority (0 = the model's default)."""
+        levels = self._policy.priority_levels
+        if priority == 0:
+            priority = self._policy.default_priority_level or levels
+        return min(priority, levels) - 1
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        rows: int,
+        key: Hashable,
+        timeout_s: float | None,
+        priority: int = 0,
+    ) -> Tensors:
+        """Queue one request and wait for its outputs, split to its own rows."""
+        if self._closing or self.failed is not None:
+            raise Unavailable(f"model {self._metrics.model!r} is not accepting requests")
+        if self._queued >= self._policy.max_queue_size:
+            raise QueueFull(
+                f"queue of model {self._metrics.model!r} is full "
+                f"({self._policy.max_queue_size} requests); retry later"
+            )
+        pending = Pending(
+            inputs=inputs,
+            rows=rows,
+            key=key,
+            level=self.level_of(priority),
+            enqueued=time.monotonic(),
+            future=asyncio.get_running_loop().create_future(),
+        )
+        self._levels[pending.level].append(pending)
+        self._queued += 1
+        self._in_flight += 1
+        self._idle.clear()
+        self._arrived.set()
+        self._metrics.pending(1)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await pending.future
+        except TimeoutError:
+            where = "executing" if pending.dispatched else "queued"
+            raise DeadlineExceeded(
+                f"deadline of {timeout_s:.3f} s exceeded while {where}"
+            ) from None
+        finally:
+            # A request that leaves early (deadline, caller gone) must not reach a runner.
+            if not pending.dispatched:
+                self._levels[pending.level].remove(pending)
+                self._queued -= 1
+            self._metrics.pending(-1)
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _dispatch_forever(self) -> None:
+        while True:
+            runner = await self._pool.acquire()
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                self._pool.release(runner)
+                raise
+            now = time.monotonic()
+            for pending in batch.requests:
+                pending.dispatched = True
+                self._levels[pending.level].remove(pending)
+                self._metrics.queued(now - pending.enqueued)
+            self._queued -= len(batch.requests)
+            task = asyncio.create_task(self._execute(runner, batch))
+            self._executions.add(task)
+            task.add_done_callback(self._executions.discard)
+
+    def _select(self) -> tuple[Batch, bool]:
+        """The oldest highest-priority request and those that can join it, in queue order;
+        and whether the batch is full."""
+        first = next((p for level in self._levels for p in level), None)
+        batch = Batch()
+        if first is None:
+            return batch, False
+        if not self._batched:
+            batch.requests.append(first)
+            return batch, True
+        rows = 0
+        for level in self._levels:
+            for pending in level:
+                if pending.key != first.key:
+                    continue
+                if rows + pending.rows > self._max_rows:
+                    return batch, True
+                batch.requests.append(pending)
+                rows += pending.rows
+        return batch, rows == self._max_rows
+
+    def _cut_to_preferred(self, batch: Batch) -> Batch:
+        rows, cut = 0, 0
+        for i, pending in enumerate(batch.requests, start=1):
+            rows += pending.rows
+            if rows in self._preferred:
+                cut = i
+        return Batch(batch.requests[:cut]) if cut else batch
+
+    async def _next_batch(self) -> Batch:
+        while True:
+            batch, full = self._select()
+            wait: float | None = None
+            if batch.requests:
+                if full or self._delay == 0:
+                    return batch
+                if self._preferred and batch.rows >= max(self._preferred):
+                    return self._cut_to_preferred(batch)
+                oldest = min(p.enqueued for p in batch.requests)
+                wait = oldest + self._delay - time.monotonic()
+                if wait <= 0:
+                    return self._cut_to_preferred(batch)
+            self._arrived.clear()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._arrived.wait()
+            except TimeoutError:
+                pass
+
+    async def _execute(self, runner: Runner, batch: Batch) -> None:
+        requests = batch.requests
+        try:
+            outputs, times = await self._pool.call(
+                lambda: run_batch(
+                    runner, [p.inputs for p in requests], [p.rows for p in requests], self._batched
+                )
+            )
+        except Exception as exc:
+            log.error(
+                "model %s: a batch of %d rows failed: %s: %s",
+                self._metrics.model,
+                batch.rows,
+                type(exc).__name__,
+                exc,
+            )
+            for pending in requests:
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        EngineError(f"inference failed: {type(exc).__name__}: {exc}")
+                    )
+        else:
+            self._metrics.batch_executed(times)
+            for pending, result in zip(requests, outputs, strict=True):
+                if not pending.future.done():
+                    pending.future.set_result(result)
+        finally:
+            self._pool.release(runner)
+
+    async def close(self, drain_timeout_s: float) -> None:
+        """Refuse new requests, let queued and executing ones finish for up to the drain
+        timeout, then fail what is left with 503 and stop."""
+        self._closing = True
+        try:
+            async with asyncio.timeout(drain_timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            log.warning(
+                "model %s: drain timeout; failing %d queued requests",
+                self._metrics.model,
+                self._queued,
+            )
+        for level in self._levels:
+            for pending in level:
+                if not pending.future.done():
+                    pending.future.set_exception(Unavailable("server is shutting down"))
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        await asyncio.gather(*self._executions, return_exceptions=True)

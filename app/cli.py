@@ -1,0 +1,147 @@
+"""``stoker``: serve, prepare and list models. ``python -m app`` is the same command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+
+log = logging.getLogger("stoker")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="stoker",
+        description="Serve ONNX models over KServe V2 with dynamic batching. Every option "
+        "can also be set by environment (STOKER_SERVER__PORT, STOKER_MODELS__REPOSITORY, ...).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    def add_repository_options(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--repository", type=Path, help="model repository folder")
+        sub.add_argument(
+            "--model", action="append", dest="models", help="model to use (repeatable)"
+        )
+
+    serve = commands.add_parser("serve", help="serve the model repository over HTTP")
+    add_repository_options(serve)
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--backend", help="override every model's backend (auto, onnxruntime)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+    prepare = commands.add_parser(
+        "prepare", help="generate the missing ONNX files of the repository's models, offline"
+    )
+    add_repository_options(prepare)
+
+    listing = commands.add_parser("models", help="list the repository's models")
+    add_repository_options(listing)
+    return parser.parse_args(argv)
+
+
+def build_settings(args: argparse.Namespace) -> Settings:
+    """Environment first, command-line options on top."""
+    settings = Settings()
+    overrides: dict[str, dict[str, Any]] = {
+        "server": {
+            "host": getattr(args, "host", None),
+            "port": getattr(args, "port", None),
+            "log_level": getattr(args, "log_level", None),
+        },
+        "models": {
+            "repository": args.repository,
+            "models": args.models,
+            "backend": getattr(args, "backend", None),
+        },
+    }
+    merged = settings.model_dump()
+    for section, values in overrides.items():
+        merged[section].update({k: v for k, v in values.items() if v is not None})
+    return Settings.model_validate(merged)
+
+
+def serve(settings: Settings) -> int:
+    import uvicorn
+
+    from app.server import create_app
+
+    log.info("settings: %s", json.dumps(settings.loggable()))
+    server: uvicorn.Server | None = None
+    failed = False
+
+    def stop_on_fatal() -> None:
+        nonlocal failed
+        failed = True
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=stop_on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
+        limit_concurrency=None,
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    return 1 if failed else 0
+
+
+def prepare(settings: Settings) -> int:
+    from app.dataplane import prepare as prepare_model
+    from app.repository import discover
+
+    for entry in discover(settings.models.repository, settings.models.models):
+        if entry.onnx_path.exists():
+            print(f"{entry.config.name}: {entry.onnx_path} exists")
+            continue
+        if entry.config.generator is None:
+            print(f"{entry.config.name}: {entry.onnx_path} is missing and has no generator")
+            return 1
+        print(f"{entry.config.name}: generating {entry.onnx_path} ...", flush=True)
+        prepare_model(entry)
+        print(f"{entry.config.name}: done")
+    return 0
+
+
+def list_models(settings: Settings) -> int:
+    from app.repository import discover
+
+    for entry in discover(settings.models.repository, settings.models.models):
+        config = entry.config
+        state = "ready to load" if entry.onnx_path.exists() else "ONNX missing"
+        print(
+            f"{config.name:24} precisions={','.join(config.precisions):12} "
+            f"max_batch={config.max_batch_size:<4} runners={config.runners} {state}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from app.repository import ConfigError
+
+    try:
+        settings = build_settings(args)
+    except ValueError as exc:
+        print(f"stoker: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    commands = {"serve": serve, "prepare": prepare, "models": list_models}
+    try:
+        return commands[args.command](settings)
+    except ConfigError as exc:
+        print(f"stoker: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,386 @@
+"""The data plane: model lookup, readiness, request validation, batchers and metrics.
+
+Routes call one method here and serialise what it returns. It is created in the lifespan
+(never at import) and lives in ``app.state.plane``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+import zoo
+from app import images
+from app.batcher import Batcher, Tensors
+from app.errors import BadRequest, NotFound, StokerError, Unavailable
+from app.metrics import ModelMetrics
+from app.pool import RunnerPool
+from app.protocol import InferRequest, RequestedOutput, classify, decode_request
+from app.repository import ModelEntry, discover
+from app.settings import Settings
+from engines import backends
+from engines.base import EngineOptions
+from engines.onnxruntime import read_spec
+from engines.spec import ModelSpec, TensorSpec, v2_datatype
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
+THREADED_DECODE_BYTES = 256 * 1024
+
+
+@dataclass
+class ServedModel:
+    """One model version (a precision) with everything that serves it."""
+
+    entry: ModelEntry
+    version: str
+    spec: ModelSpec
+    backend: str
+    pool: RunnerPool
+    batcher: Batcher
+    metrics: ModelMetrics
+    labels: list[str] | None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def ready(self) -> bool:
+        return self.batcher.failed is None
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores.astype(np.float64) - scores.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    result: np.ndarray = exp / exp.sum(axis=-1, keepdims=True)
+    return result
+
+
+class DataPlane:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._models: dict[str, dict[str, ServedModel]] = {}
+        self._entries: list[ModelEntry] = []
+        self.ready = False
+        self.failed: BaseException | None = None
+        self.draining = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every model, warm every runner, then report ready."""
+        repo = self.settings.models
+        self._entries = discover(repo.repository, repo.models)
+        for entry in self._entries:
+            await self._load(entry)
+        self.ready = True
+        log.info("ready: %s", ", ".join(f"{n}{sorted(v)}" for n, v in self._models.items()))
+
+    async def _load(self, entry: ModelEntry) -> None:
+        config = entry.config
+        path = entry.onnx_path
+        if not path.exists():
+            if config.generator is None or not self.settings.models.prepare_missing:
+                raise FileNotFoundError(f"model {config.name!r}: {path} does not exist")
+            log.info("model %s: generating %s with zoo.%s", config.name, path, config.generator)
+            await asyncio.to_thread(prepare, entry)
+        backend = backends.resolve(self.settings.models.backend or config.backend)
+        spec = await asyncio.to_thread(model_spec, entry)
+        versions: dict[str, ServedModel] = {}
+        for precision in config.precisions:
+            started = time.perf_counter()
+            options = EngineOptions(runners=config.runners)
+            engine = await asyncio.to_thread(backends.loader(backend), path, spec, options)
+            pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
+            await pool.warm()
+            metrics = ModelMetrics(config.name, precision)
+            batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
+            batcher.start()
+            versions[precision] = ServedModel(
+                entry, precision, spec, backend, pool, batcher, metrics, entry.labels()
+            )
+            log.info(
+                "model %s version %s: %s backend, %d runner(s), loaded and warmed in %.1f s",
+                config.name,
+                precision,
+                backend,
+                config.runners,
+                time.perf_counter() - started,
+            )
+        self._models[config.name] = versions
+
+    async def stop(self) -> None:
+        """Drain every batcher, then free runners and engines in reverse order of loading."""
+        self.ready = False
+        self.draining = True
+        timeout = self.settings.server.drain_timeout_s
+        served = [m for versions in self._models.values() for m in versions.values()]
+        await asyncio.gather(*(m.batcher.close(timeout) for m in served))
+        for model in reversed(served):
+            await asyncio.to_thread(model.pool.close)
+        self._models.clear()
+
+    # -- lookup -------------------------------------------------------------------------
+
+    @property
+    def is_ready(self) -> bool:
+        return (
+            self.ready
+            and not self.draining
+            and all(m.ready for versions in self._models.values() for m in versions.values())
+        )
+
+    def model_names(self) -> list[str]:
+        return list(self._models)
+
+    def entries(self) -> list[ModelEntry]:
+        return list(self._entries)
+
+    def get(self, name: str, version: str | None = None) -> ServedModel:
+        versions = self._models.get(name)
+        if versions is None:
+            if not self.ready and any(e.config.name == name for e in self._entries):
+                raise Unavailable(f"model {name!r} is loading")
+            raise NotFound(f"unknown model {name!r}")
+        if version is None:
+            version = next(iter(versions.values())).entry.config.default_precision
+        model = versions.get(version)
+        if model is None:
+            raise NotFound(
+                f"model {name!r} has no version {version!r}; versions: {', '.join(versions)}"
+            )
+        return model
+
+    def versions(self, name: str) -> list[str]:
+        self.get(name)
+        return list(self._models[name])
+
+    def default_model(self) -> ServedModel:
+        name = self.settings.models.default_model
+        if name is None:
+            if not self._models:
+                raise Unavailable("no model is loaded yet")
+            name = next(iter(self._models))
+        return self.get(name)
+
+    def all_served(self) -> list[ServedModel]:
+        return [m for versions in self._models.values() for m in versions.values()]
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def _measured(self, model: ServedModel, work: Callable[[], Awaitable[T]]) -> T:
+        """Run one request's work, counting its outcome and duration by reason."""
+        started = time.perf_counter()
+        try:
+            result = await work()
+        except StokerError as exc:
+            model.metrics.request_failed(exc.reason, time.perf_counter() - started)
+            raise
+        except asyncio.CancelledError:
+            model.metrics.request_failed("cancelled", time.perf_counter() - started)
+            raise
+        except Exception:
+            model.metrics.request_failed("backend", time.perf_counter() - started)
+            raise
+        model.metrics.request_succeeded(time.perf_counter() - started)
+        return result
+
+    async def infer(
+        self, model: ServedModel, body: bytes, header_length: int | None
+    ) -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
+        """Decode a V2 request, validate it against the model, batch it, shape the answer."""
+
+        async def work() -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
+            if len(body) > THREADED_DECODE_BYTES:
+                request = await asyncio.to_thread(decode_request, body, header_length, model.spec)
+            else:
+                request = decode_request(body, header_length, model.spec)
+            rows, key = validate_inputs(model.spec, request.inputs)
+            wanted = requested_outputs(model.spec, request)
+            levels = model.entry.config.dynamic_batching.priority_levels
+            if request.priority > levels:
+                raise BadRequest(
+                    f"priority {request.priority} exceeds the model's {levels} level(s)"
+                )
+            timeout = self._timeout_s(model, request.timeout_us)
+            outputs = await model.batcher.infer(
+                request.inputs, rows, key, timeout, request.priority
+            )
+            return request.id, [(out, self._shape_output(model, out, outputs)) for out in wanted]
+
+        return await self._measured(model, work)
+
+    def _shape_output(
+        self, model: ServedModel, out: RequestedOutput, outputs: Tensors
+    ) -> np.ndarray:
+        value = outputs[out.name]
+        if out.classification:
+            return classify(value, out.classification, model.labels)
+        return value
+
+    @staticmethod
+    def _timeout_s(model: ServedModel, timeout_us: int | None) -> float | None:
+        if timeout_us is None or timeout_us == 0:
+            timeout_us = model.entry.config.dynamic_batching.default_timeout_us
+        return timeout_us / 1e6 if timeout_us > 0 else None
+
+    async def classify_images(
+        self, model: ServedModel, uploads: Sequence[bytes], k: int
+    ) -> list[list[dict[str, Any]]]:
+        """Decode and preprocess images, batch them through the model, answer top-k labels."""
+        config = model.entry.config
+        if config.preprocess is None:
+            raise BadRequest(f"model {model.name!r} does not take image uploads")
+        if not uploads:
+            raise BadRequest("no image in the request")
+        limits = self.settings.limits
+        if len(uploads) > limits.max_images_per_request:
+            raise BadRequest(
+                f"{len(uploads)} images in one request; "
+                f"the limit is {limits.max_images_per_request}"
+            )
+        image_input = model.spec.inputs[0]
+        prep = config.preprocess.to_spec(image_input.datatype)
+
+        def decode_all() -> np.ndarray:
+            rows = [
+                images.preprocess(images.decode(data, limits.max_image_pixels), prep)
+                for data in uploads
+            ]
+            return np.stack(rows)
+
+        async def work() -> list[list[dict[str, Any]]]:
+            batch = await asyncio.to_thread(decode_all)
+            if len(model.spec.inputs) != 1 or not image_input.matches(batch.shape[1:]):
+                raise BadRequest(
+                    f"model {model.name!r} input {image_input.name!r} expects rows of "
+                    f"{list(image_input.shape)}, preprocessing gives {list(batch.shape[1:])}"
+                )
+            timeout = self._timeout_s(model, None)
+            step = model.spec.max_batch_size or 1
+            chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
+            key = (batch.shape[1:],)
+            results = await asyncio.gather(
+                *(model.batcher.infer({image_input.name: c}, len(c), key, timeout) for c in chunks)
+            )
+            scores = np.concatenate([r[model.spec.outputs[0].name] for r in results])
+            if config.postprocess == "softmax":
+                scores = softmax(scores)
+            return [top_k(row, k, model.labels) for row in scores.reshape(len(batch), -1)]
+
+        return await self._measured(model, work)
+
+
+def top_k(scores: np.ndarray, k: int, labels: list[str] | None) -> list[dict[str, Any]]:
+    k = min(k, scores.shape[-1])
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [
+        {
+            "label": labels[i] if labels and i < len(labels) else str(i),
+            "index": int(i),
+            "probability": float(scores[i]),
+        }
+        for i in order
+    ]
+
+
+def validate_inputs(spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int, tuple[Any, ...]]:
+    """Check a request's tensors against the model; return its rows and its shape-group key
+    (requests with different non-batch shapes never share a batch)."""
+    missing = [t.name for t in spec.inputs if t.name not in inputs]
+    if missing:
+        raise BadRequest(f"missing input(s): {', '.join(missing)}")
+    unknown = [name for name in inputs if spec.input(name) is None]
+    if unknown:
+        expected = ", ".join(t.name for t in spec.inputs)
+        raise BadRequest(f"unknown input(s): {', '.join(unknown[:8])}; the model takes {expected}")
+    rows: int | None = None
+    key: list[tuple[int, ...]] = []
+    for tensor in spec.inputs:
+        value = inputs[tensor.name]
+        check_datatype(tensor, value)
+        shape = tuple(value.shape)
+        row_shape = shape[1:] if spec.batched else shape
+        if spec.batched:
+            if not shape:
+                raise BadRequest(f"input {tensor.name!r} needs a batch dimension")
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise BadRequest(f"inputs disagree on the batch size ({rows} vs {shape[0]})")
+        if not tensor.matches(row_shape):
+            raise BadRequest(
+                f"input {tensor.name!r}: shape {list(shape)} does not match "
+                f"{spec.full_shape(tensor)}"
+            )
+        key.append(row_shape)
+    rows = rows if rows is not None else 1
+    if spec.batched and not 1 <= rows <= spec.max_batch_size:
+        raise BadRequest(f"batch of {rows} rows; the model takes 1 to {spec.max_batch_size}")
+    return rows, tuple(key)
+
+
+def check_datatype(tensor: TensorSpec, value: np.ndarray) -> None:
+    got = v2_datatype(value.dtype)
+    if got != tensor.datatype:
+        raise BadRequest(
+            f"input {tensor.name!r}: datatype {got}, the model takes {tensor.datatype}"
+        )
+
+
+def requested_outputs(spec: ModelSpec, request: InferRequest) -> list[RequestedOutput]:
+    if not request.outputs:
+        return [RequestedOutput(t.name, request.binary_data_output, 0) for t in spec.outputs]
+    unknown = [o.name for o in request.outputs if spec.output(o.name) is None]
+    if unknown:
+        raise BadRequest(f"unknown output(s): {', '.join(unknown[:8])}")
+    return list(request.outputs)
+
+
+def model_spec(entry: ModelEntry) -> ModelSpec:
+    """The tensor contract: the config's declaration where given, else the ONNX file's."""
+    config = entry.config
+    onnx_spec = read_spec(entry.onnx_path, config.name, config.max_batch_size)
+    if config.inputs is None and config.outputs is None:
+        return onnx_spec
+
+    def declared(
+        tensors: Sequence[Any] | None, fallback: tuple[TensorSpec, ...]
+    ) -> tuple[TensorSpec, ...]:
+        if tensors is None:
+            return fallback
+        return tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in tensors)
+
+    return ModelSpec(
+        name=config.name,
+        inputs=declared(config.inputs, onnx_spec.inputs),
+        outputs=declared(config.outputs, onnx_spec.outputs),
+        max_batch_size=config.max_batch_size,
+    )
+
+
+def prepare(entry: ModelEntry) -> None:
+    """Write a model's ONNX (and labels) with its zoo generator.
+
+    The generator writes into a scratch folder and each file is renamed into place, so a
+    killed or concurrent preparation never leaves a half-written model behind.
+    """
+    name = entry.config.generator
+    if name is None or name not in zoo.GENERATORS:
+        raise ValueError(f"model {entry.config.name!r}: unknown generator {name!r}")
+    entry.folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=entry.folder, prefix=".prepare-") as scratch:
+        zoo.GENERATORS[name](Path(scratch))
+        for produced in Path(scratch).iterdir():
+            os.replace(produced, entry.folder / produced.name)

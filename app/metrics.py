@@ -1,0 +1,191 @@
+"""Every metric Stoker exports, declared once.
+
+Names follow Triton's vocabulary (request, queue, compute input/infer/output, inference and
+execution counts, pending requests) so existing habits carry over, but latencies are
+histograms in seconds. Labels: ``model`` and ``version`` (the precision). One process per GPU,
+so the default registry suffices.
+
+``ModelMetrics`` is the typed call site: it updates the Prometheus series and the plain
+totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0,
+)  # fmt: skip
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+LABELS = ("model", "version")
+
+REQUEST_SUCCESS = Counter(
+    "stoker_inference_request_success", "Inference requests answered successfully.", LABELS
+)
+REQUEST_FAILURE = Counter(
+    "stoker_inference_request_failure",
+    "Inference requests that failed, by reason: invalid (400), rejected (429, queue full), "
+    "timeout (504, deadline), cancelled (client went away), backend (500), unavailable (503).",
+    (*LABELS, "reason"),
+)
+INFERENCE_COUNT = Counter(
+    "stoker_inference_count", "Rows inferred (the batch dimension, not requests).", LABELS
+)
+EXECUTION_COUNT = Counter("stoker_inference_exec_count", "Batches executed by a runner.", LABELS)
+PENDING_REQUESTS = Gauge(
+    "stoker_inference_pending_request_count",
+    "Requests accepted by the batcher and not yet answered (queued or executing).",
+    LABELS,
+)
+REQUEST_DURATION = Histogram(
+    "stoker_inference_request_duration_seconds",
+    "From the request's arrival at the model (body read) to its response encoded.",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+QUEUE_DURATION = Histogram(
+    "stoker_inference_queue_duration_seconds",
+    "Time a request waited in the batcher queue before its batch was dispatched.",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE_INPUT_DURATION = Histogram(
+    "stoker_inference_compute_input_duration_seconds",
+    "Per request: forming its batch's inputs (concatenation, host-to-device copies).",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE_INFER_DURATION = Histogram(
+    "stoker_inference_compute_infer_duration_seconds",
+    "Per request: running its batch on the engine.",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+COMPUTE_OUTPUT_DURATION = Histogram(
+    "stoker_inference_compute_output_duration_seconds",
+    "Per request: checking and splitting its batch's outputs (device-to-host copies).",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+BATCH_SIZE = Histogram(
+    "stoker_inference_batch_size",
+    "Rows in each executed batch (the realised batch size).",
+    LABELS,
+    buckets=BATCH_BUCKETS,
+)
+
+
+@dataclass
+class Duration:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, seconds: float, times: int = 1) -> None:
+        self.count += times
+        self.ns += int(seconds * 1e9) * times
+
+    def as_json(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+@dataclass
+class BatchTimes:
+    """Durations of one executed batch, in seconds."""
+
+    rows: int
+    requests: int
+    compute_input: float
+    compute_infer: float
+    compute_output: float
+
+
+@dataclass
+class ModelMetrics:
+    """The call site for one served model version."""
+
+    model: str
+    version: str
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_input: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    compute_output: Duration = field(default_factory=Duration)
+    inference_count: int = 0
+    execution_count: int = 0
+    last_inference_ms: int = 0
+    batch_stats: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        labels = (self.model, self.version)
+        self._success = REQUEST_SUCCESS.labels(*labels)
+        self._inference_count = INFERENCE_COUNT.labels(*labels)
+        self._exec_count = EXECUTION_COUNT.labels(*labels)
+        self._pending = PENDING_REQUESTS.labels(*labels)
+        self._request = REQUEST_DURATION.labels(*labels)
+        self._queue = QUEUE_DURATION.labels(*labels)
+        self._input = COMPUTE_INPUT_DURATION.labels(*labels)
+        self._infer = COMPUTE_INFER_DURATION.labels(*labels)
+        self._output = COMPUTE_OUTPUT_DURATION.labels(*labels)
+        self._batch = BATCH_SIZE.labels(*labels)
+        # Failure series exist from the start, so a dashboard's rate() sees a zero, not a gap.
+        for reason in ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"):
+            REQUEST_FAILURE.labels(*labels, reason)
+
+    def request_succeeded(self, seconds: float) -> None:
+        self._success.inc()
+        self._request.observe(seconds)
+        self.success.add(seconds)
+
+    def request_failed(self, reason: str, seconds: float) -> None:
+        REQUEST_FAILURE.labels(self.model, self.version, reason).inc()
+        self.fail.add(seconds)
+
+    def queued(self, seconds: float) -> None:
+        self._queue.observe(seconds)
+        self.queue.add(seconds)
+
+    def pending(self, delta: int) -> None:
+        self._pending.inc(delta)
+
+    def batch_executed(self, times: BatchTimes) -> None:
+        self._exec_count.inc()
+        self._inference_count.inc(times.rows)
+        self._batch.observe(times.rows)
+        for _ in range(times.requests):
+            self._input.observe(times.compute_input)
+            self._infer.observe(times.compute_infer)
+            self._output.observe(times.compute_output)
+        self.compute_input.add(times.compute_input, times.requests)
+        self.compute_infer.add(times.compute_infer, times.requests)
+        self.compute_output.add(times.compute_output, times.requests)
+        self.inference_count += times.rows
+        self.execution_count += 1
+        self.last_inference_ms = int(time.time() * 1000)
+        self.batch_stats[times.rows] = self.batch_stats.get(times.rows, 0) + 1
+
+    def statistics(self) -> dict[str, object]:
+        """Triton's statistics-extension entry for this model version."""
+        return {
+            "name": self.model,
+            "version": self.version,
+            "last_inference": self.last_inference_ms,
+            "inference_count": self.inference_count,
+            "execution_count": self.execution_count,
+            "inference_stats": {
+                "success": self.success.as_json(),
+                "fail": self.fail.as_json(),
+                "queue": self.queue.as_json(),
+                "compute_input": self.compute_input.as_json(),
+                "compute_infer": self.compute_infer.as_json(),
+                "compute_output": self.compute_output.as_json(),
+            },
+            "batch_stats": [
+                {"batch_size": size, "compute_infer": {"count": count}}
+                for size, count in sorted(self.batch_stats.items())
+            ],
+        }

@@ -1,0 +1,191 @@
+"""The model repository: ``<repository>/<model>/config.yaml``, validated by pydantic.
+
+A config error names the file and the field. Inputs and outputs are read from the ONNX file
+where the config omits them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.images import ImagePreprocess
+from engines.spec import V2_TO_NUMPY
+
+PRECISIONS = ("fp32",)
+
+
+class ConfigError(Exception):
+    """A model config that cannot be served; the message names the file and the field."""
+
+
+class DynamicBatching(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    preferred_batch_size: list[int] = Field(default_factory=list)
+    """Batch sizes the engine runs best at. A batch is sent as soon as the largest can be
+    formed, and on delay expiry it is cut to the largest preferred size reachable."""
+    max_queue_delay_us: int = Field(default=2000, ge=0)
+    """How long the oldest waiting request may wait for a fuller batch; 0 never waits.
+    Higher means bigger batches and more throughput, at the price of latency at low load."""
+    max_queue_size: int = Field(default=1024, gt=0)
+    """Requests waiting beyond this are refused with 429 instead of queueing without bound."""
+    default_timeout_us: int = Field(default=30_000_000, ge=0)
+    """Deadline of a request that does not set ``timeout``; 0 means no deadline."""
+    priority_levels: int = Field(default=1, ge=1)
+    """Number of priority levels (1 is the highest); requests pick one with ``priority``."""
+    default_priority_level: int = Field(default=0, ge=0)
+    """Level of a request that sets no priority; 0 means the lowest level."""
+
+
+class TensorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    datatype: str
+    shape: list[int]
+    """Shape of one row (without the batch dimension); -1 for a dynamic dimension."""
+
+    @model_validator(mode="after")
+    def _known_datatype(self) -> TensorConfig:
+        if self.datatype not in V2_TO_NUMPY:
+            raise ValueError(f"unknown datatype {self.datatype!r}")
+        return self
+
+
+class PreprocessConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    resize_shorter: int = Field(default=256, gt=0)
+    crop: int = Field(default=224, gt=0)
+    mean: tuple[float, float, float] = (127.0, 127.0, 127.0)
+    std: tuple[float, float, float] = (128.0, 128.0, 128.0)
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+
+    def to_spec(self, datatype: str) -> ImagePreprocess:
+        return ImagePreprocess(
+            resize_shorter=self.resize_shorter,
+            crop=self.crop,
+            mean=self.mean,
+            std=self.std,
+            layout=self.layout,
+            datatype=datatype,
+        )
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    name: str = ""
+    """Served name; defaults to the folder name."""
+    onnx: str = "model.onnx"
+    """The FP32 ONNX source, relative to the model folder."""
+    autoload: bool = True
+    """Load when the server is not told which models to serve. Off for benchmark-only
+    models, which are loaded by naming them."""
+    generator: str | None = None
+    """A ``zoo`` generator that writes the ONNX (and labels) when the file is missing."""
+    backend: str = "auto"
+    """``auto``, ``onnxruntime``, ``torch`` or ``tensorrt``."""
+    max_batch_size: int = Field(default=0, ge=0)
+    """Most rows in one batch; 0 means the model has no batch dimension."""
+    runners: int = Field(default=1, ge=1)
+    """Execution lanes. Two or more keep the device busy while the next batch fills."""
+    precisions: list[str] = Field(default_factory=lambda: ["fp32"])
+    """Precisions to serve, each a version: ``/v2/models/<name>/versions/<precision>``."""
+    default_precision: str = "fp32"
+    """Precision served by the unversioned path."""
+    dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
+    inputs: list[TensorConfig] | None = None
+    """Overrides the inputs read from the ONNX file."""
+    outputs: list[TensorConfig] | None = None
+    """Overrides the outputs read from the ONNX file."""
+    labels: str | None = None
+    """A text file with one class label per line, relative to the model folder."""
+    preprocess: PreprocessConfig | None = None
+    """How ``/infer`` turns an uploaded image into one input row; None: no image uploads."""
+    postprocess: Literal["softmax", "none"] = "softmax"
+    """How ``/infer`` turns the first output into probabilities."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelConfig:
+        unknown = [p for p in self.precisions if p not in PRECISIONS]
+        if unknown:
+            raise ValueError(
+                f"precisions {unknown} are not available; this build serves {list(PRECISIONS)}"
+            )
+        if self.default_precision not in self.precisions:
+            raise ValueError(
+                f"default_precision {self.default_precision!r} is not among {self.precisions}"
+            )
+        levels = self.dynamic_batching.priority_levels
+        if self.dynamic_batching.default_priority_level > levels:
+            raise ValueError("dynamic_batching.default_priority_level exceeds priority_levels")
+        too_big = [s for s in self.dynamic_batching.preferred_batch_size if s > self.max_batch_size]
+        if too_big:
+            raise ValueError(f"preferred_batch_size {too_big} exceeds max_batch_size")
+        return self
+
+
+class ModelEntry(BaseModel):
+    """A parsed config with the folder it came from."""
+
+    folder: Path
+    config: ModelConfig
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.folder / self.config.onnx
+
+    def labels(self) -> list[str] | None:
+        if self.config.labels is None:
+            return None
+        path = self.folder / self.config.labels
+        if not path.exists():
+            return None
+        return path.read_text(encoding="utf-8").splitlines()
+
+
+def load_config(folder: Path) -> ModelEntry:
+    path = folder / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    try:
+        config = ModelConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path}: {problems}") from exc
+    if not config.name:
+        config = config.model_copy(update={"name": folder.name})
+    return ModelEntry(folder=folder, config=config)
+
+
+def discover(repository: Path, names: list[str]) -> list[ModelEntry]:
+    """The models to serve: the named folders, or every folder whose config autoloads."""
+    if not repository.is_dir():
+        raise ConfigError(f"model repository {repository} does not exist")
+    if names:
+        folders = []
+        for name in names:
+            folder = repository / name
+            if "/" in name or name.startswith(".") or not (folder / "config.yaml").is_file():
+                raise ConfigError(f"model {name!r}: no {repository}/{name}/config.yaml")
+            folders.append(folder)
+    else:
+        folders = sorted(p.parent for p in repository.glob("*/config.yaml"))
+    entries = [load_config(folder) for folder in folders]
+    if not names:
+        entries = [e for e in entries if e.config.autoload]
+    if not entries:
+        raise ConfigError(f"model repository {repository} has no <model>/config.yaml to load")
+    return entries

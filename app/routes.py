@@ -1,0 +1,273 @@
+"""HTTP routes: parse, call one data-plane method, serialise. Nothing else lives here.
+
+KServe V2 / Open Inference Protocol with Triton's binary tensor, classification and
+statistics extensions; ``POST /infer`` for image uploads; ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import UploadFile
+
+from app import __version__
+from app.dataplane import DataPlane, ServedModel
+from app.errors import BadRequest
+from app.protocol import encode_response
+
+T = TypeVar("T")
+router = APIRouter()
+
+HEADER_LENGTH = "inference-header-content-length"
+EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "model_repository"]
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def plane_of(request: Request) -> DataPlane:
+    plane: DataPlane = request.app.state.plane
+    return plane
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so only that is left)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work``; if the client disconnects first, cancel it (dropping its queued request
+    before any compute) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+CLIENT_GONE = Response(status_code=499)
+
+
+# -- health and metadata ------------------------------------------------------------------
+
+
+@router.get("/v2")
+async def server_metadata() -> Response:
+    return json_response({"name": "stoker", "version": __version__, "extensions": EXTENSIONS})
+
+
+@router.get("/v2/health/live")
+async def live(request: Request) -> Response:
+    plane = plane_of(request)
+    alive = plane.failed is None
+    return json_response({"live": alive}, 200 if alive else 503)
+
+
+@router.get("/v2/health/ready")
+async def ready(request: Request) -> Response:
+    is_ready = plane_of(request).is_ready
+    return json_response({"ready": is_ready}, 200 if is_ready else 503)
+
+
+@router.get("/v2/models/stats")
+async def all_stats(request: Request) -> Response:
+    models = plane_of(request).all_served()
+    return json_response({"model_stats": [m.metrics.statistics() for m in models]})
+
+
+@router.get("/v2/models/{name}")
+@router.get("/v2/models/{name}/versions/{version}")
+async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
+    plane = plane_of(request)
+    model = plane.get(name, version)
+    spec = model.spec
+    return json_response(
+        {
+            "name": spec.name,
+            "versions": plane.versions(name),
+            "platform": f"{model.backend}_onnx",
+            "inputs": [
+                {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
+                for t in spec.inputs
+            ],
+            "outputs": [
+                {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
+                for t in spec.outputs
+            ],
+        }
+    )
+
+
+@router.get("/v2/models/{name}/ready")
+@router.get("/v2/models/{name}/versions/{version}/ready")
+async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
+    model = plane_of(request).get(name, version)
+    return json_response(
+        {"name": model.name, "version": model.version, "ready": model.ready},
+        200 if model.ready else 503,
+    )
+
+
+@router.get("/v2/models/{name}/config")
+@router.get("/v2/models/{name}/versions/{version}/config")
+async def model_config(request: Request, name: str, version: str | None = None) -> Response:
+    plane = plane_of(request)
+    model = plane.get(name, version)
+    config = model.entry.config
+    batching = config.dynamic_batching
+    spec = model.spec
+
+    def tensor(t: Any) -> dict[str, Any]:
+        return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
+
+    return json_response(
+        {
+            "name": spec.name,
+            "platform": f"{model.backend}_onnx",
+            "backend": model.backend,
+            "max_batch_size": spec.max_batch_size,
+            "input": [tensor(t) for t in spec.inputs],
+            "output": [tensor(t) for t in spec.outputs],
+            "dynamic_batching": {
+                "preferred_batch_size": batching.preferred_batch_size,
+                "max_queue_delay_microseconds": batching.max_queue_delay_us,
+                "priority_levels": batching.priority_levels,
+                "default_queue_policy": {
+                    "max_queue_size": batching.max_queue_size,
+                    "default_timeout_microseconds": batching.default_timeout_us,
+                },
+            },
+            "instance_group": [{"count": config.runners, "kind": model.backend}],
+            "version_policy": {"specific": {"versions": plane.versions(name)}},
+            "default_version": config.default_precision,
+            "labels": config.labels,
+        }
+    )
+
+
+@router.get("/v2/models/{name}/stats")
+@router.get("/v2/models/{name}/versions/{version}/stats")
+async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
+    plane = plane_of(request)
+    if version is None:
+        models = [plane.get(name, v) for v in plane.versions(name)]
+    else:
+        models = [plane.get(name, version)]
+    return json_response({"model_stats": [m.metrics.statistics() for m in models]})
+
+
+@router.post("/v2/repository/index")
+async def repository_index(request: Request) -> Response:
+    plane = plane_of(request)
+    loaded = set(plane.model_names())
+    index = [
+        {
+            "name": entry.config.name,
+            "version": version,
+            "state": "READY" if entry.config.name in loaded else "LOADING",
+        }
+        for entry in plane.entries()
+        for version in entry.config.precisions
+    ]
+    return json_response(index)
+
+
+# -- inference ----------------------------------------------------------------------------
+
+
+def header_length(request: Request) -> int | None:
+    raw = request.headers.get(HEADER_LENGTH)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"{HEADER_LENGTH} must be an integer") from None
+    if value < 0:
+        raise BadRequest(f"{HEADER_LENGTH} must not be negative")
+    return value
+
+
+@router.post("/v2/models/{name}/infer")
+@router.post("/v2/models/{name}/versions/{version}/infer")
+async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    plane = plane_of(request)
+    model = plane.get(name, version)
+    body = await request.body()
+    length = header_length(request)
+
+    result = await unless_disconnected(request, plane.infer(model, body, length))
+    if result is None:
+        return CLIENT_GONE
+    request_id, outputs = result
+    content, headers = encode_response(model.name, model.version, request_id, outputs)
+    return Response(content, headers=headers)
+
+
+async def uploaded_images(request: Request, max_images: int) -> tuple[list[bytes], str | None]:
+    """Images from a multipart form (every file part, in order) or a raw image body; and the
+    form's ``k`` field if any."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        async with request.form(max_files=max_images, max_fields=16) as form:
+            uploads = [
+                await value.read()
+                for _, value in form.multi_items()
+                if isinstance(value, UploadFile)
+            ]
+            k = form.get("k")
+            return uploads, k if isinstance(k, str) else None
+    if content_type.startswith(("image/", "application/octet-stream")):
+        return [await request.body()], None
+    raise BadRequest(
+        "send the image as multipart/form-data (curl -F image=@photo.jpg) "
+        "or as a raw body with Content-Type: image/jpeg or image/png"
+    )
+
+
+@router.post("/infer")
+@router.post("/v2/models/{name}/classify")
+@router.post("/v2/models/{name}/versions/{version}/classify")
+async def classify_upload(
+    request: Request, name: str | None = None, version: str | None = None, k: int | None = None
+) -> Response:
+    plane = plane_of(request)
+    model: ServedModel = plane.default_model() if name is None else plane.get(name, version)
+    limits = plane.settings.limits
+    uploads, form_k = await uploaded_images(request, limits.max_images_per_request)
+    if form_k is not None:
+        try:
+            k = int(form_k)
+        except ValueError:
+            raise BadRequest("k must be an integer") from None
+    top = k if k is not None else limits.default_top_k
+    if top < 1:
+        raise BadRequest("k must be at least 1")
+    predictions = await unless_disconnected(request, plane.classify_images(model, uploads, top))
+    if predictions is None:
+        return CLIENT_GONE
+    return json_response(
+        {"model_name": model.name, "model_version": model.version, "predictions": predictions}
+    )
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,127 @@
+"""The ASGI application: lifespan, the body-size guard, the one error handler, the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import __version__
+from app.dataplane import DataPlane
+from app.errors import BadRequest, PayloadTooLarge, StokerError
+from app.routes import json_response, router
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before they are read whole: at once when the
+    declared Content-Length is too big, else as soon as the streamed bytes pass it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                await json_response({"error": "invalid Content-Length"}, 400)(scope, receive, send)
+                return
+            if int(declared) > self.max_bytes:
+                message = f"request body of {int(declared)} bytes exceeds {self.max_bytes}"
+                await json_response({"error": message}, 413)(scope, receive, send)
+                return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+async def stoker_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StokerError)
+    return json_response({"error": exc.message}, exc.status)
+
+
+async def http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return json_response({"error": str(exc.detail)}, exc.status_code)
+
+
+async def validation_error(_: Request, exc: Exception) -> Response:
+    # FastAPI's default 422 echoes the input back; say what is wrong and where, nothing more.
+    assert isinstance(exc, RequestValidationError)
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg', 'invalid')}"
+        for err in exc.errors()[:5]
+    )
+    return json_response({"error": BadRequest(problems).message}, 400)
+
+
+async def unexpected_error(_: Request, exc: Exception) -> Response:
+    log.error("unhandled %s: %s", type(exc).__name__, exc, exc_info=exc)
+    return json_response({"error": "internal server error"}, 500)
+
+
+def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """The application. Models load in the background after startup so liveness answers at
+    once while readiness stays false until every runner is warm; ``on_fatal`` is called if
+    loading fails (the CLI stops the server, so the process exits non-zero)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        plane = DataPlane(settings)
+        app.state.plane = plane
+
+        def loaded(task: asyncio.Task[None]) -> None:
+            if task.cancelled() or task.exception() is None:
+                return
+            plane.failed = task.exception()
+            log.error("model loading failed: %s", plane.failed)
+            if on_fatal is not None:
+                on_fatal()
+
+        loading = asyncio.create_task(plane.start(), name="load-models")
+        loading.add_done_callback(loaded)
+        app.state.loading = loading
+        try:
+            yield
+        finally:
+            if not loading.done():
+                loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+            await plane.stop()
+
+    app = FastAPI(
+        title="Stoker",
+        version=__version__,
+        description="KServe V2 inference server with dynamic batching.",
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.include_router(router)
+    app.add_exception_handler(StokerError, stoker_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    return app

@@ -1,0 +1,55 @@
+"""The two nouns of the engine layer.
+
+An ``Engine`` holds a model's loaded weights and is shared; a ``Runner`` is one execution
+lane (a session, or a context + stream + buffers) owned by one thread at a time. Backends
+are plain modules exposing ``load(path, spec, options) -> Engine``; choosing one is a dict
+lookup in ``engines.backends``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from engines.spec import ModelSpec
+
+
+class Runner(Protocol):
+    """One execution lane. ``run`` is called from one thread at a time, never concurrently."""
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch: every model input in, every model output out, same first dim."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Engine(Protocol):
+    """Loaded weights for one model and precision; makes runners that share them."""
+
+    spec: ModelSpec
+    backend: str
+
+    def new_runner(self) -> Runner: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a backend needs beyond the model file and its tensor contract.
+
+    ``runners`` is how many lanes will run at once, so a CPU backend can divide the cores
+    between them instead of oversubscribing.
+    """
+
+    runners: int = 1
+    cpu_threads: int = 0
+
+
+class Loader(Protocol):
+    def __call__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> Engine: ...

@@ -1,0 +1,97 @@
+"""ONNX Runtime on the CPU: the embedded default backend, for laptops, CI and GPU-less nodes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from engines.base import EngineOptions
+from engines.spec import ONNX_TO_V2, ModelSpec, TensorSpec
+
+BACKEND = "onnxruntime"
+
+
+def read_spec(path: Path, name: str, max_batch_size: int) -> ModelSpec:
+    """The tensor contract declared by an ONNX file.
+
+    With ``max_batch_size > 0`` the first dimension of every input and output is the batch
+    dimension and is dropped from the row shape; symbolic dimensions become -1.
+    """
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {init.name for init in graph.initializer}
+
+    def tensors(values: list[onnx.ValueInfoProto]) -> tuple[TensorSpec, ...]:
+        result = []
+        for value in values:
+            if value.name in initializers:
+                continue
+            tensor_type = value.type.tensor_type
+            dims = tuple(
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
+                for d in tensor_type.shape.dim
+            )
+            if max_batch_size > 0:
+                if not dims:
+                    raise ValueError(f"{path}: {value.name!r} is a scalar but the model is batched")
+                dims = dims[1:]
+            result.append(TensorSpec(value.name, ONNX_TO_V2[tensor_type.elem_type], dims))
+        return tuple(result)
+
+    return ModelSpec(
+        name=name,
+        inputs=tensors(list(graph.input)),
+        outputs=tensors(list(graph.output)),
+        max_batch_size=max_batch_size,
+    )
+
+
+def threads_per_runner(options: EngineOptions) -> int:
+    """Divide the cores between runners so that together they never oversubscribe."""
+    cores = options.cpu_threads or os.cpu_count() or 1
+    return max(1, cores // max(1, options.runners))
+
+
+class OrtRunner:
+    def __init__(self, model: bytes, spec: ModelSpec, threads: int) -> None:
+        session_options = ort.SessionOptions()
+        session_options.intra_op_num_threads = threads
+        session_options.inter_op_num_threads = 1
+        session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # Spinning threads burn the cores other runners need while they wait for work.
+        session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        self._session = ort.InferenceSession(
+            model, sess_options=session_options, providers=["CPUExecutionProvider"]
+        )
+        self._output_names = [t.name for t in spec.outputs]
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        values = self._session.run(self._output_names, dict(inputs))
+        return dict(zip(self._output_names, values, strict=True))
+
+    def close(self) -> None:
+        del self._session
+
+
+class OrtEngine:
+    backend = BACKEND
+
+    def __init__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> None:
+        self.spec = spec
+        self._model = path.read_bytes()
+        self._threads = threads_per_runner(options)
+
+    def new_runner(self) -> OrtRunner:
+        return OrtRunner(self._model, self.spec, self._threads)
+
+    def close(self) -> None:
+        self._model = b""
+
+
+def load(path: Path, spec: ModelSpec, options: EngineOptions) -> OrtEngine:
+    return OrtEngine(path, spec, options)
