@@ -1,0 +1,299 @@
+"""The dynamic batcher's semantics, with a fake engine (the engine is outside the unit)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.batcher import Batcher
+from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
+from app.metrics import ModelMetrics
+from app.pool import RunnerPool
+from app.repository import DynamicBatching
+from engines.spec import ModelSpec, TensorSpec
+
+SPEC = ModelSpec(
+    name="fake",
+    inputs=(TensorSpec("x", "FP32", (-1,)),),
+    outputs=(TensorSpec("y", "FP32", (-1,)),),
+    max_batch_size=8,
+)
+_models = iter(range(10**6))
+
+
+class FakeRunner:
+    """Doubles its input. ``gate`` holds every run until set; ``batches`` records each batch."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.engine.gate.wait(timeout=10)
+        x = inputs["x"]
+        self.engine.batches.append(x.copy())
+        y = x * 2
+        if self.engine.drop_a_row:
+            y = y[:-1]
+        return {"y": y}
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    backend = "fake"
+
+    def __init__(self) -> None:
+        self.spec = SPEC
+        self.gate = threading.Event()
+        self.gate.set()
+        self.batches: list[np.ndarray] = []
+        self.drop_a_row = False
+
+    def new_runner(self) -> FakeRunner:
+        return FakeRunner(self)
+
+    def close(self) -> None:
+        pass
+
+
+def run(
+    scenario: Callable[[Batcher, FakeEngine], Awaitable[None]],
+    runners: int = 1,
+    max_batch_size: int = 8,
+    **policy: Any,
+) -> FakeEngine:
+    engine = FakeEngine()
+
+    async def main() -> None:
+        pool = await RunnerPool.create(engine, runners, "test")
+        metrics = ModelMetrics(f"fake{next(_models)}", "fp32")
+        batcher = Batcher(pool, DynamicBatching(**policy), metrics, max_batch_size)
+        batcher.start()
+        try:
+            await scenario(batcher, engine)
+        finally:
+            engine.gate.set()
+            await batcher.close(drain_timeout_s=5)
+            pool.close()
+
+    asyncio.run(main())
+    return engine
+
+
+def rows(n: int, start: float = 0.0, width: int = 1) -> np.ndarray:
+    return np.arange(start, start + n * width, dtype=np.float32).reshape(n, width)
+
+
+async def infer(batcher: Batcher, x: np.ndarray, timeout_s: float | None = 5.0, priority: int = 0) -> np.ndarray:
+    out = await batcher.infer({"x": x}, len(x), (x.shape[1:],), timeout_s, priority)
+    return out["y"]
+
+
+async def occupy(batcher: Batcher, engine: FakeEngine) -> asyncio.Task[np.ndarray]:
+    """Block the only runner with one request, so later ones queue behind it."""
+    engine.gate.clear()
+    task = asyncio.create_task(infer(batcher, rows(1, 1000)))
+    while not engine.batches and batcher.queued:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.02)
+    return task
+
+
+def batch_sizes(engine: FakeEngine) -> list[int]:
+    return [len(b) for b in engine.batches]
+
+
+def test_queued_requests_fill_one_batch_and_each_gets_its_own_rows() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        tasks = [asyncio.create_task(infer(batcher, rows(n, 10 * i))) for i, n in enumerate([1, 2, 3])]
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        results = await asyncio.gather(first, *tasks)
+        for i, n in enumerate([1, 2, 3]):
+            np.testing.assert_array_equal(results[i + 1], rows(n, 10 * i) * 2)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert batch_sizes(engine) == [1, 6]
+
+
+def test_batch_never_exceeds_max_rows_and_keeps_queue_order() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        tasks = [asyncio.create_task(infer(batcher, rows(3, 10 * i))) for i in range(4)]
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        await asyncio.gather(first, *tasks)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert batch_sizes(engine) == [1, 6, 6]
+    assert engine.batches[1][0, 0] == 0 and engine.batches[2][0, 0] == 20
+
+
+def test_delay_is_measured_from_the_oldest_request() -> None:
+    delay = 0.2
+    done_at: dict[str, float] = {}
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        start = time.monotonic()
+
+        async def timed(name: str, x: np.ndarray) -> None:
+            await infer(batcher, x)
+            done_at[name] = time.monotonic() - start
+
+        first = asyncio.create_task(timed("first", rows(1)))
+        await asyncio.sleep(delay / 2)
+        await timed("second", rows(1, 5))
+        await first
+
+    engine = run(scenario, max_queue_delay_us=int(delay * 1e6))
+    assert batch_sizes(engine) == [2]
+    # Both leave when the first has waited the delay, not when the second has.
+    assert delay * 0.9 <= done_at["first"] < delay * 1.4
+    assert done_at["second"] < delay * 1.4
+
+
+def test_zero_delay_sends_a_lone_request_at_once() -> None:
+    elapsed: list[float] = []
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        start = time.monotonic()
+        await infer(batcher, rows(1))
+        elapsed.append(time.monotonic() - start)
+
+    run(scenario, max_queue_delay_us=0)
+    assert elapsed[0] < 0.1
+
+
+def test_largest_preferred_size_is_sent_without_waiting_for_the_delay() -> None:
+    elapsed: list[float] = []
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        start = time.monotonic()
+        await asyncio.gather(*(infer(batcher, rows(1, i)) for i in range(4)))
+        elapsed.append(time.monotonic() - start)
+
+    engine = run(scenario, max_queue_delay_us=5_000_000, preferred_batch_size=[2, 4])
+    assert batch_sizes(engine) == [4]
+    assert elapsed[0] < 1.0
+
+
+def test_on_delay_expiry_a_batch_is_cut_to_a_preferred_size() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        await asyncio.gather(*(infer(batcher, rows(1, i)) for i in range(3)))
+
+    engine = run(scenario, max_queue_delay_us=50_000, preferred_batch_size=[2, 4])
+    assert batch_sizes(engine) == [2, 1]
+
+
+def test_requests_of_different_shapes_never_share_a_batch() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        tasks = [
+            asyncio.create_task(infer(batcher, rows(1, i, width=1 + i % 2))) for i in range(4)
+        ]
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        await asyncio.gather(first, *tasks)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert sorted(b.shape for b in engine.batches[1:]) == [(2, 1), (2, 2)]
+
+
+def test_full_queue_refuses_with_429() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        queued = [asyncio.create_task(infer(batcher, rows(1))) for _ in range(2)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(QueueFull):
+            await infer(batcher, rows(1))
+        engine.gate.set()
+        await asyncio.gather(first, *queued)
+
+    run(scenario, max_queue_delay_us=0, max_queue_size=2)
+
+
+def test_expired_request_gets_504_and_never_reaches_a_runner() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        with pytest.raises(DeadlineExceeded, match="queued"):
+            await infer(batcher, rows(1, 77), timeout_s=0.05)
+        assert batcher.queued == 0
+        engine.gate.set()
+        await first
+        np.testing.assert_array_equal(await infer(batcher, rows(1, 5)), rows(1, 5) * 2)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert all(77 not in b for b in engine.batches)
+
+
+def test_cancelled_request_is_dropped_before_compute() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        doomed = asyncio.create_task(infer(batcher, rows(1, 55)))
+        await asyncio.sleep(0.01)
+        doomed.cancel()
+        await asyncio.gather(doomed, return_exceptions=True)
+        assert batcher.queued == 0
+        engine.gate.set()
+        await first
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert batch_sizes(engine) == [1]
+
+
+def test_output_with_wrong_rows_fails_that_batch_only() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        engine.drop_a_row = True
+        with pytest.raises(EngineError, match="rows for a batch of 2"):
+            await infer(batcher, rows(2))
+        engine.drop_a_row = False
+        np.testing.assert_array_equal(await infer(batcher, rows(2)), rows(2) * 2)
+
+    run(scenario, max_queue_delay_us=0)
+
+
+def test_higher_priority_is_served_first() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        low = asyncio.create_task(infer(batcher, rows(1, 100, width=2), priority=2))
+        await asyncio.sleep(0.01)
+        high = asyncio.create_task(infer(batcher, rows(1, 200, width=3), priority=1))
+        await asyncio.sleep(0.01)
+        engine.gate.set()
+        await asyncio.gather(first, low, high)
+
+    engine = run(scenario, max_queue_delay_us=0, priority_levels=2)
+    assert [b.shape[1] for b in engine.batches[1:]] == [3, 2]
+
+
+def test_several_runners_execute_batches_concurrently() -> None:
+    peak = 0
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        nonlocal peak
+        engine.gate.clear()
+        tasks = [asyncio.create_task(infer(batcher, rows(8, i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        peak = 3 - batcher.queued
+        engine.gate.set()
+        await asyncio.gather(*tasks)
+
+    run(scenario, runners=3, max_queue_delay_us=0)
+    assert peak == 3
+
+
+def test_closed_batcher_refuses_new_requests() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        await batcher.close(drain_timeout_s=1)
+        with pytest.raises(Unavailable):
+            await infer(batcher, rows(1))
+
+    run(scenario)
