@@ -1,0 +1,453 @@
+"""The KServe V2 / Open Inference Protocol codec, with Triton's binary tensor extension.
+
+Pure functions from request bytes to numpy arrays and from arrays back to response bytes. No
+web framework here: routes hand over the body and the ``Inference-Header-Content-Length``
+header, and send back what ``encode_response`` returns.
+
+Every malformed request becomes a ``BadRequest`` with a short message that names the field
+but never echoes the payload. Checking an input against the model (names, datatypes, shapes)
+is the data plane's job; only Triton's raw binary form needs the model spec to be read at all.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+import orjson
+from numpy.typing import NDArray
+
+from app.errors import BadRequest, EngineError
+from engines.spec import V2_TO_NUMPY, ModelSpec, v2_datatype
+
+Array = NDArray[Any]
+
+# numpy cannot hold more dimensions than this, and refusing longer shapes early keeps the
+# element-count product cheap to compute.
+_MAX_DIMS = 64
+_MAX_ELEMENTS = int(np.iinfo(np.intp).max)
+_BYTES_LENGTH = struct.Struct("<I")
+
+# The Python types orjson produces that each datatype accepts in JSON "data".
+_INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
+_FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
+_KNOWN = ", ".join(V2_TO_NUMPY)
+_SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    """One entry of a request's ``outputs``.
+
+    ``binary`` comes from the output's ``binary_data`` parameter, defaulting to the request's
+    ``binary_data_output``. ``classification`` is 0 for the raw tensor, or k > 0 for Triton's
+    classification extension (the caller applies ``classify``).
+    """
+
+    name: str
+    binary: bool
+    classification: int = 0
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    """A decoded inference request.
+
+    ``inputs`` keeps the request's order. Arrays have the shape the request gave and the dtype
+    of their V2 datatype (``engines.spec.V2_TO_NUMPY``): BYTES is an object array of ``bytes``.
+    Arrays decoded from binary data are read-only, zero-copy views of the request body; copy
+    one before writing to it. An empty ``outputs`` means every model output, each binary or not
+    as ``binary_data_output`` says.
+    """
+
+    id: str | None
+    inputs: dict[str, Array]
+    outputs: tuple[RequestedOutput, ...]
+    binary_data_output: bool
+    timeout_us: int | None
+    priority: int
+
+
+def decode_request(body: bytes, header_length: int | None, spec: ModelSpec) -> InferRequest:
+    """Decode a V2 inference request.
+
+    ``header_length`` is the ``Inference-Header-Content-Length`` header: None means the whole
+    body is JSON; n > 0 means the first n bytes are JSON and the rest is binary tensor data in
+    input order; 0 is Triton's raw binary request, where the whole body is the data of the
+    model's single input.
+    """
+    if header_length is None:
+        header, binary = body, memoryview(b"")
+    elif header_length == 0:
+        return _decode_raw(body, spec)
+    elif header_length < 0:
+        raise BadRequest("Inference-Header-Content-Length must not be negative")
+    elif header_length > len(body):
+        raise BadRequest("Inference-Header-Content-Length is larger than the body")
+    else:
+        header, binary = body[:header_length], memoryview(body)[header_length:]
+
+    try:
+        document = orjson.loads(header)
+    except orjson.JSONDecodeError:
+        raise BadRequest("request body is not valid JSON") from None
+    if type(document) is not dict:
+        raise BadRequest("request body must be a JSON object")
+
+    request_id = document.get("id")
+    if request_id is not None and type(request_id) is not str:
+        raise BadRequest('"id" must be a string')
+
+    parameters = _parameters(document, "request")
+    binary_data_output = parameters.get("binary_data_output", False)
+    if type(binary_data_output) is not bool:
+        raise BadRequest('"binary_data_output" must be a boolean')
+    timeout = parameters.get("timeout")
+    if timeout is not None and not _is_count(timeout):
+        raise BadRequest('"timeout" must be a non-negative integer (microseconds)')
+    priority = parameters.get("priority", 0)
+    if not _is_count(priority):
+        raise BadRequest('"priority" must be a non-negative integer')
+
+    inputs = _decode_inputs(document.get("inputs"), binary)
+    outputs = _decode_outputs(document.get("outputs"), binary_data_output)
+    return InferRequest(
+        id=request_id,
+        inputs=inputs,
+        outputs=outputs,
+        binary_data_output=binary_data_output,
+        timeout_us=timeout,
+        priority=priority,
+    )
+
+
+def encode_response(
+    model_name: str,
+    model_version: str,
+    request_id: str | None,
+    outputs: Sequence[tuple[RequestedOutput, Array]],
+) -> tuple[bytes, dict[str, str]]:
+    """Encode a V2 inference response; returns the body and the HTTP headers to send.
+
+    Arrays are sent as given (apply ``classify`` first for classification outputs). Outputs
+    asked for as binary go after the JSON header, in output order, and the headers then carry
+    ``Inference-Header-Content-Length``.
+
+    In JSON, BYTES elements become strings decoded as UTF-8 with invalid sequences replaced
+    (U+FFFD): bytes that are not text should be requested as binary, as with Triton. BF16 and
+    FP16 become JSON numbers; NaN and infinities, which JSON cannot hold, become null.
+    """
+    tensors: list[dict[str, Any]] = []
+    chunks: list[bytes | memoryview] = []
+    for requested, array in outputs:
+        datatype = _output_datatype(requested.name, array)
+        tensor: dict[str, Any] = {
+            "name": requested.name,
+            "datatype": datatype,
+            "shape": [int(d) for d in array.shape],
+        }
+        if requested.binary:
+            chunk = _binary_chunk(requested.name, array, datatype)
+            tensor["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            tensor["data"] = _json_data(requested.name, array, datatype)
+        tensors.append(tensor)
+
+    document: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
+    if request_id is not None:
+        document["id"] = request_id
+    document["outputs"] = tensors
+    header = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+    return b"".join([header, *chunks]), headers
+
+
+def classify(scores: Array, k: int, labels: Sequence[str] | None) -> Array:
+    """Triton's classification extension: the top-k entries of each row of ``scores``.
+
+    A 1-D ``scores`` is one unbatched row and gives shape [k]; otherwise axis 0 is the batch,
+    the other axes are flattened into classes, and the result has shape [batch, k]. Each
+    element is ``b"score:index:label"`` (score printed with ``%f``), without ``:label`` when
+    ``labels`` is None or has no entry for that index. Order: score descending, ties to the
+    lower index. A k above the number of classes is clamped to it, as Triton does.
+    """
+    if type(k) is not int or k < 1:
+        raise BadRequest("classification count must be a positive integer")
+    if scores.ndim == 0:
+        raise BadRequest("classification needs an output with at least one dimension")
+    rows_shape = (1, scores.size) if scores.ndim == 1 else (scores.shape[0], prod(scores.shape[1:]))
+    rows = scores.reshape(rows_shape).astype(np.float64)
+    k = min(k, rows.shape[1])
+    top = np.argsort(-rows, axis=1, kind="stable")[:, :k]
+
+    result = np.empty(top.shape, dtype=np.object_)
+    for r, c in np.ndindex(top.shape):
+        index = int(top[r, c])
+        entry = b"%f:%d" % (rows[r, index], index)
+        if labels is not None and index < len(labels) and labels[index]:
+            entry += b":" + labels[index].encode("utf-8")
+        result[r, c] = entry
+    return result[0] if scores.ndim == 1 else result
+
+
+def _decode_raw(body: bytes, spec: ModelSpec) -> InferRequest:
+    """Triton's raw binary request: the body is the bytes of the model's only input."""
+    if len(spec.inputs) != 1:
+        raise BadRequest("a raw binary request needs a model with exactly one input")
+    tensor = spec.inputs[0]
+    if not tensor.is_static or tensor.datatype == "BYTES":
+        raise BadRequest("a raw binary request needs an input of static shape and fixed size")
+    row_bytes = tensor.row_bytes()
+    if spec.batched:
+        if not body or len(body) % row_bytes:
+            raise BadRequest(
+                f"raw binary body of {len(body)} bytes is not a whole number of "
+                f"{row_bytes}-byte rows of input {_quote(tensor.name)}"
+            )
+        shape = (len(body) // row_bytes, *tensor.shape)
+    elif len(body) != row_bytes:
+        raise BadRequest(
+            f"raw binary body of {len(body)} bytes does not match the {row_bytes} bytes of "
+            f"input {_quote(tensor.name)}"
+        )
+    else:
+        shape = tensor.shape
+    array = _fixed_from_binary(memoryview(body), tensor.datatype, prod(shape)).reshape(shape)
+    return InferRequest(
+        id=None,
+        inputs={tensor.name: array},
+        outputs=(),
+        binary_data_output=True,
+        timeout_us=None,
+        priority=0,
+    )
+
+
+def _decode_inputs(entries: Any, binary: memoryview) -> dict[str, Array]:
+    if type(entries) is not list or not entries:
+        raise BadRequest('"inputs" must be a non-empty list')
+    inputs: dict[str, Array] = {}
+    offset = 0
+    for entry in entries:
+        if type(entry) is not dict:
+            raise BadRequest('each entry of "inputs" must be an object')
+        name = entry.get("name")
+        if type(name) is not str or not name:
+            raise BadRequest('each input needs a non-empty string "name"')
+        if name in inputs:
+            raise BadRequest(f"input {_quote(name)} appears more than once")
+        datatype = entry.get("datatype")
+        if type(datatype) is not str:
+            raise BadRequest(f'input {_quote(name)} needs a string "datatype"')
+        if datatype not in V2_TO_NUMPY:
+            raise BadRequest(f"input {_quote(name)}: unknown datatype, expected one of {_KNOWN}")
+        shape = _shape(name, entry.get("shape"))
+        count = prod(shape)
+        if count > _MAX_ELEMENTS:
+            raise BadRequest(f"input {_quote(name)} has a shape too large to hold")
+
+        parameters = _parameters(entry, f"input {_quote(name)}")
+        size = parameters.get("binary_data_size")
+        has_data = "data" in entry
+        if size is not None and has_data:
+            raise BadRequest(f'input {_quote(name)} has both "data" and "binary_data_size"')
+        if size is None and not has_data:
+            raise BadRequest(f'input {_quote(name)} has neither "data" nor "binary_data_size"')
+        if size is None:
+            array = _from_json(name, entry["data"], datatype, count)
+        else:
+            if not _is_count(size):
+                raise BadRequest(
+                    f'input {_quote(name)}: "binary_data_size" must be a non-negative integer'
+                )
+            if size > len(binary) - offset:
+                raise BadRequest(f"binary data of input {_quote(name)} runs past the body")
+            chunk = binary[offset : offset + size]
+            offset += size
+            array = _from_binary(name, chunk, datatype, count)
+        inputs[name] = array.reshape(shape)
+    if offset != len(binary):
+        raise BadRequest(f"{len(binary) - offset} bytes of binary data follow the last input")
+    return inputs
+
+
+def _decode_outputs(entries: Any, binary_default: bool) -> tuple[RequestedOutput, ...]:
+    if entries is None:
+        return ()
+    if type(entries) is not list:
+        raise BadRequest('"outputs" must be a list')
+    outputs: dict[str, RequestedOutput] = {}
+    for entry in entries:
+        if type(entry) is not dict:
+            raise BadRequest('each entry of "outputs" must be an object')
+        name = entry.get("name")
+        if type(name) is not str or not name:
+            raise BadRequest('each output needs a non-empty string "name"')
+        if name in outputs:
+            raise BadRequest(f"output {_quote(name)} is requested more than once")
+        parameters = _parameters(entry, f"output {_quote(name)}")
+        binary = parameters.get("binary_data", binary_default)
+        if type(binary) is not bool:
+            raise BadRequest(f'output {_quote(name)}: "binary_data" must be a boolean')
+        classification = parameters.get("classification", 0)
+        if "classification" in parameters and (not _is_count(classification) or not classification):
+            raise BadRequest(f'output {_quote(name)}: "classification" must be a positive integer')
+        outputs[name] = RequestedOutput(name, binary, classification)
+    return tuple(outputs.values())
+
+
+def _parameters(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    parameters = entry.get("parameters", {})
+    if type(parameters) is not dict:
+        raise BadRequest(f'{where}: "parameters" must be an object')
+    if any(key in parameters for key in _SHARED_MEMORY):
+        raise BadRequest(f"{where}: shared memory is not supported; send the data in the body")
+    return parameters
+
+
+def _shape(name: str, shape: Any) -> tuple[int, ...]:
+    if type(shape) is not list or not all(_is_count(d) for d in shape):
+        raise BadRequest(f'input {_quote(name)}: "shape" must be a list of non-negative integers')
+    if len(shape) > _MAX_DIMS:
+        raise BadRequest(f"input {_quote(name)}: more than {_MAX_DIMS} dimensions")
+    return tuple(shape)
+
+
+def _from_json(name: str, data: Any, datatype: str, count: int) -> Array:
+    if type(data) is not list:
+        raise BadRequest(f'input {_quote(name)}: "data" must be a list')
+    values, kinds = _flatten(data)
+    if len(values) != count:
+        raise BadRequest(
+            f"input {_quote(name)}: data holds {len(values)} elements, the shape {count}"
+        )
+    if datatype == "BYTES":
+        if not kinds <= {str}:
+            raise BadRequest(f"input {_quote(name)}: BYTES data must be strings")
+        array = np.empty(count, dtype=np.object_)
+        array[:] = [value.encode("utf-8") for value in values]
+        return array
+    if datatype == "BOOL":
+        allowed: set[type] = {bool}
+    elif datatype in _INTEGERS:
+        allowed = {int}
+    else:
+        allowed = {int, float}
+    if not kinds <= allowed:
+        raise BadRequest(f"input {_quote(name)}: data are not all {datatype} values")
+    try:
+        # A float too large for FP16 or BF16 rounds to infinity, as IEEE conversion does.
+        with np.errstate(over="ignore"):
+            return np.array(values, dtype=V2_TO_NUMPY[datatype])
+    except OverflowError:
+        raise BadRequest(f"input {_quote(name)}: a value is out of range for {datatype}") from None
+
+
+def _flatten(data: list[Any]) -> tuple[list[Any], set[type]]:
+    """Row-major elements of nested lists, and the set of their Python types."""
+    kinds = set(map(type, data))
+    while list in kinds:
+        data = [v for item in data for v in (item if type(item) is list else (item,))]
+        kinds = set(map(type, data))
+    return data, kinds
+
+
+def _from_binary(name: str, chunk: memoryview, datatype: str, count: int) -> Array:
+    if datatype == "BYTES":
+        return _bytes_from_binary(name, chunk, count)
+    expected = count * V2_TO_NUMPY[datatype].itemsize
+    if len(chunk) != expected:
+        raise BadRequest(
+            f"input {_quote(name)}: binary_data_size is {len(chunk)}, "
+            f"the shape and datatype need {expected}"
+        )
+    return _fixed_from_binary(chunk, datatype, count)
+
+
+def _fixed_from_binary(chunk: memoryview, datatype: str, count: int) -> Array:
+    if datatype == "BOOL":
+        # Any non-zero byte is true; normalise so that no bool holds a value other than 0 or 1.
+        return np.frombuffer(chunk, dtype=np.uint8, count=count).astype(np.bool_)
+    # V2 binary tensors are little-endian whatever the host.
+    return np.frombuffer(chunk, dtype=V2_TO_NUMPY[datatype].newbyteorder("<"), count=count)
+
+
+def _bytes_from_binary(name: str, chunk: memoryview, count: int) -> Array:
+    # Each element takes at least its 4-byte length, which bounds the count before any loop.
+    if count * _BYTES_LENGTH.size > len(chunk):
+        raise BadRequest(f"input {_quote(name)}: binary BYTES data is shorter than its shape")
+    array = np.empty(count, dtype=np.object_)
+    offset = 0
+    for i in range(count):
+        if offset + _BYTES_LENGTH.size > len(chunk):
+            raise BadRequest(f"input {_quote(name)}: binary BYTES data is shorter than its shape")
+        (length,) = _BYTES_LENGTH.unpack_from(chunk, offset)
+        offset += _BYTES_LENGTH.size
+        if length > len(chunk) - offset:
+            raise BadRequest(f"input {_quote(name)}: a BYTES element runs past binary_data_size")
+        array[i] = bytes(chunk[offset : offset + length])
+        offset += length
+    if offset != len(chunk):
+        raise BadRequest(
+            f"input {_quote(name)}: binary BYTES data has {len(chunk) - offset} bytes "
+            "beyond its elements"
+        )
+    return array
+
+
+def _output_datatype(name: str, array: Array) -> str:
+    try:
+        # The V2 maps hold native-order dtypes; the byte order is fixed when encoding.
+        return v2_datatype(array.dtype.newbyteorder("="))
+    except KeyError:
+        raise EngineError(f"output {_quote(name)} has unsupported dtype {array.dtype}") from None
+
+
+def _byte_elements(name: str, array: Array) -> list[bytes]:
+    elements: list[bytes] = []
+    for element in array.reshape(-1).tolist():
+        if isinstance(element, bytes):
+            elements.append(element)
+        elif isinstance(element, str):
+            elements.append(element.encode("utf-8"))
+        else:
+            raise EngineError(f"output {_quote(name)}: BYTES elements must be bytes or str")
+    return elements
+
+
+def _binary_chunk(name: str, array: Array, datatype: str) -> bytes | memoryview:
+    if datatype == "BYTES":
+        return b"".join(
+            _BYTES_LENGTH.pack(len(element)) + element for element in _byte_elements(name, array)
+        )
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return little.reshape(-1).view(np.uint8).data
+
+
+def _json_data(name: str, array: Array, datatype: str) -> Any:
+    if datatype == "BYTES":
+        return [e.decode("utf-8", errors="replace") for e in _byte_elements(name, array)]
+    # orjson serialises contiguous native-order arrays; it has no bfloat16, and float32 holds
+    # every bfloat16 value exactly.
+    dtype = np.dtype(np.float32) if datatype == "BF16" else array.dtype.newbyteorder("=")
+    return np.ascontiguousarray(array, dtype=dtype).reshape(-1)
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative JSON integer (JSON booleans are not integers)."""
+    return type(value) is int and value >= 0
+
+
+def _quote(text: str) -> str:
+    """A client-supplied name for an error message, cut short so a message stays small."""
+    return repr(text) if len(text) <= 64 else repr(text[:64]) + "..."
