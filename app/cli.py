@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +74,21 @@ def serve(settings: Settings) -> int:
 
     from app.server import create_app
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises SIGTERM after a graceful shutdown, so the process would end
+            # "killed by signal"; for an orchestrator a drained shutdown is a success: exit 0.
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
     log.info("settings: %s", json.dumps(settings.loggable()))
-    server: uvicorn.Server | None = None
+    server: Server | None = None
     failed = False
 
     def stop_on_fatal() -> None:
@@ -91,7 +107,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
         limit_concurrency=None,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     server.run()
     return 1 if failed else 0
 

@@ -91,7 +91,9 @@ def rows(n: int, start: float = 0.0, width: int = 1) -> np.ndarray:
     return np.arange(start, start + n * width, dtype=np.float32).reshape(n, width)
 
 
-async def infer(batcher: Batcher, x: np.ndarray, timeout_s: float | None = 5.0, priority: int = 0) -> np.ndarray:
+async def infer(
+    batcher: Batcher, x: np.ndarray, timeout_s: float | None = 5.0, priority: int = 0
+) -> np.ndarray:
     out = await batcher.infer({"x": x}, len(x), (x.shape[1:],), timeout_s, priority)
     return out["y"]
 
@@ -100,9 +102,8 @@ async def occupy(batcher: Batcher, engine: FakeEngine) -> asyncio.Task[np.ndarra
     """Block the only runner with one request, so later ones queue behind it."""
     engine.gate.clear()
     task = asyncio.create_task(infer(batcher, rows(1, 1000)))
-    while not engine.batches and batcher.queued:
-        await asyncio.sleep(0.001)
     await asyncio.sleep(0.02)
+    assert batcher.queued == 0, "the blocking request should be on the runner by now"
     return task
 
 
@@ -113,7 +114,9 @@ def batch_sizes(engine: FakeEngine) -> list[int]:
 def test_queued_requests_fill_one_batch_and_each_gets_its_own_rows() -> None:
     async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
         first = await occupy(batcher, engine)
-        tasks = [asyncio.create_task(infer(batcher, rows(n, 10 * i))) for i, n in enumerate([1, 2, 3])]
+        tasks = [
+            asyncio.create_task(infer(batcher, rows(n, 10 * i))) for i, n in enumerate([1, 2, 3])
+        ]
         await asyncio.sleep(0.02)
         engine.gate.set()
         results = await asyncio.gather(first, *tasks)
@@ -196,9 +199,7 @@ def test_on_delay_expiry_a_batch_is_cut_to_a_preferred_size() -> None:
 def test_requests_of_different_shapes_never_share_a_batch() -> None:
     async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
         first = await occupy(batcher, engine)
-        tasks = [
-            asyncio.create_task(infer(batcher, rows(1, i, width=1 + i % 2))) for i in range(4)
-        ]
+        tasks = [asyncio.create_task(infer(batcher, rows(1, i, width=1 + i % 2))) for i in range(4)]
         await asyncio.sleep(0.02)
         engine.gate.set()
         await asyncio.gather(first, *tasks)

@@ -1,0 +1,96 @@
+"""Shared fixtures: small real ONNX models, a model repository, real photos."""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_WEIGHTS = np.random.default_rng(7).standard_normal((4, 3)).astype(np.float32)
+TINY_BIAS = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+
+
+def tiny_onnx() -> onnx.ModelProto:
+    """y = x @ W + b and s = sum(x) per row: a batched model small enough for exact checks."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["xw"]),
+            helper.make_node("Add", ["xw", "b"], ["y"]),
+            helper.make_node("ReduceSum", ["x", "axes"], ["s"], keepdims=1),
+        ],
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("s", TensorProto.FLOAT, ["batch", 1]),
+        ],
+        initializer=[
+            numpy_helper.from_array(TINY_WEIGHTS, "W"),
+            numpy_helper.from_array(TINY_BIAS, "b"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+TINY_CONFIG = """\
+max_batch_size: 16
+runners: 2
+dynamic_batching:
+  max_queue_delay_us: 1000
+  max_queue_size: 256
+"""
+
+
+@pytest.fixture(scope="session")
+def efficientnet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default model's folder (config from the repo, ONNX and labels generated once)."""
+    import zoo
+
+    folder = tmp_path_factory.mktemp("efficientnet") / "efficientnet_lite0"
+    folder.mkdir()
+    shutil.copy(ROOT / "models" / "efficientnet_lite0" / "config.yaml", folder)
+    zoo.GENERATORS["efficientnet_lite0"](folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def repository(tmp_path_factory: pytest.TempPathFactory, efficientnet_dir: Path) -> Path:
+    """A model repository with the default model and the tiny model."""
+    repo = tmp_path_factory.mktemp("repository")
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    tiny = repo / "tiny"
+    tiny.mkdir()
+    onnx.save(tiny_onnx(), str(tiny / "model.onnx"))
+    (tiny / "config.yaml").write_text(TINY_CONFIG)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def coffee_jpeg() -> bytes:
+    """scikit-image's coffee photo (CC0), a cup of espresso, as a JPEG."""
+    from PIL import Image
+    from skimage import data
+
+    buffer = io.BytesIO()
+    Image.fromarray(data.coffee()).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="session")
+def astronaut_png() -> bytes:
+    from PIL import Image
+    from skimage import data
+
+    buffer = io.BytesIO()
+    Image.fromarray(data.astronaut()).save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -1,0 +1,87 @@
+"""A real ``stoker serve`` (uvicorn) subprocess on a free port, shared by the module's tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+BODY_LIMIT = 8 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return self.url.removeprefix("http://")
+
+
+def start_server(repository: Path, log: Path, env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    environment = {**os.environ, **(env or {})}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app",
+                "serve",
+                "--repository",
+                str(repository),
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environment,
+        )
+    server = Server(f"http://127.0.0.1:{port}", process, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{server.url}/v2/health/ready", timeout=1).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"server not ready in 120 s:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> int:
+    server.process.terminate()
+    try:
+        return server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        return server.process.wait()
+
+
+@pytest.fixture(scope="session")
+def server(repository: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    running = start_server(repository, log, {"STOKER_LIMITS__MAX_BODY_BYTES": str(BODY_LIMIT)})
+    yield running
+    code = stop_server(running)
+    assert code == 0, f"server exited with {code}:\n{log.read_text()[-3000:]}"
