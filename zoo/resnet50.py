@@ -1,0 +1,145 @@
+"""ResNet-50 v1.5 with seeded random weights, as ONNX: a benchmark model, not a classifier.
+
+v1.5 puts the stride-2 of each downsampling bottleneck on the 3x3 convolution (torchvision's
+layout), not on the first 1x1. Weights are He-normal; BatchNorm is taken as folded with unit
+scale and zero shift, except the last one of each residual branch, whose scale is
+``_RESIDUAL_SCALE``: with unit scale everywhere each of the 16 residual additions roughly doubles
+the activation variance, while trained networks keep those branches small. The result keeps
+activations finite and varied through all 50 layers, which is all a benchmark needs from them.
+
+Same tensor contract as the pretrained zoo models: ``input`` FP32 [batch, 3, 224, 224] ->
+``logits`` FP32 [batch, 1000].
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+IMAGE_SIZE = 224
+NUM_CLASSES = 1000
+_RESIDUAL_SCALE = 0.2
+# (bottlenecks, width, first stride) per stage; each bottleneck outputs 4 * width channels.
+_STAGES = ((3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2))
+
+
+@dataclass
+class _Graph:
+    rng: np.random.Generator
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+
+    def constant(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(value, name))
+        return name
+
+    def conv(
+        self,
+        x: str,
+        name: str,
+        cin: int,
+        cout: int,
+        kernel: int,
+        *,
+        stride: int = 1,
+        scale: float = 1.0,
+        relu: bool = True,
+    ) -> str:
+        """He-normal convolution (BatchNorm folded in as ``scale``), optionally then ReLU."""
+        std = scale * math.sqrt(2.0 / (cin * kernel * kernel))
+        weight = self.rng.standard_normal((cout, cin, kernel, kernel), dtype=np.float32) * std
+        pad = kernel // 2
+        self.nodes.append(
+            helper.make_node(
+                "Conv",
+                [
+                    x,
+                    self.constant(f"{name}.weight", weight),
+                    # A (zero) bias keeps the shape of a BatchNorm-folded conv, which engines fuse.
+                    self.constant(f"{name}.bias", np.zeros(cout, dtype=np.float32)),
+                ],
+                [name],
+                name=name,
+                kernel_shape=[kernel, kernel],
+                strides=[stride, stride],
+                pads=[pad, pad, pad, pad],
+            )
+        )
+        return self.node("Relu", [name], f"{name}/relu") if relu else name
+
+    def node(self, op: str, inputs: list[str], out: str, **attrs: Any) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+
+def _bottleneck(g: _Graph, x: str, prefix: str, cin: int, width: int, stride: int) -> str:
+    cout = 4 * width
+    y = g.conv(x, f"{prefix}.conv1", cin, width, 1)
+    y = g.conv(y, f"{prefix}.conv2", width, width, 3, stride=stride)
+    y = g.conv(y, f"{prefix}.conv3", width, cout, 1, scale=_RESIDUAL_SCALE, relu=False)
+    shortcut = x
+    if stride != 1 or cin != cout:
+        shortcut = g.conv(x, f"{prefix}.downsample", cin, cout, 1, stride=stride, relu=False)
+    return g.node("Relu", [g.node("Add", [y, shortcut], f"{prefix}/add")], f"{prefix}/relu")
+
+
+def build(seed: int = 0) -> onnx.ModelProto:
+    """The checked ONNX model; the same seed gives the same weights."""
+    g = _Graph(np.random.default_rng(seed))
+    x = g.conv("input", "conv1", 3, 64, 7, stride=2)
+    x = g.node("MaxPool", [x], "maxpool", kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    channels = 64
+    for stage, (blocks, width, first_stride) in enumerate(_STAGES, start=1):
+        for block in range(blocks):
+            stride = first_stride if block == 0 else 1
+            x = _bottleneck(g, x, f"layer{stage}.{block}", channels, width, stride)
+            channels = 4 * width
+    x = g.node("GlobalAveragePool", [x], "pool")
+    x = g.node("Flatten", [x], "flatten", axis=1)
+    fc = g.rng.standard_normal((NUM_CLASSES, channels), dtype=np.float32) / math.sqrt(channels)
+    g.node(
+        "Gemm",
+        [x, g.constant("fc.weight", fc), g.constant("fc.bias", np.zeros(NUM_CLASSES, np.float32))],
+        "logits",
+        transB=1,
+    )
+
+    graph = helper.make_graph(
+        g.nodes,
+        "resnet50",
+        [
+            helper.make_tensor_value_info(
+                "input", TensorProto.FLOAT, ["batch", 3, IMAGE_SIZE, IMAGE_SIZE]
+            )
+        ],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", NUM_CLASSES])],
+        g.initializers,
+    )
+    # IR 8 is the version opset 17 came with; pinning it keeps the file loadable by runtimes
+    # older than this onnx package (onnxruntime refuses an IR version it does not know).
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", 17)],
+        ir_version=8,
+        producer_name="stoker.zoo",
+        doc_string=f"ResNet-50 v1.5, random weights (seed {seed}), for benchmarks only.",
+    )
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def write(model_dir: Path, seed: int = 0) -> None:
+    """Write ``model_dir/model.onnx``."""
+    model_dir.mkdir(parents=True, exist_ok=True)
+    # The server builds models whose model.onnx is missing, so write it atomically: an
+    # interrupted run must not leave a truncated file that looks finished.
+    partial = model_dir / "model.onnx.partial"
+    onnx.save(build(seed), partial)
+    os.replace(partial, model_dir / "model.onnx")
