@@ -30,6 +30,7 @@ from app.settings import Settings
 from engines import backends
 from engines.base import EngineOptions
 from engines.onnxruntime import read_spec
+from engines.preprocess import preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
 log = logging.getLogger(__name__)
@@ -255,8 +256,7 @@ class DataPlane:
 
         def decode_all() -> np.ndarray:
             rows = [
-                images.preprocess(images.decode(data, limits.max_image_pixels), prep)
-                for data in uploads
+                preprocess(images.decode(data, limits.max_image_pixels), prep) for data in uploads
             ]
             return np.stack(rows)
 

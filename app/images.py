@@ -1,36 +1,15 @@
-"""Image decoding and the model-defined preprocessing that turns a photo into one input row."""
+"""Decoding uploaded images, refusing what is not an image or is too big with the right status.
+
+The model-defined preprocessing that follows lives in ``engines.preprocess``."""
 
 from __future__ import annotations
 
 import io
 import warnings
-from dataclasses import dataclass
 
-import numpy as np
 from PIL import Image
 
 from app.errors import BadRequest, PayloadTooLarge
-
-
-@dataclass(frozen=True)
-class ImagePreprocess:
-    """Resize the shorter side, centre-crop, then ``(x - mean) / std`` per RGB channel.
-
-    ``layout`` is ``NCHW`` or ``NHWC`` (of one row: CHW or HWC); ``datatype`` is the
-    input's V2 datatype (``UINT8`` skips normalisation, for models that normalise inside).
-    """
-
-    resize_shorter: int = 256
-    crop: int = 224
-    mean: tuple[float, float, float] = (127.0, 127.0, 127.0)
-    std: tuple[float, float, float] = (128.0, 128.0, 128.0)
-    layout: str = "NCHW"
-    datatype: str = "FP32"
-
-    def row_shape(self) -> tuple[int, ...]:
-        if self.layout == "NCHW":
-            return (3, self.crop, self.crop)
-        return (self.crop, self.crop, 3)
 
 
 def decode(data: bytes, max_pixels: int) -> Image.Image:
@@ -52,24 +31,3 @@ def decode(data: bytes, max_pixels: int) -> Image.Image:
         raise PayloadTooLarge(f"image refused as a decompression bomb: {exc}") from exc
     except Exception as exc:
         raise BadRequest(f"cannot decode image: {type(exc).__name__}: {exc}") from exc
-
-
-def preprocess(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
-    """One model input row from an RGB image."""
-    width, height = image.size
-    scale = spec.resize_shorter / min(width, height)
-    size = (max(spec.crop, round(width * scale)), max(spec.crop, round(height * scale)))
-    resized = image.resize(size, Image.Resampling.BILINEAR)
-    left = (size[0] - spec.crop) // 2
-    top = (size[1] - spec.crop) // 2
-    cropped = resized.crop((left, top, left + spec.crop, top + spec.crop))
-    pixels = np.asarray(cropped, dtype=np.uint8)
-    if spec.datatype == "UINT8":
-        row = pixels
-    else:
-        mean = np.asarray(spec.mean, dtype=np.float32)
-        std = np.asarray(spec.std, dtype=np.float32)
-        row = ((pixels.astype(np.float32) - mean) / std).astype(np.float32)
-    if spec.layout == "NCHW":
-        row = np.transpose(row, (2, 0, 1))
-    return np.ascontiguousarray(row)

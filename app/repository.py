@@ -12,7 +12,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from app.images import ImagePreprocess
+from engines.preprocess import ImagePreprocess
 from engines.spec import V2_TO_NUMPY
 
 PRECISIONS = ("fp32",)

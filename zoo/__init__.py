@@ -2,7 +2,7 @@
 
 Every generator writes ``model_dir/model.onnx`` (and ``labels.txt`` when the model has classes)
 with the same tensor contract: ``input`` FP32 [batch, 3, 224, 224], preprocessed by the server
-(see ``app.images``), to ``logits`` FP32 [batch, 1000]. The server calls
+(see ``engines.preprocess``), to ``logits`` FP32 [batch, 1000]. The server calls
 ``GENERATORS[name](model_dir)`` when a model folder has no ``model.onnx``.
 """
 

@@ -11,7 +11,7 @@ moves these weights' logits by up to 3.6.
 Lite variants differ from EfficientNet-B0 by ReLU6 instead of swish, no squeeze-excitation, and
 an unscaled stem (32) and head (1280). BatchNorm (eps 1e-3) is folded into each convolution.
 
-The model expects what ``app.images.preprocess`` produces with ``ImagePreprocess()``: RGB,
+The model expects what ``engines.preprocess.preprocess`` produces with ``ImagePreprocess()``: RGB,
 shorter side resized to 256 (bilinear), centre crop 224, ``(x - 127) / 128``, NCHW.
 """
 

@@ -15,7 +15,8 @@ import tritonclient.http as triton
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.images import ImagePreprocess, decode, preprocess
+from app.images import decode
+from engines.preprocess import ImagePreprocess, preprocess
 from tests.integration.conftest import BODY_LIMIT, Server
 
 ESPRESSO = 967

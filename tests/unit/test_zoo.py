@@ -18,6 +18,7 @@ from skimage import data
 
 import zoo
 from app import images
+from engines.preprocess import ImagePreprocess, preprocess
 from zoo import resnet50
 from zoo.checkpoint import UnsafePickleError, load_torch_checkpoint
 
@@ -27,7 +28,7 @@ def coffee_row() -> np.ndarray:
     jpeg = io.BytesIO()
     Image.fromarray(data.coffee()).save(jpeg, format="JPEG", quality=95)
     image = images.decode(jpeg.getvalue(), max_pixels=10_000_000)
-    return images.preprocess(image, images.ImagePreprocess())
+    return preprocess(image, ImagePreprocess())
 
 
 @pytest.fixture(scope="module")
