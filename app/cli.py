@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import logging
+import math
 import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from app.settings import Settings
@@ -75,6 +78,37 @@ def serve(settings: Settings) -> int:
     from app.server import create_app
 
     class Server(uvicorn.Server):
+        """uvicorn, with a drain before its own shutdown.
+
+        On the first SIGTERM (or SIGINT) the data plane starts draining at once: readiness
+        answers 503 and new inference requests get 503, on new and on kept-alive connections
+        alike, because the listener stays open; accepted requests run to their answer until
+        ``server.drain_timeout_s``. Only then does uvicorn close the listener and the
+        connections and run the lifespan shutdown. A second signal skips the rest of the drain.
+        """
+
+        drain: asyncio.Task[None] | None = None
+        drain_requested = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            plane = getattr(app.state, "plane", None)
+            if self.drain_requested or plane is None or self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            # A signal handler: only plain attributes here; the waiting starts on the loop.
+            self.drain_requested = True
+            plane.begin_drain()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_requested and self.drain is None:
+                self.drain = asyncio.create_task(app.state.plane.drain(), name="drain")
+            if self.drain is not None and self.drain.done():
+                # uvicorn's own wait for open connections gets what is left of the timeout.
+                left = app.state.plane.drain_time_left()
+                self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+                self.should_exit = True
+            return await super().on_tick(counter)
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             # uvicorn re-raises SIGTERM after a graceful shutdown, so the process would end

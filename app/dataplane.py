@@ -76,6 +76,11 @@ class DataPlane:
         self.ready = False
         self.failed: BaseException | None = None
         self.draining = False
+        self._drain_deadline = 0.0
+        # Requests inside the data plane (decoding, queued, executing): what a drain waits for.
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -121,14 +126,40 @@ class DataPlane:
             )
         self._models[config.name] = versions
 
+    def begin_drain(self) -> None:
+        """From now on readiness is false and new inference requests get 503; the drain
+        timeout starts. Sets plain attributes only, so a signal handler may call it."""
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
+
+    def drain_time_left(self) -> float:
+        """Seconds left of the drain timeout (0 before a drain begins)."""
+        return max(0.0, self._drain_deadline - time.monotonic())
+
+    async def drain(self) -> None:
+        """Begin draining, wait until every accepted request has its answer or the drain
+        timeout passes, then fail what is still queued with 503 (a batch already running
+        finishes: a runner's thread cannot be interrupted)."""
+        self.begin_drain()
+        try:
+            async with asyncio.timeout(self.drain_time_left()):
+                await self._idle.wait()
+        except TimeoutError:
+            log.warning("drain timeout: %d request(s) still in flight", self._active)
+        await self._close_batchers()
+
+    async def _close_batchers(self) -> None:
+        timeout = self.drain_time_left()
+        await asyncio.gather(*(m.batcher.close(timeout) for m in self.all_served()))
+
     async def stop(self) -> None:
-        """Drain every batcher, then free runners and engines in reverse order of loading."""
+        """Drain (if no drain ran yet), then free runners and engines in reverse order of
+        loading."""
         self.ready = False
-        self.draining = True
-        timeout = self.settings.server.drain_timeout_s
-        served = [m for versions in self._models.values() for m in versions.values()]
-        await asyncio.gather(*(m.batcher.close(timeout) for m in served))
-        for model in reversed(served):
+        self.begin_drain()
+        await self._close_batchers()
+        for model in reversed(self.all_served()):
             await asyncio.to_thread(model.pool.close)
         self._models.clear()
 
@@ -181,9 +212,14 @@ class DataPlane:
     # -- inference ----------------------------------------------------------------------
 
     async def _measured(self, model: ServedModel, work: Callable[[], Awaitable[T]]) -> T:
-        """Run one request's work, counting its outcome and duration by reason."""
+        """Run one request's work, counting its outcome and duration by reason; refuse it
+        with 503 once the server drains, and track it until answered so a drain can wait."""
         started = time.perf_counter()
+        self._active += 1
+        self._idle.clear()
         try:
+            if self.draining:
+                raise Unavailable("server is shutting down; retry on another replica")
             result = await work()
         except StokerError as exc:
             model.metrics.request_failed(exc.reason, time.perf_counter() - started)
@@ -194,6 +230,10 @@ class DataPlane:
         except Exception:
             model.metrics.request_failed("backend", time.perf_counter() - started)
             raise
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
         model.metrics.request_succeeded(time.perf_counter() - started)
         return result
 
