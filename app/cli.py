@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     listing = commands.add_parser("models", help="list the repository's models")
     add_repository_options(listing)
+    # Parsed by bench.cli (main hands it everything after "bench"); listed here for --help.
+    commands.add_parser("bench", help="load-test V2 servers (stoker bench --help)")
     return parser.parse_args(argv)
 
 
@@ -177,6 +179,11 @@ def list_models(settings: Settings) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["bench"]:
+        from bench.cli import main as bench
+
+        return bench(arguments[1:])
     args = parse_args(argv)
     from app.repository import ConfigError
 

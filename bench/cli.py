@@ -1,0 +1,323 @@
+"""``stoker bench``: measure one or more targets with the same payloads, in one run.
+
+Targets, in the order given, the first being the one the others are compared with:
+``--url`` (any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive``
+(the naive baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool
+with no HTTP). Each target gets the concurrency sweep, then any fixed open-loop rates, then
+the ``--find-rate`` search.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import launch, payloads, report
+from bench.loadgen import HttpTarget, InProcessTarget, Step, StepResult, Target, Workers
+from bench.payloads import ModelInputs, Payload
+from engines.preprocess import ImagePreprocess
+
+DEFAULT_MODEL = "efficientnet_lite0"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="stoker bench",
+        description="Load-test KServe V2 servers: a closed-loop concurrency sweep, open-loop "
+        "Poisson rates, and the rate that keeps p99 under a target. The first target is "
+        "compared with the others.",
+    )
+    targets = parser.add_argument_group("targets (in this order; at least one)")
+    targets.add_argument("--url", action="append", default=[], help="a V2 server (repeatable)")
+    targets.add_argument("--serve", action="store_true", help="start Stoker and measure it")
+    targets.add_argument("--naive", action="store_true", help="start the naive baseline server")
+    targets.add_argument(
+        "--in-process",
+        action="store_true",
+        help="Stoker's batcher and runner pool in a client process, no HTTP (raw baseline)",
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
+    model.add_argument("--model-version", help="version (precision) in the path and metrics")
+    model.add_argument(
+        "--repository",
+        type=Path,
+        default=Path("models"),
+        help="model repository for --serve, --naive, --in-process and preprocessing",
+    )
+    model.add_argument("--backend", help="backend for the servers the bench starts")
+    load = parser.add_argument_group("payload")
+    load.add_argument("--payload", choices=payloads.KINDS, default="v2-binary")
+    load.add_argument("--rows", type=int, default=1, help="rows (images) per request")
+    load.add_argument("--images", type=Path, help="folder of JPEG/PNG files (default synthetic)")
+    load.add_argument("--image-size", default="640x480", help="synthetic images, WxH")
+    load.add_argument("--distinct", type=int, default=16, help="distinct payloads to cycle")
+    load.add_argument("--jpeg-path", default="/infer", help="upload route for --payload jpeg")
+    steps = parser.add_argument_group("steps")
+    steps.add_argument(
+        "--concurrency",
+        default="1,2,4,8,16,32",
+        help="closed-loop sweep, comma-separated, or 'none' (default 1,2,4,8,16,32)",
+    )
+    steps.add_argument("--rate", action="append", type=float, default=[], help="open-loop req/s")
+    steps.add_argument(
+        "--find-rate", action="store_true", help="search the highest rate meeting --p99-target-ms"
+    )
+    steps.add_argument("--p99-target-ms", type=float, default=100.0)
+    steps.add_argument("--search-steps", type=int, default=6, help="bisection steps")
+    steps.add_argument("--duration", type=float, default=5.0, help="measured seconds per step")
+    steps.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
+    client = parser.add_argument_group("client")
+    client.add_argument("--workers", type=int, default=1, help="client processes")
+    client.add_argument("--timeout", type=float, default=60.0, help="request timeout, seconds")
+    client.add_argument("--max-in-flight", type=int, default=16384, help="open-loop cap")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", type=Path, help="write every result here")
+    out.add_argument("--plots", type=Path, help="write throughput.png and latency.png here")
+    args = parser.parse_args(argv)
+    if not (args.url or args.serve or args.naive or args.in_process):
+        parser.error("give a target: --url URL, --serve, --naive or --in-process")
+    if args.rows < 1 or args.workers < 1 or args.distinct < 1:
+        parser.error("--rows, --workers and --distinct must be at least 1")
+    if args.duration <= 0 or args.warmup < 0:
+        parser.error("--duration must be positive and --warmup not negative")
+    try:
+        args.levels = levels(args.concurrency)
+        width, height = (int(v) for v in args.image_size.lower().split("x"))
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.size = (width, height)
+    return args
+
+
+def levels(text: str) -> list[int]:
+    if text.strip().lower() == "none":
+        return []
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if any(v < 1 for v in values):
+        raise ValueError("concurrency levels must be positive")
+    return values
+
+
+@dataclass(frozen=True)
+class TargetPlan:
+    name: str
+    description: str
+    launch: list[str] | None = None
+    url: str | None = None
+    port: int = 0
+
+
+def plans(args: argparse.Namespace) -> list[TargetPlan]:
+    result = []
+    for i, url in enumerate(args.url):
+        name = "target" if len(args.url) == 1 else f"target{i + 1}"
+        result.append(TargetPlan(name, f"V2 server at {url}", url=url.rstrip("/")))
+    if args.serve:
+        port = launch.free_port()
+        command = launch.stoker_command(args.repository, args.model, args.backend, port)
+        result.append(TargetPlan("stoker", "Stoker started by the bench", command, port=port))
+    if args.naive:
+        port = launch.free_port()
+        command = launch.naive_command(args.repository, args.model, args.backend, port)
+        result.append(TargetPlan("naive", "naive server: no batching", command, port=port))
+    if args.in_process:
+        result.append(
+            TargetPlan("in-process", "Stoker's batcher + runner pool, no HTTP (raw runner)")
+        )
+    return result
+
+
+def fetch_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return orjson.loads(response.read())
+
+
+def configured_preprocess(repository: Path, model: str, datatype: str) -> ImagePreprocess | None:
+    """The model's own preprocessing when its config is in the local repository."""
+    from app.repository import ConfigError, load_config
+
+    folder = repository / model
+    if not (folder / "config.yaml").is_file():
+        return None
+    try:
+        config = load_config(folder).config
+    except ConfigError:
+        return None
+    return config.preprocess.to_spec(datatype) if config.preprocess else None
+
+
+def in_process_inputs(repository: Path, model: str) -> ModelInputs:
+    from app.dataplane import model_spec, prepare
+    from app.repository import discover
+
+    entry = discover(repository, [model])[0]
+    if not entry.onnx_path.exists():
+        prepare(entry)
+    spec = model_spec(entry)
+    return ModelInputs(spec.name, spec.inputs, spec.batched)
+
+
+class PayloadCache:
+    """Payloads are built once per kind and model contract, before anything is timed."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self._args = args
+        self._built: dict[Any, list[Payload]] = {}
+        if args.images is not None:
+            self.images = payloads.folder_images(args.images, args.distinct * args.rows)
+        else:
+            self.images = payloads.synthetic_images(args.distinct, *args.size)
+
+    def get(self, kind: Any, model: ModelInputs | None) -> list[Payload]:
+        key = (kind, model)
+        if key not in self._built:
+            configured = None
+            if model is not None and len(model.inputs) == 1:
+                configured = configured_preprocess(
+                    self._args.repository, model.name, model.inputs[0].datatype
+                )
+            self._built[key] = payloads.build(
+                kind, self.images, self._args.rows, self._args.distinct, model, configured
+            )
+        return self._built[key]
+
+
+def http_path(args: argparse.Namespace) -> str:
+    if args.payload == "jpeg":
+        return str(args.jpeg_path)
+    version = f"/versions/{args.model_version}" if args.model_version else ""
+    return f"/v2/models/{args.model}{version}/infer"
+
+
+def find_rate(
+    workers: Workers,
+    capacity: float,
+    args: argparse.Namespace,
+    record: Callable[[StepResult], None],
+) -> StepResult | None:
+    """Bisect the open-loop rate between 0 and a little above the closed-loop capacity for
+    the highest one whose p99 meets the target with no errors and no backlog."""
+    low, high = 0.0, max(capacity, 1.0) * 1.1
+    best: StepResult | None = None
+    for _ in range(args.search_steps):
+        rate = (low + high) / 2
+        result = workers.run(Step("open", 0, rate, args.warmup, args.duration))
+        record(result)
+        p99 = result.latency_ms["p99"]
+        kept_up = result.throughput >= 0.9 * rate
+        if p99 is not None and p99 <= args.p99_target_ms and not result.errors and kept_up:
+            low, best = rate, result
+        else:
+            high = rate
+    return best
+
+
+def measure(
+    plan: TargetPlan, args: argparse.Namespace, cache: PayloadCache, show: Any
+) -> report.TargetResult:
+    result = report.TargetResult(plan.name, plan.description)
+    with serving(plan) as url:
+        target: Target
+        if url is None:
+            model = in_process_inputs(args.repository, args.model)
+            chosen = cache.get("tensors", model)
+            target = InProcessTarget(args.repository, args.model, args.backend)
+            count = 1
+        else:
+            model = None
+            if args.payload != "jpeg":
+                version = f"/versions/{args.model_version}" if args.model_version else ""
+                model = ModelInputs.from_metadata(
+                    fetch_json(f"{url}/v2/models/{args.model}{version}")
+                )
+            chosen = cache.get(args.payload, model)
+            target = HttpTarget(url, http_path(args), args.timeout)
+            count = args.workers
+        with Workers(
+            target, chosen, count, args.max_in_flight, args.model, args.model_version
+        ) as workers:
+
+            def record(step: StepResult) -> None:
+                result.steps.append(step)
+                show(plan.name, step)
+
+            for c in args.levels:
+                record(workers.run(Step("closed", c, 0.0, args.warmup, args.duration)))
+            for rate in args.rate:
+                record(workers.run(Step("open", 0, rate, args.warmup, args.duration)))
+            if args.find_rate:
+                result.p99_target_ms = args.p99_target_ms
+                capacity = max((s.throughput for s in result.steps), default=0.0)
+                if not result.steps:
+                    probe = Step("closed", 32, 0.0, args.warmup, args.duration)
+                    capacity = workers.run(probe).throughput
+                result.found_rate = find_rate(workers, capacity, args, record)
+    return result
+
+
+@contextlib.contextmanager
+def serving(plan: TargetPlan) -> Iterator[str | None]:
+    """The URL to measure (None for in-process), starting the server when the bench owns it."""
+    if plan.launch is None:
+        yield plan.url
+        return
+    with launch.running(plan.launch, plan.port) as url:
+        yield url
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = ["stoker", "bench", *(sys.argv[2:] if argv is None else argv)]
+    try:
+        cache = PayloadCache(args)
+    except (OSError, ValueError) as exc:
+        print(f"stoker bench: {exc}", file=sys.stderr)
+        return 2
+    report.say(
+        f"stoker bench: model {args.model}, payload {args.payload}, {args.rows} row(s) per "
+        f"request, {args.workers} client worker(s), {args.warmup:g} s warmup + "
+        f"{args.duration:g} s per step"
+    )
+    report.say(report.header())
+
+    def show(name: str, step: StepResult) -> None:
+        report.say(report.row(name, step))
+        for line in report.error_lines(name, step):
+            report.say(line)
+
+    results: list[report.TargetResult] = []
+    try:
+        for plan in plans(args):
+            results.append(measure(plan, args, cache, show))
+            found = results[-1].found_rate
+            if args.find_rate:
+                rate = f"{found.step.rate:,.0f} req/s" if found else "none found"
+                report.say(
+                    f"{plan.name}: highest rate with p99 <= {args.p99_target_ms:g} ms: {rate}"
+                )
+    except (OSError, ValueError, RuntimeError, urllib.error.URLError) as exc:
+        print(f"stoker bench: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if results:
+            for line in report.comparison(results):
+                report.say(line)
+            settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+            if args.json:
+                report.write_json(args.json, results, settings, command)
+                report.say(f"wrote {args.json}")
+            if args.plots:
+                title = f"{args.model}, {args.payload}, {args.rows} row(s)/request"
+                for path in report.write_plots(args.plots, results, title):
+                    report.say(f"wrote {path}")
+    return 0
