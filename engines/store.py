@@ -57,9 +57,11 @@ class EngineKey:
     kind: str = "engine"
 
     def as_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["profile"] = list(self.profile)
-        data["options"] = dict(self.options)
+        """The key as JSON data, normalised (tuples become lists) so that it compares equal
+        to its own copy read back from a manifest."""
+        data: dict[str, Any] = json.loads(
+            json.dumps(asdict(self) | {"options": dict(self.options)})
+        )
         return data
 
     def digest(self) -> str:

@@ -22,7 +22,7 @@ KEY = EngineKey(
     backend_version="1.0",
     device="cpu-x86_64",
     profile=(1, 8, 32),
-    options={"calibrator": "entropy"},
+    options={"calibrator": "entropy", "exclude_nodes": ("a", "b"), "samples": 500},
 )
 
 
@@ -45,7 +45,9 @@ def test_build_once_then_load_with_manifest(tmp_path: Path) -> None:
 
     first = store.get_or_build(KEY, build, ".onnx")
     second = store.get_or_build(KEY, build, ".onnx")
-    assert len(calls) == 1
+    # A new process reads the manifest back from JSON (tuples became lists): still a match.
+    third = EngineStore(tmp_path).get_or_build(KEY, build, ".onnx")
+    assert len(calls) == 1 and third.path == first.path
     assert first.path == second.path and first.path.read_bytes() == b"engine"
     assert second.extra == {"top1": 1}
     assert second.manifest["key"] == KEY.as_json()
@@ -59,6 +61,9 @@ def test_every_key_field_separates_files(tmp_path: Path) -> None:
         EngineKey(**{**KEY.as_json(), "device": "NVIDIA H200 sm_90", "profile": (1, 8, 32)}),
         EngineKey(**{**KEY.as_json(), "profile": (1, 16, 32)}),
         EngineKey(**{**KEY.as_json(), "options": {"calibrator": "minmax"}, "profile": (1, 8, 32)}),
+        EngineKey(
+            **{**KEY.as_json(), "options": {**KEY.options, "samples": 501}, "profile": (1, 8, 32)}
+        ),
         EngineKey(**{**KEY.as_json(), "backend_version": "1.1", "profile": (1, 8, 32)}),
     ]
     paths = {store.path_for(k, ".onnx") for k in variants}
