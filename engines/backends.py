@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
 from engines import onnxruntime
-from engines.base import Loader
+from engines.base import Engine, EngineOptions, Loader
+from engines.spec import ModelSpec
+
+
+def _load_torch(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
+    # Imported on use: torch takes seconds to import, and only its models should pay that.
+    from engines import torch_backend
+
+    return torch_backend.load(path, spec, options)
+
 
 LOADERS: dict[str, Loader] = {
     onnxruntime.BACKEND: onnxruntime.load,
+    "torch": _load_torch,
 }
+
+
+def cuda_available() -> bool:
+    """Whether torch can use a GPU here; answers without importing torch where no NVIDIA
+    driver is present."""
+    if not os.path.exists("/dev/nvidiactl") or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _usable(name: str) -> bool:
+    if importlib.util.find_spec(name) is None:
+        return False
+    return name != "torch" or cuda_available()
 
 
 def available() -> list[str]:
@@ -24,7 +52,7 @@ def resolve(name: str) -> str:
             raise ValueError(f"unknown backend {name!r}; available: {', '.join(available())}")
         return name
     for candidate in ("tensorrt", "torch"):
-        if candidate in LOADERS and importlib.util.find_spec(candidate) is not None:
+        if candidate in LOADERS and _usable(candidate):
             return candidate
     return onnxruntime.BACKEND
 

@@ -1,0 +1,664 @@
+"""torch on CUDA: the GPU backend for machines without TensorRT.
+
+The model is the ONNX file itself, converted op by op into a ``torch.nn.Module``
+(``OnnxModule``): Conv (any padding, groups, dilation), Relu, Clip, elementwise arithmetic,
+pooling, Flatten/Reshape, Gemm/MatMul, Pad, Cast and a few more; an op outside that set is
+refused by name. Precision:
+
+- ``fp32``: IEEE float32 (TF32 off for convolutions and matmuls);
+- ``tf32``: float32 tensors, TF32 tensor-core math;
+- ``fp16`` / ``bf16``: torch-native casting of the FP32 graph's weights and input, outputs
+  cast back to the output's declared type. (The ONNX ``fp16`` variant, with its FP32 islands,
+  also loads: it is converted as it is, Casts included.)
+
+A runner is one execution lane: its own CUDA stream (``engines.cuda``), pinned host buffers
+and static device buffers sized for the max batch, and one CUDA graph per batch bucket (the
+preferred sizes, the powers of two and the max batch). A batch is padded up to its bucket;
+the padding rows are computed and dropped, never returned. Tensors are channels-last, which
+cuDNN's tensor-core convolutions want. When the model's preprocessing is given, the image
+input also accepts UINT8 pixels, which are normalised on the GPU inside the graph (a quarter
+of the bytes over PCIe). The calling thread waits on a blocking-sync event with the GIL
+released, so other runners and the event loop run meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+import torch.nn.functional as F
+from onnx import TensorProto, numpy_helper
+
+from engines import cuda
+from engines.base import EngineOptions
+from engines.preprocess import ImagePreprocess
+from engines.spec import ModelSpec, TensorSpec
+
+BACKEND = "torch"
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+log = logging.getLogger(__name__)
+
+# TF32 is a process-wide switch in torch; a CUDA graph bakes in the kernels chosen while it
+# was captured, so each runner's precision is fixed by capturing under the right switch,
+# one capture at a time.
+_CAPTURE_LOCK = threading.Lock()
+
+_ONNX_DTYPES: dict[int, torch.dtype] = {
+    TensorProto.FLOAT: torch.float32,
+    TensorProto.FLOAT16: torch.float16,
+    TensorProto.BFLOAT16: torch.bfloat16,
+    TensorProto.DOUBLE: torch.float64,
+    TensorProto.INT64: torch.int64,
+    TensorProto.INT32: torch.int32,
+    TensorProto.INT8: torch.int8,
+    TensorProto.UINT8: torch.uint8,
+    TensorProto.BOOL: torch.bool,
+}
+_NUMPY_TO_TORCH: dict[str, torch.dtype] = {
+    "FP32": torch.float32,
+    "FP16": torch.float16,
+    "BF16": torch.bfloat16,
+    "FP64": torch.float64,
+    "INT64": torch.int64,
+    "INT32": torch.int32,
+    "INT8": torch.int8,
+    "UINT8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+# -- ONNX to torch ------------------------------------------------------------------------
+
+_ARITHMETIC: dict[str, Callable[[Any, Any], Any]] = {
+    "Add": lambda x, y: x + y,
+    "Sub": lambda x, y: x - y,
+    "Mul": lambda x, y: x * y,
+    "Div": lambda x, y: x / y,
+}
+_REDUCTIONS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor]] = {
+    "ReduceMean": lambda x, dims, keep: x.mean(dim=dims, keepdim=keep),
+    "ReduceSum": lambda x, dims, keep: x.sum(dim=dims, keepdim=keep),
+    "ReduceMax": lambda x, dims, keep: x.amax(dim=dims, keepdim=keep),
+    "ReduceMin": lambda x, dims, keep: x.amin(dim=dims, keepdim=keep),
+}
+
+
+class UnsupportedModel(ValueError):
+    """The ONNX graph uses something the converter does not implement."""
+
+
+@dataclass(frozen=True)
+class _Step:
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _pads_2d(pads: Sequence[int]) -> tuple[tuple[int, int], tuple[int, int], bool]:
+    """ONNX ``[h_begin, w_begin, h_end, w_end]`` as (begins, ends, symmetric)."""
+    hb, wb, he, we = pads
+    return (hb, wb), (he, we), (hb, wb) == (he, we)
+
+
+class OnnxModule(torch.nn.Module):
+    """An ONNX graph run node by node. Initializers are buffers (so ``.to()`` moves and casts
+    them); shape-like constants (Reshape shapes, Clip bounds, pads, axes) are read once at
+    conversion and baked into the steps."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        super().__init__()
+        graph = model.graph
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+        self._names: dict[str, str] = {}
+        self._static: dict[str, np.ndarray] = {}
+        for init in graph.initializer:
+            self._add_constant(init.name, numpy_helper.to_array(init))
+        initializers = {init.name for init in graph.initializer}
+        self.input_names = [v.name for v in graph.input if v.name not in initializers]
+        self.output_names = [v.name for v in graph.output]
+        self._steps: list[_Step] = []
+        for node in graph.node:
+            if node.op_type == "Constant":
+                value = onnx.helper.get_attribute_value(node.attribute[0])
+                if not isinstance(value, onnx.TensorProto):
+                    raise UnsupportedModel(f"Constant {node.name!r}: only tensor values")
+                self._add_constant(node.output[0], numpy_helper.to_array(value))
+                continue
+            fn = self._convert(node, opset)
+            inputs = tuple(n for n in node.input if n)
+            self._steps.append(_Step(node.op_type, node.name, fn, inputs, tuple(node.output)))
+
+    def _add_constant(self, name: str, value: np.ndarray) -> None:
+        self._static[name] = value
+        attr = f"const_{len(self._names)}"
+        self._names[name] = attr
+        self.register_buffer(attr, torch.from_numpy(np.array(value)), persistent=False)
+
+    def _const(self, name: str) -> np.ndarray:
+        if name not in self._static:
+            raise UnsupportedModel(f"{name!r} must be a constant (initializer or Constant)")
+        return self._static[name]
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        tensor: torch.Tensor = getattr(self, self._names[name])
+        return tensor
+
+    def _convert(self, node: onnx.NodeProto, opset: int) -> Callable[..., Any]:
+        op, a, name = node.op_type, _attrs(node), node.name or node.output[0]
+        inputs = [n for n in node.input]
+        if op == "Conv":
+            return self._conv(node, a)
+        if op == "Relu":
+            return F.relu
+        if op == "Clip":
+            if opset >= 11:
+                low = float(self._const(inputs[1])) if len(inputs) > 1 and inputs[1] else None
+                high = float(self._const(inputs[2])) if len(inputs) > 2 and inputs[2] else None
+            else:
+                low, high = a.get("min"), a.get("max")
+            if low is None and high is None:
+                return lambda x, *_: x
+            return lambda x, *_: torch.clamp(x, low, high)
+        if op in ("Add", "Sub", "Mul", "Div"):
+            return _ARITHMETIC[op]
+        if op == "Sigmoid":
+            return torch.sigmoid
+        if op == "Tanh":
+            return torch.tanh
+        if op == "HardSigmoid":
+            alpha, beta = a.get("alpha", 0.2), a.get("beta", 0.5)
+            return lambda x: torch.clamp(x * alpha + beta, 0.0, 1.0)
+        if op == "HardSwish":
+            return F.hardswish
+        if op == "Identity":
+            return lambda x: x
+        if op == "GlobalAveragePool":
+            return lambda x: x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
+        if op == "GlobalMaxPool":
+            return lambda x: x.amax(dim=tuple(range(2, x.dim())), keepdim=True)
+        if op in _REDUCTIONS:
+            axes = a.get("axes")
+            if axes is None and len(inputs) > 1 and inputs[1]:
+                axes = [int(v) for v in self._const(inputs[1]).ravel()]
+            keep = bool(a.get("keepdims", 1))
+            reduce = _REDUCTIONS[op]
+            if not axes:
+                if a.get("noop_with_empty_axes", 0):
+                    return lambda x, *_: x
+                return lambda x, *_: reduce(x, tuple(range(x.dim())), keep)
+            dims = tuple(int(v) for v in axes)
+            return lambda x, *_: reduce(x, dims, keep)
+        if op == "Flatten":
+            axis = int(a.get("axis", 1))
+
+            return lambda x: x.reshape(int(np.prod(x.shape[:axis])), -1)
+        if op == "Reshape":
+            shape = [int(v) for v in self._const(inputs[1]).ravel()]
+
+            def reshape(x: torch.Tensor, *_: Any) -> torch.Tensor:
+                target = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+                return x.reshape(target)
+
+            return reshape
+        if op == "Gemm":
+            return self._gemm(inputs, a)
+        if op == "MatMul":
+            return torch.matmul
+        if op in ("MaxPool", "AveragePool"):
+            return self._pool(op, a)
+        if op == "Pad":
+            mode = a.get("mode", b"constant")
+            mode = mode.decode() if isinstance(mode, bytes) else mode
+            if opset >= 11:
+                pads = [int(v) for v in self._const(inputs[1]).ravel()]
+                value = float(self._const(inputs[2])) if len(inputs) > 2 and inputs[2] else 0.0
+            else:
+                pads, value = list(a["pads"]), float(a.get("value", 0.0))
+            half = len(pads) // 2
+            # torch wants (last_begin, last_end, ..., first_begin, first_end).
+            torch_pads = [p for i in reversed(range(half)) for p in (pads[i], pads[i + half])]
+            while len(torch_pads) > 4 and torch_pads[-2:] == [0, 0]:
+                torch_pads = torch_pads[:-2]
+            torch_mode = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}[mode]
+            if torch_mode == "constant":
+                return lambda x, *_: F.pad(x, torch_pads, mode="constant", value=value)
+            return lambda x, *_: F.pad(x, torch_pads, mode=torch_mode)
+        if op == "Cast":
+            dtype = _ONNX_DTYPES.get(int(a["to"]))
+            if dtype is None:
+                raise UnsupportedModel(f"Cast {name!r}: unsupported target type {a['to']}")
+            return lambda x: x.to(dtype)
+        if op == "Softmax":
+            axis = int(a.get("axis", -1 if opset >= 13 else 1))
+            return lambda x: torch.softmax(x, dim=axis)
+        if op == "BatchNormalization":
+            eps = float(a.get("epsilon", 1e-5))
+            return lambda x, w, b, m, v: F.batch_norm(x, m, v, w, b, False, 0.0, eps)
+        if op == "Concat":
+            axis = int(a["axis"])
+            return lambda *xs: torch.cat(xs, dim=axis)
+        if op == "Transpose":
+            perm = tuple(int(p) for p in a["perm"])
+            return lambda x: x.permute(perm)
+        raise UnsupportedModel(
+            f"ONNX op {op} (node {name!r}) is not supported by the torch backend; "
+            f"serve this model with backend: onnxruntime"
+        )
+
+    def _conv(self, node: onnx.NodeProto, a: dict[str, Any]) -> Callable[..., Any]:
+        name = node.name or node.output[0]
+        weight = self._const(node.input[1])
+        if weight.ndim != 4:
+            raise UnsupportedModel(f"Conv {name!r}: only 2-D convolutions")
+        if a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET", b"VALID", "VALID"):
+            raise UnsupportedModel(f"Conv {name!r}: auto_pad {a['auto_pad']!r}")
+        stride = tuple(a.get("strides", (1, 1)))
+        dilation = tuple(a.get("dilations", (1, 1)))
+        groups = int(a.get("group", 1))
+        begins, ends, symmetric = _pads_2d(a.get("pads", (0, 0, 0, 0)))
+        if symmetric:
+
+            def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:
+                return F.conv2d(x, w, b, stride, begins, dilation, groups)
+
+            return conv
+        # TensorFlow-style SAME padding puts the extra row and column at the end, which
+        # torch's symmetric ``padding`` cannot express: pad explicitly, then convolve.
+        explicit = (begins[1], ends[1], begins[0], ends[0])
+
+        def padded_conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:
+            return F.conv2d(F.pad(x, explicit), w, b, stride, 0, dilation, groups)
+
+        return padded_conv
+
+    def _gemm(self, inputs: list[str], a: dict[str, Any]) -> Callable[..., Any]:
+        alpha, beta = float(a.get("alpha", 1.0)), float(a.get("beta", 1.0))
+        trans_a, trans_b = bool(a.get("transA", 0)), bool(a.get("transB", 0))
+
+        def gemm(x: torch.Tensor, w: torch.Tensor, c: torch.Tensor | None = None) -> Any:
+            x = x.t() if trans_a else x
+            if alpha == 1.0 and beta == 1.0:
+                return F.linear(x, w if trans_b else w.t(), c)
+            y = alpha * (x @ (w.t() if trans_b else w))
+            return y if c is None else y + beta * c
+
+        return gemm
+
+    def _pool(self, op: str, a: dict[str, Any]) -> Callable[..., Any]:
+        kernel = tuple(a["kernel_shape"])
+        if len(kernel) != 2:
+            raise UnsupportedModel(f"{op}: only 2-D pooling")
+        stride = tuple(a.get("strides", (1, 1)))
+        ceil = bool(a.get("ceil_mode", 0))
+        begins, ends, symmetric = _pads_2d(a.get("pads", (0, 0, 0, 0)))
+        explicit = (begins[1], ends[1], begins[0], ends[0])
+        if op == "MaxPool":
+            dilation = tuple(a.get("dilations", (1, 1)))
+            if symmetric:
+                return lambda x: F.max_pool2d(x, kernel, stride, begins, dilation, ceil)
+            return lambda x: F.max_pool2d(
+                F.pad(x, explicit, value=float("-inf")), kernel, stride, 0, dilation, ceil
+            )
+        include = bool(a.get("count_include_pad", 0))
+        if symmetric:
+            return lambda x: F.avg_pool2d(x, kernel, stride, begins, ceil, include)
+        return lambda x: F.avg_pool2d(F.pad(x, explicit), kernel, stride, 0, ceil, True)
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        values: dict[str, Any] = dict(zip(self.input_names, args, strict=True))
+        for step in self._steps:
+            result = step.fn(*(self._lookup(values, n) for n in step.inputs))
+            if len(step.outputs) == 1:
+                values[step.outputs[0]] = result
+            else:
+                values.update(zip(step.outputs, result, strict=False))
+        return tuple(self._lookup(values, n) for n in self.output_names)
+
+    def _lookup(self, values: dict[str, Any], name: str) -> Any:
+        if name in values:
+            return values[name]
+        return self._tensor(name)
+
+    def ops(self) -> list[str]:
+        return [step.op for step in self._steps]
+
+
+def convert(path: Path) -> OnnxModule:
+    """The ONNX file as a module on the CPU, in the graph's own dtypes."""
+    return OnnxModule(onnx.load(str(path))).eval()
+
+
+# -- precision ----------------------------------------------------------------------------
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype weights and activations are cast to; None keeps the graph's own."""
+    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+
+
+def graph_precision(path: Path) -> str:
+    """``fp16`` for a float16 variant (float16 initializers), else ``fp32``."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    halves = sum(1 for init in graph.initializer if init.data_type == TensorProto.FLOAT16)
+    return "fp16-variant" if halves else "fp32"
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool) -> Iterator[None]:
+    """TF32 math on or off for what runs (or is captured) inside."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def buckets(max_batch_size: int, preferred: Sequence[int] = ()) -> list[int]:
+    """Batch sizes that get a CUDA graph: powers of two, the preferred sizes, the max."""
+    sizes = {max_batch_size, *(p for p in preferred if 0 < p <= max_batch_size)}
+    power = 1
+    while power < max_batch_size:
+        sizes.add(power)
+        power *= 2
+    return sorted(sizes)
+
+
+# -- engine and runner --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchOptions:
+    """What the torch backend takes beyond ``EngineOptions``.
+
+    ``precision`` is one of ``PRECISIONS`` or None (the graph's own: fp32, or the fp16
+    variant as converted). ``devices``: the GPUs runners are placed on, round-robin (one
+    copy of the weights per GPU). ``image``: the model's preprocessing, which lets the image
+    input take UINT8 pixels normalised on the GPU. ``batch_buckets`` replaces the default
+    buckets (``buckets()``). ``cuda_graphs`` off runs eagerly, to measure what graphs save.
+    """
+
+    precision: str | None = None
+    devices: tuple[int, ...] = (0,)
+    image: ImagePreprocess | None = None
+    preferred_batch_sizes: tuple[int, ...] = ()
+    batch_buckets: tuple[int, ...] = ()
+    cuda_graphs: bool = True
+    channels_last: bool = True
+
+
+class TorchEngine:
+    backend = BACKEND
+
+    def __init__(
+        self, path: Path, spec: ModelSpec, options: EngineOptions, torch_options: TorchOptions
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the torch backend needs CUDA; use backend: onnxruntime")
+        dynamic = [t.name for t in (*spec.inputs, *spec.outputs) if not t.is_static]
+        if dynamic:
+            raise UnsupportedModel(
+                f"{spec.name}: {', '.join(dynamic)} have dynamic dimensions besides the batch; "
+                "the torch backend's static buffers and CUDA graphs need fixed row shapes"
+            )
+        precision = torch_options.precision or graph_precision(path)
+        if precision not in (*PRECISIONS, "fp16-variant"):
+            raise ValueError(f"unknown precision {precision!r}; one of {', '.join(PRECISIONS)}")
+        self.spec = spec
+        self.precision = precision
+        self.options = torch_options
+        self.devices = torch_options.devices or (0,)
+        self.cuda_graphs = torch_options.cuda_graphs
+        if not spec.batched:
+            self.buckets = [0]
+        elif torch_options.batch_buckets:
+            self.buckets = sorted(torch_options.batch_buckets)
+            if self.buckets[-1] < spec.max_batch_size:
+                raise ValueError(f"batch buckets {self.buckets} do not reach the max batch")
+        else:
+            self.buckets = buckets(spec.max_batch_size, torch_options.preferred_batch_sizes)
+        # cuDNN times its algorithms once per shape; the graphs then replay the winner.
+        torch.backends.cudnn.benchmark = True
+        dtype = compute_dtype(precision)
+        self._modules: dict[int, OnnxModule] = {}
+        for device in self.devices:
+            module = convert(path).to(device=torch.device("cuda", device), dtype=dtype)
+            if torch_options.channels_last:
+                for attr, buffer in list(module.named_buffers()):
+                    if buffer.dim() == 4:
+                        setattr(module, attr, buffer.contiguous(memory_format=torch.channels_last))
+            self._modules[device] = module
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def module(self, device: int) -> OnnxModule:
+        return self._modules[device]
+
+    def new_runner(self) -> TorchRunner:
+        with self._lock:
+            device = self.devices[self._next % len(self.devices)]
+            self._next += 1
+        return TorchRunner(self, device)
+
+    def close(self) -> None:
+        self._modules.clear()
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class _Input:
+    spec: TensorSpec
+    formats: dict[str, torch.dtype]  # accepted V2 datatype -> device buffer dtype
+    host: dict[str, cuda.HostBuffer]
+    device: dict[str, torch.Tensor]
+
+
+class TorchRunner:
+    """One lane: a stream, pinned staging, static device buffers and a graph per bucket."""
+
+    def __init__(self, engine: TorchEngine, device: int) -> None:
+        self.engine = engine
+        self.device = device
+        spec = engine.spec
+        self._spec = spec
+        self._module = engine.module(device)
+        self._max = max(1, spec.max_batch_size)
+        self._dtype = compute_dtype(engine.precision)
+        image = engine.options.image
+        self._image_input = spec.inputs[0].name if image is not None else None
+        self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None
+        torch_device = torch.device("cuda", device)
+        with torch.cuda.device(device):
+            self._stream = cuda.Stream(device)
+            self._done = cuda.Event(device)
+            self._torch_stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
+                self._stream.ptr, device=torch_device
+            )
+            if image is not None:
+                shape = (1, 3, 1, 1) if image.layout == "NCHW" else (1, 1, 1, 3)
+                mean = torch.tensor(image.mean, dtype=torch.float32, device=torch_device)
+                inv_std = 1.0 / torch.tensor(image.std, dtype=torch.float32, device=torch_device)
+                self._normalize = (mean.reshape(shape), inv_std.reshape(shape))
+            with torch.cuda.stream(self._torch_stream):
+                self._inputs = [self._make_input(t, torch_device) for t in spec.inputs]
+                self._outputs = {
+                    t.name: cuda.HostBuffer(self._rows_bytes(t, self._max)) for t in spec.outputs
+                }
+            self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
+            if engine.cuda_graphs:
+                self._capture_all()
+
+    # -- setup ----------------------------------------------------------------------------
+
+    def _rows_bytes(self, tensor: TensorSpec, rows: int) -> int:
+        return tensor.row_bytes() * (rows if self._spec.batched else 1)
+
+    def _shape(self, tensor: TensorSpec, rows: int) -> tuple[int, ...]:
+        row = tuple(1 if d == -1 else d for d in tensor.shape)
+        return (rows, *row) if self._spec.batched else row
+
+    def _make_input(self, tensor: TensorSpec, device: torch.device) -> _Input:
+        formats = {tensor.datatype: _NUMPY_TO_TORCH[tensor.datatype]}
+        if tensor.name == self._image_input:
+            formats["UINT8"] = torch.uint8
+        host, dev = {}, {}
+        for datatype, dtype in formats.items():
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            shape = self._shape(tensor, self._max)
+            host[datatype] = cuda.HostBuffer(int(np.prod(shape)) * itemsize)
+            dev[datatype] = torch.empty(shape, dtype=dtype, device=device)
+        return _Input(tensor, formats, host, dev)
+
+    def _formats(self) -> list[str]:
+        """Input datatypes of the image input to capture graphs for (the declared one first)."""
+        image = next((i for i in self._inputs if i.spec.name == self._image_input), None)
+        return list(image.formats) if image else [self._inputs[0].spec.datatype]
+
+    def _prepare(self, fmt: str, rows: int) -> list[torch.Tensor]:
+        """The module's inputs from the static device buffers (inside the graph)."""
+        values = []
+        for slot in self._inputs:
+            datatype = fmt if fmt in slot.formats else slot.spec.datatype
+            raw = slot.device[datatype]
+            x = raw[:rows] if self._spec.batched else raw
+            if datatype == "UINT8" and self._normalize is not None:
+                mean, inv_std = self._normalize
+                x = (x.to(torch.float32) - mean) * inv_std
+            if self._dtype is not None and x.is_floating_point():
+                x = x.to(self._dtype)
+            if self.engine.options.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            values.append(x)
+        return values
+
+    def _forward(self, fmt: str, rows: int) -> tuple[torch.Tensor, ...]:
+        outputs = self._module(*self._prepare(fmt, rows))
+        result = []
+        for tensor, value in zip(self._spec.outputs, outputs, strict=True):
+            want = _NUMPY_TO_TORCH[tensor.datatype]
+            result.append(value.to(want).contiguous())
+        return tuple(result)
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        with _CAPTURE_LOCK, torch.no_grad(), tf32(self.engine.precision == "tf32"):
+            # Largest first: the smaller graphs then fit in the memory the pool already has.
+            for fmt in self._formats():
+                for bucket in sorted(self.engine.buckets, reverse=True):
+                    with torch.cuda.stream(self._torch_stream):
+                        for _ in range(2):  # cuDNN picks its algorithms outside the capture
+                            self._forward(fmt, bucket)
+                    self._stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(
+                        graph,
+                        pool=pool,
+                        stream=self._torch_stream,
+                        capture_error_mode="thread_local",
+                    ):
+                        outputs = self._forward(fmt, bucket)
+                    self._graphs[(bucket, fmt)] = (graph, outputs)
+        self._stream.synchronize()
+
+    # -- running --------------------------------------------------------------------------
+
+    def bucket(self, rows: int) -> int:
+        for size in self.engine.buckets:
+            if size >= rows:
+                return size
+        raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        spec = self._spec
+        first = inputs[spec.inputs[0].name]
+        rows = int(first.shape[0]) if spec.batched else 1
+        bucket = self.bucket(rows) if spec.batched else 0
+        fmt = spec.inputs[0].datatype
+        with torch.cuda.device(self.device):
+            for slot in self._inputs:
+                array = inputs[slot.spec.name]
+                datatype = "UINT8" if array.dtype == np.uint8 and "UINT8" in slot.formats else None
+                datatype = datatype or slot.spec.datatype
+                if slot.spec.name == self._image_input:
+                    fmt = datatype
+                self._stage(slot, datatype, array)
+            if self.engine.cuda_graphs:
+                graph, outputs = self._graphs[(bucket, fmt)]
+                with torch.cuda.stream(self._torch_stream):
+                    graph.replay()
+            else:
+                with (
+                    torch.cuda.stream(self._torch_stream),
+                    torch.no_grad(),
+                    tf32(self.engine.precision == "tf32"),
+                ):
+                    outputs = self._forward(fmt, rows)
+            views = {}
+            for tensor, value in zip(spec.outputs, outputs, strict=True):
+                host = self._outputs[tensor.name]
+                nbytes = self._rows_bytes(tensor, rows)
+                cuda.copy_to_host(host.ptr, value.data_ptr(), nbytes, self._stream)
+                shape = (rows, *value.shape[1:]) if spec.batched else tuple(value.shape)
+                views[tensor.name] = host.array(tensor.dtype, shape)
+            self._done.record(self._stream)
+            self._done.synchronize()
+        # The pinned buffers are reused by the next batch: hand out copies.
+        return {name: view.copy() for name, view in views.items()}
+
+    def _stage(self, slot: _Input, datatype: str, array: np.ndarray) -> None:
+        """Pageable request memory -> pinned staging -> device buffer, on the runner's stream."""
+        dtype = slot.formats.get(datatype)
+        if dtype is None:
+            raise ValueError(f"input {slot.spec.name!r}: datatype {datatype} not accepted")
+        device = slot.device[datatype]
+        host = slot.host[datatype]
+        want = tuple(device.shape[1:]) if self._spec.batched else tuple(device.shape)
+        got = tuple(array.shape[1:]) if self._spec.batched else tuple(array.shape)
+        if got != want:
+            raise ValueError(
+                f"input {slot.spec.name!r}: rows of {list(got)}, expected {list(want)}"
+            )
+        expected = np.dtype(np.uint8) if datatype == "UINT8" else slot.spec.dtype
+        if array.dtype != expected:
+            raise ValueError(f"input {slot.spec.name!r}: {array.dtype}, expected {expected}")
+        view = host.array(array.dtype, array.shape)
+        np.copyto(view, array, casting="no")
+        cuda.copy_to_device(device.data_ptr(), host.ptr, array.nbytes, self._stream)
+
+    def device_buffer(self, name: str, datatype: str) -> torch.Tensor:
+        """The static device buffer behind an input, for producers already on the GPU (a
+        batched JPEG decode writes pixels here instead of going through the host)."""
+        slot = next(s for s in self._inputs if s.spec.name == name)
+        return slot.device[datatype]
+
+    def close(self) -> None:
+        self._stream.synchronize()
+        self._graphs.clear()
+        for slot in self._inputs:
+            for buffer in slot.host.values():
+                buffer.close()
+        for buffer in self._outputs.values():
+            buffer.close()
+        self._done.close()
+        self._stream.close()
+
+
+def load(path: Path, spec: ModelSpec, options: EngineOptions) -> TorchEngine:
+    """The registry's loader: the graph's own precision, GPU 0."""
+    return TorchEngine(path, spec, options, TorchOptions())
