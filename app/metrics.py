@@ -12,9 +12,14 @@ totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engines import nvml
 
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
@@ -77,6 +82,42 @@ BATCH_SIZE = Histogram(
     LABELS,
     buckets=BATCH_BUCKETS,
 )
+
+# GPU gauges, labelled ``gpu`` (the NVML index), read through NVML at scrape time.
+GPU_METRICS: dict[str, str] = {
+    "stoker_gpu_utilization_ratio": "Fraction of NVML's last sample period in which a kernel "
+    "ran on the GPU (0 to 1).",
+    "stoker_gpu_memory_used_bytes": "GPU memory in use, by every process on the GPU.",
+    "stoker_gpu_memory_total_bytes": "GPU memory in total.",
+    "stoker_gpu_power_watts": "GPU power draw.",
+}
+
+
+class GpuCollector(Collector):
+    """Yields the GPU gauges from a fresh NVML sample on each scrape; on a machine without
+    a GPU the metrics are declared with no series."""
+
+    def __init__(self, source: Callable[[], list[nvml.GpuSample]]) -> None:
+        self._source = source
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        for name, documentation in GPU_METRICS.items():
+            yield GaugeMetricFamily(name, documentation, labels=["gpu"])
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = {
+            name: GaugeMetricFamily(name, doc, labels=["gpu"]) for name, doc in GPU_METRICS.items()
+        }
+        for gpu in self._source():
+            label = [str(gpu.index)]
+            families["stoker_gpu_utilization_ratio"].add_metric(label, gpu.utilization)
+            families["stoker_gpu_memory_used_bytes"].add_metric(label, gpu.memory_used_bytes)
+            families["stoker_gpu_memory_total_bytes"].add_metric(label, gpu.memory_total_bytes)
+            families["stoker_gpu_power_watts"].add_metric(label, gpu.power_watts)
+        yield from families.values()
+
+
+REGISTRY.register(GpuCollector(nvml.sample))
 
 
 @dataclass

@@ -641,11 +641,13 @@ class TorchRunner:
         np.copyto(view, array, casting="no")
         cuda.copy_to_device(device.data_ptr(), host.ptr, array.nbytes, self._stream)
 
-    def device_buffer(self, name: str, datatype: str) -> torch.Tensor:
-        """The static device buffer behind an input, for producers already on the GPU (a
-        batched JPEG decode writes pixels here instead of going through the host)."""
-        slot = next(s for s in self._inputs if s.spec.name == name)
-        return slot.device[datatype]
+    def graph(self, bucket: int, datatype: str) -> torch.cuda.CUDAGraph:
+        """The captured graph of one bucket and input datatype (to time the GPU alone)."""
+        return self._graphs[(bucket, datatype)][0]
+
+    @property
+    def stream(self) -> torch.cuda.Stream:
+        return self._torch_stream
 
     def close(self) -> None:
         self._stream.synchronize()

@@ -1,0 +1,358 @@
+"""The torch backend measured on one GPU: graph replay alone, the raw runner, latency, copies
+and JPEG decode. ``scripts/h200.sh`` runs it; it prints a table last and writes JSON.
+
+python scripts/gpu_bench.py --out results/ [--seconds 2]
+
+- graph: CUDA-graph replays of one bucket back to back on the runner's stream, timed with CUDA
+  events: the GPU alone, what the issue's ceilings measure.
+- runner: ``TorchRunner.run`` with numpy batches as the pool calls it (staging copy into
+  pinned memory, H2D, replay, D2H, blocking wait), from 1 or more threads, one runner each.
+- The median of three timed windows after a warm-up; inputs are random pixels, rotated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import zoo
+from engines import cuda
+from engines.base import EngineOptions
+from engines.onnxruntime import read_spec
+from engines.preprocess import ImagePreprocess
+from engines.torch_backend import TorchEngine, TorchOptions, TorchRunner
+
+BATCHES = (1, 8, 32, 128, 256)
+# The issue's measured ceilings on this H200 (ResNet-50, 224², channels last, CUDA graph).
+CEILINGS = {("resnet50", "fp16", 256): 17_100, ("resnet50", "fp16", 32): 13_500,
+            ("resnet50", "bf16", 256): 15_900, ("resnet50", "tf32", 256): 9_400,
+            ("resnet50", "fp32", 256): 3_800}  # fmt: skip
+
+
+@dataclass
+class Row:
+    model: str
+    precision: str
+    what: str
+    batch: int
+    value: float
+    unit: str
+    note: str = ""
+
+
+ROWS: list[Row] = []
+
+
+def record(row: Row) -> None:
+    ROWS.append(row)
+    print(f"  {row.model:18} {row.precision:5} {row.what:34} b={row.batch:<4} "
+          f"{row.value:12,.1f} {row.unit} {row.note}", flush=True)  # fmt: skip
+
+
+def windows(fn: Callable[[float], float], seconds: float, count: int = 3) -> float:
+    """Median of ``count`` windows of ``fn(seconds)`` after one warm-up window."""
+    fn(min(0.5, seconds))
+    return statistics.median(fn(seconds) for _ in range(count))
+
+
+def pixels(rows: int, distinct: int = 4) -> list[np.ndarray]:
+    rng = np.random.default_rng(rows)
+    return [rng.integers(0, 256, (rows, 3, 224, 224), dtype=np.uint8) for _ in range(distinct)]
+
+
+def as_float(batches: list[np.ndarray]) -> list[np.ndarray]:
+    return [((b.astype(np.float32) - 127.0) / 128.0).astype(np.float32) for b in batches]
+
+
+def make_engine(path: Path, precision: str, buckets: tuple[int, ...], **kw: Any) -> TorchEngine:
+    spec = read_spec(path, path.parent.name, max(buckets))
+    options = TorchOptions(
+        precision=precision, image=ImagePreprocess(), batch_buckets=buckets, **kw
+    )
+    return TorchEngine(path, spec, EngineOptions(), options)
+
+
+def graph_rate(runner: TorchRunner, bucket: int, seconds: float) -> float:
+    """Images/s of back-to-back replays of one graph (GPU only)."""
+    graph = runner.graph(bucket, "UINT8")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def window(limit: float) -> float:
+        with torch.cuda.stream(runner.stream):
+            graph.replay()
+            runner.stream.synchronize()
+            reps, t0 = 0, time.perf_counter()
+            start.record()
+            while time.perf_counter() - t0 < limit:
+                for _ in range(10):
+                    graph.replay()
+                reps += 10
+                runner.stream.synchronize()
+            end.record()
+            end.synchronize()
+        return reps * bucket / (start.elapsed_time(end) / 1000)
+
+    return windows(window, seconds)
+
+
+def runner_rate(runners: list[TorchRunner], batches: list[np.ndarray], seconds: float) -> float:
+    """Images/s of ``run`` from one thread per runner, each looping over the batches."""
+
+    def window(limit: float) -> float:
+        counts = [0] * len(runners)
+        stop = threading.Event()
+
+        def loop(i: int) -> None:
+            runner, n = runners[i], 0
+            while not stop.is_set():
+                out = runner.run({"input": batches[n % len(batches)]})
+                counts[i] += len(out["logits"])
+                n += 1
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(runners))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(limit)
+        stop.set()
+        for t in threads:
+            t.join()
+        return sum(counts) / (time.perf_counter() - t0)
+
+    return windows(window, seconds)
+
+
+def latency_ms(runner: TorchRunner, batch: np.ndarray, count: int = 200) -> float:
+    for _ in range(10):
+        runner.run({"input": batch})
+    times = []
+    for _ in range(count):
+        t0 = time.perf_counter()
+        runner.run({"input": batch})
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def model_path(name: str, root: Path) -> Path:
+    folder = root / name
+    if not (folder / "model.onnx").exists():
+        zoo.GENERATORS[name](folder)
+    return folder / "model.onnx"
+
+
+def bench_model(name: str, path: Path, seconds: float) -> None:
+    print(f"== {name} fp16: graphs at {BATCHES}, two runners", flush=True)
+    t0 = time.perf_counter()
+    engine = make_engine(path, "fp16", BATCHES)
+    runners = [engine.new_runner() for _ in range(2)]
+    record(Row(name, "fp16", "startup: 2 runners, 10 graphs each", 0,
+               time.perf_counter() - t0, "s"))  # fmt: skip
+    for b in BATCHES:
+        u8 = pixels(b)
+        ceiling = CEILINGS.get((name, "fp16", b))
+        gpu = graph_rate(runners[0], b, seconds)
+        record(Row(name, "fp16", "graph replay (GPU only)", b, gpu, "img/s",
+                   f"ceiling {ceiling:,} -> {gpu / ceiling:.2f}" if ceiling else ""))  # fmt: skip
+        one = runner_rate(runners[:1], u8, seconds)
+        record(Row(name, "fp16", "runner.run UINT8, 1 thread", b, one, "img/s",
+                   f"/graph {one / gpu:.2f}"))  # fmt: skip
+        two = runner_rate(runners, u8, seconds)
+        versus = f", /ceiling {two / ceiling:.2f}" if ceiling else ""
+        record(Row(name, "fp16", "runner.run UINT8, 2 runners", b, two, "img/s",
+                   f"/graph {two / gpu:.2f}{versus}"))  # fmt: skip
+        if b in (1, 32, 256):
+            f32 = runner_rate(runners, as_float(u8), seconds)
+            record(Row(name, "fp16", "runner.run FP32, 2 runners", b, f32, "img/s",
+                       f"/graph {f32 / gpu:.2f}"))  # fmt: skip
+    record(Row(name, "fp16", "latency runner.run UINT8 (graph)", 1,
+               latency_ms(runners[0], pixels(1)[0]), "ms"))  # fmt: skip
+    for r in runners:
+        r.close()
+    engine.close()
+    eager = make_engine(path, "fp16", (1,), cuda_graphs=False).new_runner()
+    record(Row(name, "fp16", "latency runner.run UINT8 (eager)", 1,
+               latency_ms(eager, pixels(1)[0], 50), "ms"))  # fmt: skip
+    eager.close()
+
+
+def bench_as_served(name: str, path: Path, max_batch: int, rows: int, seconds: float) -> None:
+    """The engine exactly as ``stoker serve`` loads it (registry loader: the graph's own
+    precision, FP32 input, default buckets), two runners at ``rows``: the raw runner that
+    the service over HTTP is divided by."""
+    from engines import backends
+
+    print(f"== {name} as served (registry loader), batch {rows}", flush=True)
+    spec = read_spec(path, name, max_batch)
+    engine = backends.loader("torch")(path, spec, EngineOptions(runners=2))
+    runners = [engine.new_runner() for _ in range(2)]
+    rate = runner_rate(runners, as_float(pixels(rows)), seconds)  # type: ignore[arg-type]
+    record(Row(name, "fp32", "as served: runner.run FP32, 2 runners", rows, rate, "img/s"))
+    for r in runners:
+        r.close()
+    engine.close()
+
+
+def bench_precisions(path: Path, seconds: float) -> None:
+    print("== resnet50 fp32 / tf32 / bf16 at batch 256", flush=True)
+    for precision in ("fp32", "tf32", "bf16"):
+        engine = make_engine(path, precision, (256,))
+        runners = [engine.new_runner() for _ in range(2)]
+        gpu = graph_rate(runners[0], 256, seconds)
+        ceiling = CEILINGS[("resnet50", precision, 256)]
+        record(Row("resnet50", precision, "graph replay (GPU only)", 256, gpu, "img/s",
+                   f"ceiling {ceiling:,} -> {gpu / ceiling:.2f}"))  # fmt: skip
+        two = runner_rate(runners, pixels(256), seconds)
+        record(Row("resnet50", precision, "runner.run UINT8, 2 runners", 256, two, "img/s",
+                   f"/ceiling {two / ceiling:.2f}"))  # fmt: skip
+        for r in runners:
+            r.close()
+        engine.close()
+
+
+def bench_streams(path: Path, seconds: float) -> None:
+    print("== resnet50 fp16 at batch 8: runners (streams) in parallel", flush=True)
+    engine = make_engine(path, "fp16", (8,))
+    runners = [engine.new_runner() for _ in range(4)]
+    base = 0.0
+    for count in (1, 2, 4):
+        rate = runner_rate(runners[:count], pixels(8), seconds)
+        base = base or rate
+        record(Row("resnet50", "fp16", f"runner.run UINT8, {count} runners", 8, rate, "img/s",
+                   f"x{rate / base:.2f} of one"))  # fmt: skip
+    for r in runners:
+        r.close()
+    engine.close()
+
+
+def bench_copies() -> None:
+    print("== host to device copies, 256 MiB", flush=True)
+    nbytes = 256 << 20
+    stream, done = cuda.Stream(0), cuda.Event(0)
+    pinned, device = cuda.HostBuffer(nbytes), cuda.DeviceBuffer(0, nbytes)
+    pageable = np.ones(nbytes, dtype=np.uint8)
+    for label, src in (("pinned", pinned.ptr), ("pageable", pageable.ctypes.data)):
+        times = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            cuda.copy_to_device(device.ptr, src, nbytes, stream)
+            done.record(stream)
+            done.synchronize()
+            times.append(time.perf_counter() - t0)
+        record(Row("-", "-", f"H2D copy, {label} (engines.cuda)", 0,
+                   nbytes / statistics.median(times[1:]) / 1e9, "GB/s"))  # fmt: skip
+    for resource in (pinned, device, done, stream):
+        resource.close()
+
+
+def bench_jpeg(seconds: float) -> None:
+    import torchvision
+    from PIL import Image
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms.v2 import functional as tvf
+
+    print("== JPEG decode + resize 256 + crop 224, 640x480 photos", flush=True)
+    rng = np.random.default_rng(0)
+    ys, xs = np.mgrid[0:480, 0:640].astype(np.float32)
+    jpegs = []
+    for _ in range(16):
+        img = rng.uniform(0, 255, 3) + xs[..., None] * rng.uniform(-0.3, 0.3, 3)
+        img = img + ys[..., None] * rng.uniform(-0.3, 0.3, 3) + rng.normal(0, 12, (480, 640, 3))
+        buf = io.BytesIO()
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
+        jpegs.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    batch = [jpegs[i % len(jpegs)] for i in range(128)]
+
+    def gpu_window(limit: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < limit:
+            images = decode_jpeg(batch, device="cuda")
+            resized = [tvf.center_crop(tvf.resize(i, [256], antialias=True), [224]) for i in images]
+            torch.stack(resized).cpu()
+            n += len(batch)
+        return n / (time.perf_counter() - t0)
+
+    rate = windows(gpu_window, seconds)
+    record(Row("-", "-", f"GPU decode_jpeg (tv {torchvision.__version__})", 128, rate, "img/s"))
+
+    def cpu_window(limit: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < limit:
+            img = Image.open(io.BytesIO(batch[n % len(batch)].numpy().tobytes())).convert("RGB")
+            img.resize((341, 256), Image.Resampling.BILINEAR).crop((58, 16, 282, 240))
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    record(Row("-", "-", "CPU PIL decode, one core", 1, windows(cpu_window, seconds), "img/s"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--models", type=Path, default=Path("/tmp/stoker-models"))
+    parser.add_argument("--seconds", type=float, default=2.0)
+    parser.add_argument("--only", default="models,precisions,served,streams,copies,jpeg")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    props = torch.cuda.get_device_properties(0)
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "cudnn": torch.backends.cudnn.version(), "gpu": props.name,
+           "sms": props.multi_processor_count, "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    print("env:", env, flush=True)
+    resnet = model_path("resnet50", args.models)
+    steps: list[tuple[str, Callable[[], None]]] = [
+        ("models", lambda: bench_model("resnet50", resnet, args.seconds)),
+        (
+            "models",
+            lambda: bench_model(
+                "efficientnet_lite0", model_path("efficientnet_lite0", args.models), args.seconds
+            ),
+        ),
+        ("precisions", lambda: bench_precisions(resnet, args.seconds)),
+        ("served", lambda: bench_as_served("resnet50", resnet, 64, 32, args.seconds)),
+        (
+            "served",
+            lambda: bench_as_served(
+                "efficientnet_lite0",
+                model_path("efficientnet_lite0", args.models),
+                32,
+                32,
+                args.seconds,
+            ),
+        ),
+        ("streams", lambda: bench_streams(resnet, args.seconds)),
+        ("copies", bench_copies),
+        ("jpeg", lambda: bench_jpeg(args.seconds)),
+    ]
+    for key, step in steps:
+        if key not in only:
+            continue
+        try:
+            step()
+        except Exception as exc:  # one failed section must not lose the others' numbers
+            print(f"!! {key}: {type(exc).__name__}: {exc}", flush=True)
+            record(Row("-", "-", f"FAILED {key}: {type(exc).__name__}", 0, 0, "", str(exc)[:80]))
+        torch.cuda.empty_cache()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_bench.json").write_text(
+        json.dumps({"env": env, "rows": [r.__dict__ for r in ROWS]}, indent=1)
+    )
+    print("\n| model | precision | what | batch | value | note |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in ROWS:
+        value = f"{r.value:,.1f} {r.unit}"
+        print(f"| {r.model} | {r.precision} | {r.what} | {r.batch} | {value} | {r.note} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""engines.cuda's error checking, without a GPU: every non-success code raises, naming the
+call; both APIs' success codes pass; anything else is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines import cuda
+
+bindings = pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
+
+from cuda.bindings import driver, runtime  # noqa: E402
+
+
+def test_success_codes_of_both_apis_pass_through_with_their_values() -> None:
+    assert cuda.check("cudaStreamSynchronize", (runtime.cudaError_t.cudaSuccess,)) is None
+    assert cuda.check("cuInit", (driver.CUresult.CUDA_SUCCESS,)) is None
+    assert cuda.check("cudaMalloc", (runtime.cudaError_t.cudaSuccess, 1234)) == 1234
+    assert cuda.check("cuMemGetInfo", (driver.CUresult.CUDA_SUCCESS, 1, 2)) == (1, 2)
+    assert cuda.check("cuCtxSynchronize", driver.CUresult.CUDA_SUCCESS) is None
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        runtime.cudaError_t.cudaErrorMemoryAllocation,
+        runtime.cudaError_t.cudaErrorNotReady,
+        driver.CUresult.CUDA_ERROR_INVALID_VALUE,
+        driver.CUresult.CUDA_ERROR_NOT_INITIALIZED,
+    ],
+)
+def test_every_other_code_raises_naming_the_call(code: object) -> None:
+    with pytest.raises(cuda.CudaError) as caught:
+        cuda.check("cudaSomething", (code, 42))
+    assert caught.value.call == "cudaSomething"
+    assert caught.value.code == code
+    assert str(caught.value).startswith(f"cudaSomething failed: {code.name}")  # type: ignore[attr-defined]
+
+
+def test_runtime_errors_carry_the_library_description() -> None:
+    with pytest.raises(cuda.CudaError, match="out of memory"):
+        cuda.check("cudaMalloc", (runtime.cudaError_t.cudaErrorMemoryAllocation, None))
+
+
+def test_a_result_that_is_not_a_cuda_status_is_refused() -> None:
+    for result in ((0,), (None, 1), (), "ok"):
+        with pytest.raises(TypeError, match="cudaFoo"):
+            cuda.check("cudaFoo", result)
+
+
+def test_call_names_the_function() -> None:
+    def cudaFake(value: int) -> tuple[object, int]:
+        return (runtime.cudaError_t.cudaErrorInvalidValue, value)
+
+    with pytest.raises(cuda.CudaError, match=r"^cudaFake failed: cudaErrorInvalidValue \(1\)"):
+        cuda.call(cudaFake, 3)
