@@ -17,6 +17,7 @@ graphs on a ``Stream`` from here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -97,6 +98,11 @@ def check(call: str, result: Any) -> Any:
     if success is None:
         raise TypeError(f"{call} returned {type(code).__name__}, not a CUDA status code")
     if code != success:
+        if runtime is not None and isinstance(code, runtime.cudaError_t):
+            # The runtime also keeps a non-sticky error as the thread's "last error"; it is
+            # an exception now, so clear it before it fails an unrelated later launch check.
+            with contextlib.suppress(Exception):
+                runtime.cudaGetLastError()
         raise CudaError(call, code, _describe(code))
     if not values:
         return None
