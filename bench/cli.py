@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -43,7 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     targets.add_argument(
         "--in-process",
         action="store_true",
-        help="Stoker's batcher and runner pool in a client process, no HTTP (raw baseline)",
+        help="Stoker's batcher and runner pool in one client process, no HTTP and no codec "
+        "(the raw baseline; it always uses one process, and its cpu column includes compute)",
     )
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
@@ -77,7 +79,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     steps.add_argument("--duration", type=float, default=5.0, help="measured seconds per step")
     steps.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     client = parser.add_argument_group("client")
-    client.add_argument("--workers", type=int, default=1, help="client processes")
+    client.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="client processes sharing each step (one does some thousands of req/s)",
+    )
     client.add_argument("--timeout", type=float, default=60.0, help="request timeout, seconds")
     client.add_argument("--max-in-flight", type=int, default=16384, help="open-loop cap")
     out = parser.add_argument_group("output")
@@ -296,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             report.say(line)
 
     results: list[report.TargetResult] = []
+    # A plain SIGTERM would leave the servers the bench started running; exit through the
+    # context managers instead, so they are stopped and finished targets are still written.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for plan in plans(args):
             results.append(measure(plan, args, cache, show))
@@ -320,4 +330,5 @@ def main(argv: list[str] | None = None) -> int:
                 title = f"{args.model}, {args.payload}, {args.rows} row(s)/request"
                 for path in report.write_plots(args.plots, results, title):
                     report.say(f"wrote {path}")
+        signal.signal(signal.SIGTERM, previous)
     return 0

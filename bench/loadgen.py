@@ -340,7 +340,8 @@ async def closed_loop(
             in_window = t0 <= end < t1
             rec.outcome(status, payload.rows, end - start if in_window else None, in_window)
 
-    await asyncio.gather(*(one_client(share.seed * 7919 + i) for i in range(share.clients)))
+    # Workers start at different payloads, so together they cycle through all of them.
+    await asyncio.gather(*(one_client(share.seed + i) for i in range(share.clients)))
 
 
 async def open_loop(
@@ -491,8 +492,12 @@ class Workers:
             theirs.close()
             self._connections.append(mine)
             self._processes.append(process)
-        for connection in self._connections:
-            self._receive(connection)
+        try:
+            for connection in self._connections:
+                self._receive(connection)
+        except BaseException:
+            self.close()
+            raise
 
     def _receive(self, connection: Connection) -> Any:
         try:

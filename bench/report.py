@@ -177,6 +177,8 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "packages": versions,
+        # Other work on the machine skews every number; the bench's own processes count too.
+        "load_average": list(os.getloadavg()),
     }
 
 
