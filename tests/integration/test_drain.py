@@ -29,7 +29,9 @@ from tests.integration.conftest import Server, start_server
 WIDTH = 512
 LAYERS = 16
 IN_FLIGHT = 200
-BLOCKER_SECONDS = 2.0
+# Long enough for 200 requests to reach the queue on two busy cores (1 to 2.5 s seen) with the
+# blocker still running, and for the drain timeout test's 0.5 s to pass before it ends.
+BLOCKER_SECONDS = 4.0
 
 CONFIG = """\
 max_batch_size: 64

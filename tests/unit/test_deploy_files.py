@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,17 @@ def test_default_model_is_prepared_at_build_time() -> None:
     assert any("docker/install.sh" in run for run in gpu_runs), "one install script for both"
 
 
+@pytest.mark.parametrize("stage", ["cpu-build", "gpu-build"])
+def test_build_stages_copy_every_package_the_project_installs(stage: str) -> None:
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        packages = tomllib.load(file)["tool"]["setuptools"]["packages"]
+    copied = {
+        shlex.split(rest)[0] for keyword, rest in dockerfile_stages()[stage] if keyword == "COPY"
+    }
+    assert set(packages) <= copied
+    assert {"pyproject.toml", "docker/install.sh"} <= copied
+
+
 def test_dockerignore_is_an_allow_list() -> None:
     rules = [
         line
@@ -138,7 +150,9 @@ def test_dockerignore_is_an_allow_list() -> None:
         if line and not line.startswith("#")
     ]
     assert rules[0] == "*"
-    for needed in ("pyproject.toml", "README.md", "app/", "engines/", "zoo/", "models/"):
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        packages = tomllib.load(file)["tool"]["setuptools"]["packages"]
+    for needed in ("pyproject.toml", "README.md", "models/", *(f"{p}/" for p in packages)):
         assert f"!{needed}" in rules
 
 
