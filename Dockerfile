@@ -4,7 +4,9 @@
 #   docker build --target gpu -t stoker:gpu .   NVIDIA's TensorRT image, NGC release 25.10:
 #                                               TensorRT 10.13.3, CUDA 13.0.2, Ubuntu 24.04,
 #                                               Python 3.12 (driver 580 or a data-center
-#                                               compatibility driver)
+#                                               compatibility driver); serves with the torch
+#                                               backend on the GPU (`auto`), the TensorRT
+#                                               bindings ready for the TensorRT backend
 # Both run as a non-root user, take STOKER_* settings from the environment, keep the engine
 # store on the volume /var/cache/stoker (a restarted container loads instead of rebuilding),
 # and carry the default model prepared at build time, so they start offline.
@@ -24,7 +26,7 @@ COPY engines ./engines
 COPY zoo ./zoo
 COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
-RUN sh docker/install.sh /opt/stoker/venv /src
+RUN sh docker/install.sh /opt/stoker/venv /src default-model
 COPY models /opt/stoker/models
 RUN /opt/stoker/venv/bin/stoker prepare --repository /opt/stoker/models --model efficientnet_lite0
 
@@ -67,8 +69,10 @@ COPY engines ./engines
 COPY zoo ./zoo
 COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
-# --system-site-packages: the base image's TensorRT Python bindings stay importable.
-RUN sh docker/install.sh /opt/stoker/venv /src --system-site-packages
+# The gpu extra: torch (a CUDA build with its own CUDA libraries), cuda-python and NVML, for
+# the torch backend and the GPU gauges; --system-site-packages keeps the base image's TensorRT
+# Python bindings importable.
+RUN sh docker/install.sh /opt/stoker/venv /src default-model,gpu --system-site-packages
 
 FROM ${TENSORRT_IMAGE} AS gpu
 RUN groupadd --system --gid 10001 stoker \

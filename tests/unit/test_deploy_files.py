@@ -129,7 +129,13 @@ def test_default_model_is_prepared_at_build_time() -> None:
     assert any("stoker prepare" in run and "efficientnet_lite0" in run for run in runs)
     assert any("docker/install.sh" in run for run in runs)
     gpu_runs = [rest for keyword, rest in dockerfile_stages()["gpu-build"] if keyword == "RUN"]
-    assert any("docker/install.sh" in run for run in gpu_runs), "one install script for both"
+    (install,) = [shlex.split(run) for run in gpu_runs if "docker/install.sh" in run]
+    assert install[4].split(",") == ["default-model", "gpu"], "one install script for both"
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        extras = tomllib.load(file)["project"]["optional-dependencies"]
+    assert {"torch", "cuda-python", "nvidia-ml-py"} <= {
+        re.split(r"[<>=\[]", requirement)[0] for requirement in extras["gpu"]
+    }
 
 
 @pytest.mark.parametrize("stage", ["cpu-build", "gpu-build"])
