@@ -235,6 +235,58 @@ def bench_streams(path: Path, seconds: float) -> None:
     engine.close()
 
 
+def bench_scaling(path: Path, seconds: float) -> None:
+    print("== resnet50 fp16: runners (threads) at batch 32 and 256", flush=True)
+    engine = make_engine(path, "fp16", (32, 256))
+    runners = [engine.new_runner() for _ in range(4)]
+    for b in (32, 256):
+        gpu = graph_rate(runners[0], b, seconds)
+        for label, batches in (("UINT8", pixels(b)), ("FP32", as_float(pixels(b)))):
+            for count in (1, 2, 3, 4):
+                rate = runner_rate(runners[:count], batches, seconds)
+                record(Row("resnet50", "fp16", f"runner.run {label}, {count} runners", b, rate,
+                           "img/s", f"/graph {rate / gpu:.2f}"))  # fmt: skip
+    for r in runners:
+        r.close()
+    engine.close()
+
+
+def bench_reference(seconds: float) -> None:
+    """torchvision's ResNet-50 the same way (fp16, channels last, one CUDA graph): whether
+    the issue's ceilings reproduce on this machine today, independent of our conversion."""
+    import torchvision
+
+    print("== torchvision resnet50 fp16 channels-last, CUDA graph", flush=True)
+    model = torchvision.models.resnet50().eval().half().cuda()
+    model = model.to(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = True
+    for b in (32, 256):
+        x = torch.randn(b, 3, 224, 224, device="cuda").half()
+        x = x.contiguous(memory_format=torch.channels_last)
+        stream = torch.cuda.Stream()
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for _ in range(3):
+                model(x)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
+            model(x)
+
+        def window(limit: float, graph: torch.cuda.CUDAGraph = graph, b: int = b) -> float:
+            reps, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < limit:
+                for _ in range(5):
+                    graph.replay()
+                reps += 5
+                torch.cuda.synchronize()
+            return reps * b / (time.perf_counter() - t0)
+
+        ceiling = CEILINGS[("resnet50", "fp16", b)]
+        rate = windows(window, seconds)
+        record(Row("torchvision-rn50", "fp16", "graph replay (GPU only)", b, rate, "img/s",
+                   f"ceiling {ceiling:,} -> {rate / ceiling:.2f}"))  # fmt: skip
+
+
 def bench_copies() -> None:
     print("== host to device copies, 256 MiB", flush=True)
     nbytes = 256 << 20
@@ -301,9 +353,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--models", type=Path, default=Path("/tmp/stoker-models"))
     parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--only", default="models,precisions,served,streams,copies,jpeg")
+    parser.add_argument(
+        "--only", default="models,precisions,served,streams,scaling,reference,copies,jpeg"
+    )
     args = parser.parse_args()
-    only = set(args.only.split(","))
     props = torch.cuda.get_device_properties(0)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
            "cudnn": torch.backends.cudnn.version(), "gpu": props.name,
@@ -331,18 +384,22 @@ def main() -> None:
             ),
         ),
         ("streams", lambda: bench_streams(resnet, args.seconds)),
+        ("scaling", lambda: bench_scaling(resnet, args.seconds)),
+        ("reference", lambda: bench_reference(args.seconds)),
         ("copies", bench_copies),
         ("jpeg", lambda: bench_jpeg(args.seconds)),
     ]
-    for key, step in steps:
-        if key not in only:
-            continue
-        try:
-            step()
-        except Exception as exc:  # one failed section must not lose the others' numbers
-            print(f"!! {key}: {type(exc).__name__}: {exc}", flush=True)
-            record(Row("-", "-", f"FAILED {key}: {type(exc).__name__}", 0, 0, "", str(exc)[:80]))
-        torch.cuda.empty_cache()
+    for key in args.only.split(","):
+        for name, step in steps:
+            if name != key:
+                continue
+            try:
+                step()
+            except Exception as exc:  # one failed section must not lose the others' numbers
+                print(f"!! {key}: {type(exc).__name__}: {exc}", flush=True)
+                note = str(exc)[:80]
+                record(Row("-", "-", f"FAILED {key}: {type(exc).__name__}", 0, 0, "", note))
+            torch.cuda.empty_cache()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_bench.json").write_text(
         json.dumps({"env": env, "rows": [r.__dict__ for r in ROWS]}, indent=1)

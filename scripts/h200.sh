@@ -32,7 +32,7 @@ has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 if has tests; then
     echo "== GPU tests"
-    timeout 150 python3 -m pytest -p no:cacheprovider -q -x --timeout 120 \
+    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
         tests/gpu tests/unit/test_cuda.py >"$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?"
     tail -25 "$OUT/gpu_tests.log"
@@ -40,7 +40,8 @@ fi
 
 if has raw; then
     echo "== raw runner benchmarks"
-    timeout 260 python3 scripts/gpu_bench.py --out "$OUT" --seconds "${SECONDS_PER_WINDOW:-1.5}" \
+    timeout "${RAW_LIMIT:-260}" python3 scripts/gpu_bench.py --out "$OUT" \
+        --seconds "${SECONDS_PER_WINDOW:-1.5}" ${RAW_ONLY:+--only "$RAW_ONLY"} \
         >"$OUT/gpu_bench.log" 2>&1
     echo "gpu_bench exit $?"
 fi
