@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from app import accuracy_report
 from app.settings import Settings
 
 log = logging.getLogger("stoker")
@@ -46,6 +47,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add_repository_options(prepare)
 
+    build = commands.add_parser(
+        "build",
+        help="prepare, calibrate and build every configured precision into the engine store, "
+        "then exit (e.g. in an init container)",
+    )
+    add_repository_options(build)
+    build.add_argument("--backend", help="the backend to build for (default: as configured)")
+
+    report = commands.add_parser(
+        "accuracy",
+        help="measure each precision against fp32 on labelled photos (Markdown and PNG)",
+    )
+    accuracy_report.add_arguments(report)
+
     listing = commands.add_parser("models", help="list the repository's models")
     add_repository_options(listing)
     # Parsed by bench.cli (main hands it everything after "bench"); listed here for --help.
@@ -64,7 +79,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         },
         "models": {
             "repository": args.repository,
-            "models": args.models,
+            "models": getattr(args, "models", None),
             "backend": getattr(args, "backend", None),
         },
     }
@@ -165,6 +180,37 @@ def prepare(settings: Settings) -> int:
     return 0
 
 
+def build_engines(settings: Settings) -> int:
+    """What startup does before serving, ahead of time: every precision of every model is
+    built (or found) in the engine store, with progress in the log."""
+    from app.dataplane import model_spec
+    from app.repository import discover
+    from engines import backends
+    from engines.build import AccuracyBudgetExceeded, ensure_variant
+    from engines.store import EngineStore
+
+    if prepare(settings) != 0:
+        return 1
+    store = EngineStore(settings.store.path)
+    failed = False
+    for entry in discover(settings.models.repository, settings.models.models):
+        backend = backends.resolve(settings.models.backend or entry.config.backend)
+        plan = entry.build_plan(model_spec(entry))
+        for precision in entry.config.precisions:
+            try:
+                path, report = ensure_variant(store, plan, precision, backend)
+            except AccuracyBudgetExceeded as exc:
+                print(f"{entry.config.name} {precision}: REFUSED: {exc}")
+                failed = True
+                continue
+            facts = ", ".join(f"{k} {v:.4g}" for k, v in report.items())
+            print(
+                f"{entry.config.name} {precision} ({backend}): {path}"
+                + (f" [{facts}]" if facts else "")
+            )
+    return 1 if failed else 0
+
+
 def list_models(settings: Settings) -> int:
     from app.repository import discover
 
@@ -196,7 +242,14 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    commands = {"serve": serve, "prepare": prepare, "models": list_models}
+    if args.command == "accuracy":
+        return accuracy_report.run(args, settings)
+    commands = {
+        "serve": serve,
+        "prepare": prepare,
+        "build": build_engines,
+        "models": list_models,
+    }
     try:
         return commands[args.command](settings)
     except ConfigError as exc:

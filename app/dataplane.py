@@ -27,11 +27,13 @@ from app.pool import RunnerPool
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
 from app.repository import ModelEntry, discover
 from app.settings import Settings
-from engines import backends
+from engines import accuracy, backends
 from engines.base import EngineOptions
+from engines.build import ensure_variant
 from engines.onnxruntime import read_spec
 from engines.preprocess import preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
+from engines.store import EngineStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -61,18 +63,12 @@ class ServedModel:
         return self.batcher.failed is None
 
 
-def softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = scores.astype(np.float64) - scores.max(axis=-1, keepdims=True)
-    exp = np.exp(shifted)
-    result: np.ndarray = exp / exp.sum(axis=-1, keepdims=True)
-    return result
-
-
 class DataPlane:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._models: dict[str, dict[str, ServedModel]] = {}
         self._entries: list[ModelEntry] = []
+        self.store = EngineStore(settings.store.path)
         self.ready = False
         self.failed: BaseException | None = None
         self.draining = False
@@ -103,11 +99,15 @@ class DataPlane:
             await asyncio.to_thread(prepare, entry)
         backend = backends.resolve(self.settings.models.backend or config.backend)
         spec = await asyncio.to_thread(model_spec, entry)
+        plan = entry.build_plan(spec)
         versions: dict[str, ServedModel] = {}
         for precision in config.precisions:
             started = time.perf_counter()
+            variant, _ = await asyncio.to_thread(
+                ensure_variant, self.store, plan, precision, backend
+            )
             options = EngineOptions(runners=config.runners)
-            engine = await asyncio.to_thread(backends.loader(backend), path, spec, options)
+            engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
             pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
             await pool.warm()
             metrics = ModelMetrics(config.name, precision)
@@ -316,7 +316,7 @@ class DataPlane:
             )
             scores = np.concatenate([r[model.spec.outputs[0].name] for r in results])
             if config.postprocess == "softmax":
-                scores = softmax(scores)
+                scores = accuracy.softmax(scores)
             return [top_k(row, k, model.labels) for row in scores.reshape(len(batch), -1)]
 
         return await self._measured(model, work)

@@ -12,6 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engines.store import default_root
+
 
 class ServerSettings(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
@@ -45,6 +47,14 @@ class ModelRepositorySettings(BaseModel):
     seconds for the bundled models). Off makes a missing file a startup error."""
 
 
+class StoreSettings(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    path: Path = Field(default_factory=default_root)
+    """Where built variants, engines and calibration ranges are kept. Put it on a volume in
+    containers so a restarted pod loads in seconds instead of rebuilding."""
+
+
 class LimitSettings(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -75,6 +85,8 @@ class Settings(BaseSettings):
     """Which models are served and how they are found."""
     limits: LimitSettings = Field(default_factory=LimitSettings)
     """What one request may ask for."""
+    store: StoreSettings = Field(default_factory=StoreSettings)
+    """The engine store."""
 
     def loggable(self) -> dict[str, Any]:
         """Settings for the startup log; nothing here is secret yet, fields named like a

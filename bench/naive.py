@@ -23,12 +23,12 @@ import numpy as np
 from fastapi import FastAPI, Request, Response
 
 from app import images
-from app.dataplane import model_spec, prepare, requested_outputs, softmax, top_k, validate_inputs
+from app.dataplane import model_spec, prepare, requested_outputs, top_k, validate_inputs
 from app.errors import BadRequest, NotFound, StokerError
 from app.protocol import classify, decode_request, encode_response
 from app.repository import ModelEntry, discover
 from app.routes import header_length, json_response, uploaded_images
-from engines import backends
+from engines import accuracy, backends
 from engines.base import EngineOptions, Runner
 from engines.preprocess import preprocess
 from engines.spec import ModelSpec
@@ -150,7 +150,7 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
 
         batch = await asyncio.to_thread(decode_all)
         outputs = await model.run({model.spec.inputs[0].name: batch})
-        scores = softmax(outputs[model.spec.outputs[0].name])
+        scores = accuracy.softmax(outputs[model.spec.outputs[0].name])
         predictions = [top_k(row, k, model.labels) for row in scores.reshape(len(batch), -1)]
         return json_response({"model_name": model.spec.name, "predictions": predictions})
 

@@ -63,11 +63,25 @@ def efficientnet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+# Every precision of the default model, with calibration small enough for a test run; the
+# budgets are loose because a few dozen augmented photos calibrate INT8 only roughly.
+ALL_PRECISIONS = """
+precisions: [fp32, fp16, int8]
+int8: {samples: 32, calibrator: minmax}
+accuracy:
+  evaluation_samples: 16
+  budgets: {fp16: {min_top1_agreement: 0.9}, int8: {min_top1_agreement: 0.5}}
+"""
+
+
 @pytest.fixture(scope="session")
 def repository(tmp_path_factory: pytest.TempPathFactory, efficientnet_dir: Path) -> Path:
-    """A model repository with the default model and the tiny model."""
+    """A model repository with the default model (every precision) and the tiny model."""
     repo = tmp_path_factory.mktemp("repository")
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    config = repo / "efficientnet_lite0" / "config.yaml"
+    text = config.read_text().replace("precisions: [fp32]\n", "")
+    config.write_text(text + ALL_PRECISIONS)
     tiny = repo / "tiny"
     tiny.mkdir()
     onnx.save(tiny_onnx(), str(tiny / "model.onnx"))

@@ -37,7 +37,8 @@ class Server:
 
 def start_server(repository: Path, log: Path, env: dict[str, str] | None = None) -> Server:
     port = free_port()
-    environment = {**os.environ, **(env or {})}
+    # Tests never touch the user's engine store: each server gets one beside its log.
+    environment = {**os.environ, "STOKER_STORE__PATH": str(log.parent / "store"), **(env or {})}
     with log.open("wb") as out:
         process = subprocess.Popen(
             [

@@ -50,7 +50,7 @@ def test_health_and_server_metadata(server: Server) -> None:
 
 def test_model_metadata_reads_the_onnx_contract(server: Server) -> None:
     meta = httpx.get(f"{server.url}/v2/models/efficientnet_lite0").json()
-    assert meta["versions"] == ["fp32"]
+    assert meta["versions"] == ["fp32", "fp16", "int8"]
     assert meta["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 224, 224]}]
     assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 1000]}]
     versioned = httpx.get(f"{server.url}/v2/models/tiny/versions/fp32").json()
@@ -288,3 +288,24 @@ def test_png_upload_is_accepted(server: Server) -> None:
         f"{server.url}/infer", content=buffer.getvalue(), headers={"Content-Type": "image/png"}
     )
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("version", ["fp16", "int8"])
+def test_every_precision_is_a_version_with_its_own_metrics(
+    server: Server, coffee_jpeg: bytes, version: str
+) -> None:
+    x = image_row(coffee_jpeg)[None]
+    client = triton.InferenceServerClient(server.address)
+    inp = triton.InferInput("input", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=True)
+    fp32 = client.infer("efficientnet_lite0", [inp], model_version="fp32").as_numpy("logits")
+    result = client.infer("efficientnet_lite0", [inp], model_version=version)
+    assert result.get_response()["model_version"] == version
+    logits = result.as_numpy("logits")
+    assert int(np.argmax(logits)) == ESPRESSO
+    assert not np.array_equal(logits, fp32), "a variant that equals fp32 bit for bit is not one"
+    tolerance = 0.05 if version == "fp16" else 1.5
+    np.testing.assert_allclose(logits, fp32, atol=tolerance)
+    client.close()
+    labels = (("model", "efficientnet_lite0"), ("version", version))
+    assert metric_samples(server)[("stoker_inference_count_total", labels)] >= 1

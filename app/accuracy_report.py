@@ -1,0 +1,189 @@
+"""``stoker accuracy``: what each precision of a model costs, on labelled photos.
+
+Per precision: top-1 agreement with FP32, mean KL divergence of the softmax, top-1/top-5
+against the labels that ImageNet file names carry, and img/s on this machine at several batch
+sizes. Writes Markdown and a PNG (accuracy against speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.dataplane import model_spec, prepare
+from app.repository import discover
+from app.settings import Settings
+from engines import accuracy, backends
+from engines.build import ensure_variant
+from engines.preprocess import ImagePreprocess, load_image, preprocess
+from engines.store import EngineStore
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model to measure")
+    parser.add_argument("--images", type=Path, required=True, help="folder of evaluation photos")
+    parser.add_argument("--repository", type=Path, help="model repository folder")
+    parser.add_argument("--limit", type=int, default=0, help="use at most N photos (0: all)")
+    parser.add_argument(
+        "--calibrate-on",
+        type=int,
+        default=0,
+        metavar="N",
+        help="calibrate INT8 on N of the photos (shuffled, seed 0) and evaluate on the rest, "
+        "instead of the model's configured calibration set",
+    )
+    parser.add_argument("--batches", default="1,8,32", help="batch sizes for img/s")
+    parser.add_argument("--out", type=Path, default=Path("accuracy-report"), help="output folder")
+
+
+def photos(folder: Path, limit: int) -> list[Path]:
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    return files[:limit] if limit else files
+
+
+def rows_of(files: list[Path], prep: ImagePreprocess) -> np.ndarray:
+    started = time.perf_counter()
+    rows = []
+    for i, path in enumerate(files, start=1):
+        rows.append(preprocess(load_image(path), prep))
+        if i % 100 == 0 or i == len(files):
+            print(f"  preprocessed {i}/{len(files)} photos ({time.perf_counter() - started:.1f} s)")
+    return np.stack(rows)
+
+
+def throughput(model: Path, row: np.ndarray, input_name: str, batch: int) -> float:
+    """Images per second at one batch size: the median of repeated timed runs."""
+    session = accuracy.session(model, threads=os.cpu_count() or 1)
+    inputs = {input_name: np.repeat(row[None], batch, axis=0)}
+    session.run(None, inputs)
+    times: list[float] = []
+    budget = time.perf_counter() + 3.0
+    while len(times) < 5 or (time.perf_counter() < budget and len(times) < 50):
+        started = time.perf_counter()
+        session.run(None, inputs)
+        times.append(time.perf_counter() - started)
+    return batch / statistics.median(times)
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    (entry,) = discover(args.repository or settings.models.repository, [args.model])
+    if not entry.onnx_path.exists():
+        prepare(entry)
+    spec = model_spec(entry)
+    plan = entry.build_plan(spec)
+    prep = plan.preprocess or ImagePreprocess()
+    files = photos(args.images, args.limit)
+    if not files:
+        print(f"no photos in {args.images}")
+        return 2
+    calibration_note = f"configured ({entry.config.int8.calibration})"
+    if args.calibrate_on:
+        order = np.random.default_rng(0).permutation(len(files))
+        calibration_files = [files[i] for i in order[: args.calibrate_on]]
+        files = [files[i] for i in sorted(order[args.calibrate_on :])]
+        digest = hashlib.sha256("\n".join(map(str, calibration_files)).encode()).hexdigest()[:16]
+        calibration_path = settings.store.path / "calibration-sets" / f"{digest}.npy"
+        if not calibration_path.exists():
+            print(f"preprocessing {len(calibration_files)} calibration photos")
+            calibration_path.parent.mkdir(parents=True, exist_ok=True)
+            np.save(calibration_path, rows_of(calibration_files, prep))
+        plan = dataclasses.replace(
+            plan,
+            int8=dataclasses.replace(
+                plan.int8, calibration=str(calibration_path), samples=len(calibration_files)
+            ),
+        )
+        calibration_note = f"{len(calibration_files)} of the photos (held out of the evaluation)"
+    print(f"preprocessing {len(files)} evaluation photos")
+    data = rows_of(files, prep)
+    found = [accuracy.imagenet_label_of(p) for p in files]
+    labels = np.array([-1 if label is None else label for label in found])
+    labelled = labels >= 0
+    backend = backends.resolve(settings.models.backend or entry.config.backend)
+    store = EngineStore(settings.store.path)
+    batches = [int(b) for b in args.batches.split(",")]
+    results: list[dict[str, Any]] = []
+    reference: np.ndarray | None = None
+    for precision in ["fp32", *(p for p in entry.config.precisions if p != "fp32")]:
+        print(f"{precision}: building or loading the variant")
+        path, _ = ensure_variant(store, plan, precision, backend)
+        print(f"{precision}: running {len(data)} photos")
+        logits = accuracy.run_onnx(path, data, plan.input_name, threads=os.cpu_count() or 1)
+        if reference is None:
+            reference = logits
+        result: dict[str, Any] = {
+            "precision": precision,
+            "top1_agreement": accuracy.top1_agreement(reference, logits),
+            "mean_kl": accuracy.mean_kl(reference, logits),
+        }
+        if labelled.any():
+            result["top1"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 1)
+            result["top5"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 5)
+        for batch in batches:
+            result[f"img/s@{batch}"] = throughput(path, data[0], plan.input_name, batch)
+            print(f"{precision}: {result[f'img/s@{batch}']:.1f} img/s at batch {batch}")
+        results.append(result)
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# {entry.config.name}: precision against FP32\n\n"
+        f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
+        f"calibration: {calibration_note}, calibrator {plan.int8.calibrator}; backend "
+        f"{backend}; {os.cpu_count()} CPU threads; {time.strftime('%Y-%m-%d')}.\n\n"
+    )
+    table = markdown_table(results)
+    (args.out / "accuracy.md").write_text(header + table)
+    plot(results, batches[-1], args.out / "accuracy.png", entry.config.name)
+    print()
+    print(table)
+    print(f"wrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.png'}")
+    return 0
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    columns = list(results[0])
+    lines = [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for result in results:
+        cells = []
+        for column in columns:
+            value = result.get(column, "")
+            if isinstance(value, float):
+                value = f"{value:.1f}" if column.startswith("img/s") else f"{value:.4f}"
+            cells.append(str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict[str, Any]], batch: int, path: Path, model: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for result in results:
+        speed = result[f"img/s@{batch}"]
+        score = result.get("top1", result["top1_agreement"])
+        axis.scatter(speed, score * 100, s=60)
+        axis.annotate(
+            result["precision"], (speed, score * 100), textcoords="offset points", xytext=(6, 4)
+        )
+    axis.set_xlabel(f"img/s at batch {batch}")
+    axis.set_ylabel("top-1 (%)" if "top1" in results[0] else "top-1 agreement with fp32 (%)")
+    axis.set_title(f"{model}: accuracy against speed per precision")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

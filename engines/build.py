@@ -1,0 +1,340 @@
+"""From a model's FP32 ONNX to the artefact each (precision, backend) serves, via the store.
+
+A precision is a property of the ONNX graph: ``fp16`` is a float16 graph that keeps the
+sensitive ops in FP32, ``int8`` a graph with explicit Q/DQ nodes calibrated on real data
+(U8S8 for ONNX Runtime's CPU kernels, symmetric S8S8 for TensorRT). Each variant is measured
+against FP32 when it is built; one that misses its accuracy budget is refused, not stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from engines import accuracy, calibration, variants
+from engines.preprocess import ImagePreprocess
+from engines.store import EngineKey, EngineStore, StoredEngine, sha256_file
+
+log = logging.getLogger(__name__)
+
+Int8Form = Literal["u8s8", "s8s8"]
+
+BUILTIN_CALIBRATION = "builtin"
+# Bumped when the builtin augmented set changes, so cached ranges are recalibrated.
+BUILTIN_VERSION = "skimage-augmented-1"
+
+
+@dataclass(frozen=True)
+class Fp16Options:
+    keep_fp32_ops: tuple[str, ...] | None = None
+    keep_fp32_nodes: tuple[str, ...] = ()
+    keep_first_and_last: bool = False
+
+
+@dataclass(frozen=True)
+class Int8Options:
+    calibrator: str = "entropy"
+    percentile: float = 99.99
+    samples: int = 500
+    calibration: str = BUILTIN_CALIBRATION
+    exclude_op_types: tuple[str, ...] = ()
+    exclude_nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The least a variant must keep of FP32's answers on the evaluation set."""
+
+    min_top1_agreement: float = 0.98
+    max_mean_kl: float | None = None
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What ``ensure_variant`` needs to know about one model, independent of the service."""
+
+    model: str
+    source: Path
+    folder: Path
+    input_name: str
+    preprocess: ImagePreprocess | None
+    profile: tuple[int, ...]
+    fp16: Fp16Options = field(default_factory=Fp16Options)
+    int8: Int8Options = field(default_factory=Int8Options)
+    budgets: Mapping[str, Budget] = field(default_factory=dict)
+    evaluation_samples: int = 200
+    override_accuracy: bool = False
+
+
+class AccuracyBudgetExceeded(Exception):
+    """A variant lost more of FP32's answers than the model's budget allows."""
+
+
+def variant_form(backend: str) -> Int8Form:
+    """INT8 activations: symmetric S8S8 for TensorRT, U8S8 (fast on CPU) for the rest."""
+    return "s8s8" if backend == "tensorrt" else "u8s8"
+
+
+def backend_identity(backend: str) -> tuple[str, str]:
+    """(backend version, device) for the store key of an ONNX Runtime artefact."""
+    return ort.__version__, f"cpu-{platform.machine()}"
+
+
+class CalibrationData:
+    """Rows from the model's calibration source, loaded once per build and sliced for
+    calibration and evaluation."""
+
+    def __init__(self, plan: BuildPlan) -> None:
+        self._plan = plan
+        self._rows: np.ndarray | None = None
+        self._held_out: np.ndarray | None = None
+
+    def source_path(self) -> Path | None:
+        source = self._plan.int8.calibration
+        if source == BUILTIN_CALIBRATION:
+            return None
+        path = Path(source)
+        return path if path.is_absolute() else self._plan.folder / path
+
+    def fingerprint(self) -> str:
+        """Identifies the calibration data for cache keys without reading it all."""
+        path = self.source_path()
+        if path is None:
+            return BUILTIN_VERSION
+        digest = hashlib.sha256()
+        files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
+        for file in files:
+            stat = file.stat()
+            digest.update(
+                f"{file.relative_to(path.parent)}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+            )
+        return digest.hexdigest()[:20]
+
+    def split(self) -> tuple[np.ndarray, np.ndarray]:
+        """(calibration rows, held-out evaluation rows), loaded once: the evaluation rows are
+        never used for calibration."""
+        if self._rows is None:
+            plan = self._plan
+            total = plan.int8.samples + plan.evaluation_samples
+            preprocess = plan.preprocess or ImagePreprocess()
+            path = self.source_path()
+            started = time.perf_counter()
+            if path is None:
+                rows = calibration.augmented_builtin_set(preprocess, samples=total, seed=0)
+            else:
+                rows = calibration.load_calibration_set(path, preprocess, samples=total, seed=0)
+            log.info(
+                "%s: %d calibration and evaluation rows from %s in %.1f s",
+                plan.model,
+                len(rows),
+                path or "the builtin photo set",
+                time.perf_counter() - started,
+            )
+            held_out = min(plan.evaluation_samples, len(rows) // 2)
+            self._rows = rows[: len(rows) - held_out]
+            self._held_out = rows[len(rows) - held_out :]
+        assert self._held_out is not None
+        return self._rows, self._held_out
+
+
+def evaluate(
+    plan: BuildPlan, reference: onnx.ModelProto, candidate: onnx.ModelProto, data: np.ndarray
+) -> dict[str, float]:
+    """Top-1 agreement and mean softmax KL of a variant against FP32 on ``data``."""
+    want = accuracy.run_onnx(reference, data, plan.input_name)
+    got = accuracy.run_onnx(candidate, data, plan.input_name)
+    return {
+        "top1_agreement": accuracy.top1_agreement(want, got),
+        "mean_kl": accuracy.mean_kl(want, got),
+        "samples": float(len(data)),
+    }
+
+
+def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -> None:
+    budget = plan.budgets.get(precision)
+    if budget is None:
+        return
+    problems = []
+    agreement = report["top1_agreement"]
+    if agreement < budget.min_top1_agreement:
+        short = (budget.min_top1_agreement - agreement) * 100
+        problems.append(
+            f"top-1 agreement with fp32 {agreement:.4f} < {budget.min_top1_agreement} "
+            f"(short by {short:.2f} points)"
+        )
+    if budget.max_mean_kl is not None and report["mean_kl"] > budget.max_mean_kl:
+        problems.append(f"mean KL {report['mean_kl']:.4f} > {budget.max_mean_kl}")
+    if not problems:
+        return
+    advice = (
+        "try another calibrator (int8.calibrator: auto, entropy, percentile, minmax), more "
+        "samples (int8.samples), a real calibration set (int8.calibration: <folder>), or "
+        "keeping sensitive nodes out (int8.exclude_nodes / exclude_op_types)"
+        if precision == "int8"
+        else "keep more ops in fp32 (fp16.keep_fp32_ops, keep_fp32_nodes, keep_first_and_last)"
+    )
+    message = (
+        f"{plan.model} {precision} misses its accuracy budget on "
+        f"{int(report['samples'])} samples: {'; '.join(problems)}. To fix: {advice}; "
+        f"or set accuracy.override: true to serve it anyway."
+    )
+    if plan.override_accuracy:
+        log.warning("%s (served anyway: accuracy.override is set)", message)
+        return
+    raise AccuracyBudgetExceeded(message)
+
+
+def calibration_ranges(
+    store: EngineStore, plan: BuildPlan, model_hash: str, form: Int8Form, data: CalibrationData
+) -> calibration.Ranges:
+    """The activation ranges for the INT8 variant, cached in the store so a rebuild (another
+    backend, a bumped runtime) does not recalibrate."""
+    options = plan.int8
+    key = EngineKey(
+        model=plan.model,
+        model_hash=model_hash,
+        precision="int8",
+        backend="any",
+        backend_version="",
+        device="",
+        options={
+            "calibrator": options.calibrator,
+            "percentile": options.percentile,
+            "samples": options.samples,
+            "evaluation_samples": plan.evaluation_samples,
+            "data": data.fingerprint(),
+            # Ranges do not depend on the INT8 form, except when auto scores candidates in it.
+            "form": form if options.calibrator == "auto" else "any",
+        },
+        kind="calibration",
+    )
+
+    def calibrate(path: Path) -> dict[str, Any]:
+        rows, _ = data.split()
+        model = onnx.load(str(plan.source))
+        started = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:
+            log.info("%s: calibrating (%s) %d/%d rows", plan.model, options.calibrator, done, total)
+
+        extra: dict[str, Any] = {}
+        if options.calibrator == "auto":
+            ranges, scores = calibration.calibrate_auto(model, rows, plan.input_name, form)
+            extra["auto_mean_kl"] = scores
+        else:
+            ranges = calibration.collect_ranges(
+                model,
+                rows,
+                plan.input_name,
+                options.calibrator,
+                percentile=options.percentile,
+                progress=progress,
+            )
+        extra["seconds"] = round(time.perf_counter() - started, 1)
+        extra["method"] = ranges.method
+        path.write_text(ranges.to_json())
+        log.info("%s: calibrated with %s in %.1f s", plan.model, ranges.method, extra["seconds"])
+        return extra
+
+    stored = store.get_or_build(key, calibrate, ".json")
+    return calibration.Ranges.from_json(stored.path.read_text())
+
+
+def make_variant(
+    store: EngineStore,
+    plan: BuildPlan,
+    precision: str,
+    form: Int8Form,
+    model_hash: str,
+    data: CalibrationData,
+) -> onnx.ModelProto:
+    model = onnx.load(str(plan.source))
+    if precision == "fp16":
+        fp16 = plan.fp16
+        return variants.to_fp16(
+            model,
+            keep_fp32_ops=(
+                variants.DEFAULT_FP32_OPS if fp16.keep_fp32_ops is None else fp16.keep_fp32_ops
+            ),
+            keep_fp32_nodes=fp16.keep_fp32_nodes,
+            keep_first_and_last=fp16.keep_first_and_last,
+        )
+    if precision == "int8":
+        ranges = calibration_ranges(store, plan, model_hash, form, data)
+        return variants.to_int8(
+            model,
+            ranges,
+            form=form,
+            exclude_op_types=plan.int8.exclude_op_types,
+            exclude_nodes=plan.int8.exclude_nodes,
+        )
+    raise ValueError(f"no ONNX variant for precision {precision!r}")
+
+
+def ensure_variant(
+    store: EngineStore,
+    plan: BuildPlan,
+    precision: str,
+    backend: str,
+    identity: Callable[[str], tuple[str, str]] = backend_identity,
+) -> tuple[Path, dict[str, Any]]:
+    """The ONNX file that serves ``precision`` on ``backend`` and its accuracy report: the
+    source for fp32, else a stored variant, built (calibrated, measured, gated) if missing."""
+    if precision == "fp32":
+        return plan.source, {}
+    model_hash = sha256_file(plan.source)
+    form = variant_form(backend)
+    backend_version, device = identity(backend)
+    data = CalibrationData(plan)
+    options: dict[str, Any] = {
+        "form": form,
+        "evaluation_samples": plan.evaluation_samples,
+        "data": data.fingerprint(),
+    }
+    if precision == "fp16":
+        options["fp16"] = asdict(plan.fp16)
+    elif precision == "int8":
+        options["int8"] = asdict(plan.int8)
+    key = EngineKey(
+        model=plan.model,
+        model_hash=model_hash,
+        precision=precision,
+        backend=backend,
+        backend_version=backend_version,
+        device=device,
+        profile=plan.profile,
+        options=options,
+    )
+
+    def build(path: Path) -> dict[str, Any]:
+        started = time.perf_counter()
+        log.info("%s: building the %s variant for %s", plan.model, precision, backend)
+        variant = make_variant(store, plan, precision, form, model_hash, data)
+        onnx.save(variant, str(path))
+        reference = onnx.load(str(plan.source))
+        report = evaluate(plan, reference, variant, data.split()[1])
+        log.info(
+            "%s %s: top-1 agreement %.4f, mean KL %.5f on %d rows (built in %.1f s)",
+            plan.model,
+            precision,
+            report["top1_agreement"],
+            report["mean_kl"],
+            int(report["samples"]),
+            time.perf_counter() - started,
+        )
+        check_budget(plan, precision, report)
+        return {"accuracy": report}
+
+    stored: StoredEngine = store.get_or_build(key, build, ".onnx")
+    report: dict[str, Any] = stored.extra.get("accuracy", {})
+    return stored.path, report
