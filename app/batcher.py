@@ -27,7 +27,7 @@ from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
 from app.metrics import BatchTimes, ModelMetrics
 from app.pool import RunnerPool
 from app.repository import DynamicBatching
-from engines.base import Runner
+from engines.base import FatalEngineError, Runner
 
 log = logging.getLogger(__name__)
 
@@ -277,6 +277,8 @@ class Batcher:
                     pending.future.set_exception(
                         EngineError(f"inference failed: {type(exc).__name__}: {exc}")
                     )
+            if isinstance(exc, FatalEngineError):
+                self._fail(exc)
         else:
             self._metrics.batch_executed(times)
             for pending, result in zip(requests, outputs, strict=True):
@@ -284,6 +286,26 @@ class Batcher:
                     pending.future.set_result(result)
         finally:
             self._pool.release(runner)
+
+    def _fail(self, fault: FatalEngineError) -> None:
+        """Stop for good after an unrecoverable engine fault: refuse new requests, answer the
+        queued ones with 503 (another replica can serve them) and stop dispatching."""
+        log.critical(
+            "model %s: unrecoverable engine fault, no longer serving: %s",
+            self._metrics.model,
+            fault,
+        )
+        self.failed = fault
+        for level in self._levels:
+            for pending in level:
+                if not pending.future.done():
+                    pending.future.set_exception(
+                        Unavailable(
+                            f"model {self._metrics.model!r} failed; retry on another replica"
+                        )
+                    )
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
 
     async def close(self, drain_timeout_s: float) -> None:
         """Refuse new requests, let queued and executing ones finish for up to the drain

@@ -173,6 +173,12 @@ class DataPlane:
             and all(m.ready for versions in self._models.values() for m in versions.values())
         )
 
+    @property
+    def alive(self) -> bool:
+        """False once loading failed or a model stopped on an unrecoverable engine fault: the
+        process cannot heal itself, so liveness fails and the orchestrator restarts it."""
+        return self.failed is None and all(m.ready for m in self.all_served())
+
     def model_names(self) -> list[str]:
         return list(self._models)
 
@@ -243,10 +249,13 @@ class DataPlane:
         """Decode a V2 request, validate it against the model, batch it, shape the answer."""
 
         async def work() -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
+            depth = self.settings.limits.max_json_depth
             if len(body) > THREADED_DECODE_BYTES:
-                request = await asyncio.to_thread(decode_request, body, header_length, model.spec)
+                request = await asyncio.to_thread(
+                    decode_request, body, header_length, model.spec, depth
+                )
             else:
-                request = decode_request(body, header_length, model.spec)
+                request = decode_request(body, header_length, model.spec, depth)
             rows, key = validate_inputs(model.spec, request.inputs)
             wanted = requested_outputs(model.spec, request)
             levels = model.entry.config.dynamic_batching.priority_levels

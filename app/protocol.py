@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 from math import prod
 from typing import Any
 
@@ -31,12 +32,95 @@ Array = NDArray[Any]
 _MAX_DIMS = 64
 _MAX_ELEMENTS = int(np.iinfo(np.intp).max)
 _BYTES_LENGTH = struct.Struct("<I")
+# Nesting deeper than this in a tensor's JSON "data" is refused; a shape has at most _MAX_DIMS
+# dimensions, so data nested along its shape always fits. (orjson itself refuses documents
+# nested past 1024 levels, before any of this runs.)
+MAX_JSON_DEPTH = _MAX_DIMS
 
 # The Python types orjson produces that each datatype accepts in JSON "data".
 _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
 _KNOWN = ", ".join(V2_TO_NUMPY)
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
+
+
+def _object(properties: dict[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "object", "properties": properties}
+    if required:
+        schema["required"] = list(required)
+    return schema
+
+
+_PARAMETERS = {"type": "object"}
+# JSON Schemas of the V2 request and response documents, for the OpenAPI description (so that
+# clients and schema-driven fuzzers know the shape); the decoder below is what enforces them.
+INFER_REQUEST_SCHEMA = _object(
+    {
+        "id": {"type": "string"},
+        "parameters": _object(
+            {
+                "binary_data_output": {"type": "boolean"},
+                "timeout": {"type": "integer", "minimum": 0, "description": "microseconds"},
+                "priority": {"type": "integer", "minimum": 0},
+            }
+        ),
+        "inputs": {
+            "type": "array",
+            "minItems": 1,
+            "items": _object(
+                {
+                    "name": {"type": "string", "minLength": 1},
+                    "datatype": {"enum": list(V2_TO_NUMPY)},
+                    "shape": {
+                        "type": "array",
+                        "maxItems": _MAX_DIMS,
+                        "items": {"type": "integer", "minimum": 0},
+                    },
+                    "data": {"type": "array"},
+                    "parameters": _object({"binary_data_size": {"type": "integer", "minimum": 0}}),
+                },
+                required=("name", "datatype", "shape"),
+            ),
+        },
+        "outputs": {
+            "type": "array",
+            "items": _object(
+                {
+                    "name": {"type": "string", "minLength": 1},
+                    "parameters": _object(
+                        {
+                            "binary_data": {"type": "boolean"},
+                            "classification": {"type": "integer", "minimum": 1},
+                        }
+                    ),
+                },
+                required=("name",),
+            ),
+        },
+    },
+    required=("inputs",),
+)
+INFER_RESPONSE_SCHEMA = _object(
+    {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string"},
+        "outputs": {
+            "type": "array",
+            "items": _object(
+                {
+                    "name": {"type": "string"},
+                    "datatype": {"enum": list(V2_TO_NUMPY)},
+                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                    "data": {"type": "array"},
+                    "parameters": _PARAMETERS,
+                },
+                required=("name", "datatype", "shape"),
+            ),
+        },
+    },
+    required=("model_name", "model_version", "outputs"),
+)
 
 
 @dataclass(frozen=True)
@@ -72,13 +156,18 @@ class InferRequest:
     priority: int
 
 
-def decode_request(body: bytes, header_length: int | None, spec: ModelSpec) -> InferRequest:
+def decode_request(
+    body: bytes,
+    header_length: int | None,
+    spec: ModelSpec,
+    max_json_depth: int = MAX_JSON_DEPTH,
+) -> InferRequest:
     """Decode a V2 inference request.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header: None means the whole
     body is JSON; n > 0 means the first n bytes are JSON and the rest is binary tensor data in
     input order; 0 is Triton's raw binary request, where the whole body is the data of the
-    model's single input.
+    model's single input. ``max_json_depth`` bounds the nesting of each tensor's JSON "data".
     """
     if header_length is None:
         header, binary = body, memoryview(b"")
@@ -93,7 +182,9 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec) -> I
 
     try:
         document = orjson.loads(header)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):
+            raise BadRequest("request JSON nests deeper than 1024 levels") from None
         raise BadRequest("request body is not valid JSON") from None
     if type(document) is not dict:
         raise BadRequest("request body must be a JSON object")
@@ -113,7 +204,7 @@ def decode_request(body: bytes, header_length: int | None, spec: ModelSpec) -> I
     if not _is_count(priority):
         raise BadRequest('"priority" must be a non-negative integer')
 
-    inputs = _decode_inputs(document.get("inputs"), binary)
+    inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth)
     outputs = _decode_outputs(document.get("outputs"), binary_data_output)
     return InferRequest(
         id=request_id,
@@ -233,7 +324,7 @@ def _decode_raw(body: bytes, spec: ModelSpec) -> InferRequest:
     )
 
 
-def _decode_inputs(entries: Any, binary: memoryview) -> dict[str, Array]:
+def _decode_inputs(entries: Any, binary: memoryview, max_depth: int) -> dict[str, Array]:
     if type(entries) is not list or not entries:
         raise BadRequest('"inputs" must be a non-empty list')
     inputs: dict[str, Array] = {}
@@ -264,7 +355,7 @@ def _decode_inputs(entries: Any, binary: memoryview) -> dict[str, Array]:
         if size is None and not has_data:
             raise BadRequest(f'input {_quote(name)} has neither "data" nor "binary_data_size"')
         if size is None:
-            array = _from_json(name, entry["data"], datatype, count)
+            array = _from_json(name, entry["data"], datatype, count, max_depth)
         else:
             if not _is_count(size):
                 raise BadRequest(
@@ -323,10 +414,11 @@ def _shape(name: str, shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _from_json(name: str, data: Any, datatype: str, count: int) -> Array:
+def _from_json(name: str, data: Any, datatype: str, count: int, max_depth: int) -> Array:
     if type(data) is not list:
         raise BadRequest(f'input {_quote(name)}: "data" must be a list')
-    values, kinds = _flatten(data)
+    values = _flatten(name, data, max_depth)
+    kinds = set(map(type, values))
     if len(values) != count:
         raise BadRequest(
             f"input {_quote(name)}: data holds {len(values)} elements, the shape {count}"
@@ -353,13 +445,36 @@ def _from_json(name: str, data: Any, datatype: str, count: int) -> Array:
         raise BadRequest(f"input {_quote(name)}: a value is out of range for {datatype}") from None
 
 
-def _flatten(data: list[Any]) -> tuple[list[Any], set[type]]:
-    """Row-major elements of nested lists, and the set of their Python types."""
+def _flatten(name: str, data: list[Any], max_depth: int) -> list[Any]:
+    """Row-major elements of nested lists, in time linear in the number of JSON values
+    whatever the nesting: levels made only of lists are joined at C speed, and lists mixed
+    with values at one level (ragged data) are walked once. Re-scanning a long level once per
+    level of a deep sibling would let a small body cost minutes of CPU."""
+    depth = 1
     kinds = set(map(type, data))
-    while list in kinds:
-        data = [v for item in data for v in (item if type(item) is list else (item,))]
+    while kinds == {list}:
+        depth += 1
+        if depth > max_depth:
+            raise BadRequest(f'input {_quote(name)}: "data" nests deeper than {max_depth} levels')
+        data = list(chain.from_iterable(data))
         kinds = set(map(type, data))
-    return data, kinds
+    if list not in kinds:
+        return data
+    values: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if type(item) is list:
+                if depth + len(stack) > max_depth:
+                    raise BadRequest(
+                        f'input {_quote(name)}: "data" nests deeper than {max_depth} levels'
+                    )
+                stack.append(iter(item))
+                break
+            values.append(item)
+        else:
+            stack.pop()
+    return values
 
 
 def _from_binary(name: str, chunk: memoryview, datatype: str, count: int) -> Array:

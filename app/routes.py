@@ -19,10 +19,25 @@ from starlette.datastructures import UploadFile
 from app import __version__
 from app.dataplane import DataPlane, ServedModel
 from app.errors import BadRequest
-from app.protocol import encode_response
+from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA, encode_response
 
 T = TypeVar("T")
-router = APIRouter()
+# Every status other than 200 carries {"error": message}; documented once for every route.
+ERROR_RESPONSE: dict[str, Any] = {
+    "description": "400 bad input, 401 no or wrong API key, 404 unknown model, version or "
+    "route, 413 too large, 429 queue full, 503 not ready or draining, 504 deadline, 500 "
+    "engine failure",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {"error": {"type": "string"}},
+                "required": ["error"],
+            }
+        }
+    },
+}
+router = APIRouter(responses={"default": ERROR_RESPONSE})
 
 HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "model_repository"]
@@ -75,8 +90,7 @@ async def server_metadata() -> Response:
 
 @router.get("/v2/health/live")
 async def live(request: Request) -> Response:
-    plane = plane_of(request)
-    alive = plane.failed is None
+    alive = plane_of(request).alive
     return json_response({"live": alive}, 200 if alive else 503)
 
 
@@ -205,8 +219,43 @@ def header_length(request: Request) -> int | None:
     return value
 
 
-@router.post("/v2/models/{name}/infer")
-@router.post("/v2/models/{name}/versions/{version}/infer")
+INFER_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "description": "A V2 request; with Inference-Header-Content-Length, that many bytes "
+        "of JSON followed by binary tensor data (0: the raw bytes of the model's one input).",
+        "content": {
+            "application/json": {"schema": INFER_REQUEST_SCHEMA},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    },
+    "parameters": [
+        {
+            "name": "Inference-Header-Content-Length",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 0},
+        }
+    ],
+}
+INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The outputs: JSON, or JSON followed by binary outputs when any "
+        "output is asked for as binary (Inference-Header-Content-Length says where).",
+        "content": {
+            "application/json": {"schema": INFER_RESPONSE_SCHEMA},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+@router.post("/v2/models/{name}/infer", openapi_extra=INFER_OPENAPI, responses=INFER_RESPONSES)
+@router.post(
+    "/v2/models/{name}/versions/{version}/infer",
+    openapi_extra=INFER_OPENAPI,
+    responses=INFER_RESPONSES,
+)
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
     model = plane.get(name, version)
@@ -242,9 +291,33 @@ async def uploaded_images(request: Request, max_images: int) -> tuple[list[bytes
     )
 
 
-@router.post("/infer")
-@router.post("/v2/models/{name}/classify")
-@router.post("/v2/models/{name}/versions/{version}/classify")
+UPLOAD_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {
+                        "image": {
+                            "type": "array",
+                            "items": {"type": "string", "format": "binary"},
+                        },
+                        "k": {"type": "integer", "minimum": 1},
+                    },
+                    "required": ["image"],
+                }
+            },
+            "image/jpeg": {"schema": {"type": "string", "format": "binary"}},
+            "image/png": {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+@router.post("/infer", openapi_extra=UPLOAD_OPENAPI)
+@router.post("/v2/models/{name}/classify", openapi_extra=UPLOAD_OPENAPI)
+@router.post("/v2/models/{name}/versions/{version}/classify", openapi_extra=UPLOAD_OPENAPI)
 async def classify_upload(
     request: Request, name: str | None = None, version: str | None = None, k: int | None = None
 ) -> Response:
@@ -268,6 +341,9 @@ async def classify_upload(
     )
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}},
+)
 async def metrics() -> Response:
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

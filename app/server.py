@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
+from app.auth import ApiKeys
 from app.dataplane import DataPlane
 from app.errors import BadRequest, PayloadTooLarge, StokerError
 from app.routes import json_response, router
@@ -124,4 +125,13 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    # Added last, so it runs first: an unauthenticated request is refused before its body.
+    keys = settings.auth.keys()
+    app.add_middleware(ApiKeys, keys=keys, protect_metrics=settings.auth.protect_metrics)
+    if keys:
+        log.info(
+            "API keys required (%d configured); open: health%s",
+            len(keys),
+            "" if settings.auth.protect_metrics else ", /metrics",
+        )
     return app

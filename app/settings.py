@@ -6,11 +6,12 @@ README (``STOKER_PORT``...) are not provided on purpose: one spelling per field.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engines.store import default_root
 
@@ -67,6 +68,72 @@ class LimitSettings(BaseModel):
     """Most images in one ``/infer`` upload; each costs a decode on the CPU."""
     default_top_k: int = Field(default=5, gt=0)
     """Labels returned by ``/infer`` when the request does not say ``k``."""
+    max_json_depth: int = Field(default=64, gt=0, le=1024)
+    """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
+    along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole
+    documents nested past 1024 levels are refused by the JSON parser whatever this says."""
+
+
+class AuthSettings(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Keys accepted on inference and model endpoints, sent as ``Authorization: Bearer <key>``
+    or ``X-API-Key: <key>``; ``STOKER_AUTH__API_KEYS`` takes a JSON list or commas. Empty
+    (and no file) leaves the server open, which suits a private network or a mesh that
+    authenticates; keys in the environment are visible to whoever can inspect the process,
+    a file is not."""
+    api_keys_file: Path | None = None
+    """A file with one key per line (blank lines and ``#`` comments skipped), e.g. a mounted
+    Kubernetes Secret; read at startup, so a rotated key needs a restart. A file that is
+    missing or holds no key stops the server from starting rather than leave it open."""
+    protect_metrics: bool = False
+    """Ask for a key on ``/metrics`` too. Off by default: scrapers reach it from inside the
+    cluster and the NetworkPolicy already limits who can; on when the port is exposed more
+    widely (the scraper then sends the key as a bearer token). Health probes stay open."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [key for key in text.split(",") if key.strip()]
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _no_blank_key(cls, keys: list[str]) -> list[str]:
+        if any(not key.strip() for key in keys):
+            raise ValueError("an API key is blank")
+        return [key.strip() for key in keys]
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_in_file(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            read_key_file(path)
+        return path
+
+    def keys(self) -> list[str]:
+        """Every accepted key, from the list and the file."""
+        from_file = read_key_file(self.api_keys_file) if self.api_keys_file else []
+        return [*self.api_keys, *from_file]
+
+
+def read_key_file(path: Path) -> list[str]:
+    """The keys of a key file; refuses a missing, unreadable or empty one, naming the file
+    and never its content."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read API key file {path}: {type(exc).__name__}") from None
+    keys = [line.strip() for line in text.splitlines()]
+    keys = [key for key in keys if key and not key.startswith("#")]
+    if not keys:
+        raise ValueError(f"API key file {path} holds no key")
+    return keys
 
 
 class Settings(BaseSettings):
@@ -77,6 +144,8 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         use_attribute_docstrings=True,
         extra="forbid",
+        # Errors name the field and the problem but never echo the value: it may be a key.
+        hide_input_in_errors=True,
     )
 
     server: ServerSettings = Field(default_factory=ServerSettings)
@@ -85,12 +154,14 @@ class Settings(BaseSettings):
     """Which models are served and how they are found."""
     limits: LimitSettings = Field(default_factory=LimitSettings)
     """What one request may ask for."""
+    auth: AuthSettings = Field(default_factory=AuthSettings)
+    """Who may call the server."""
     store: StoreSettings = Field(default_factory=StoreSettings)
     """The engine store."""
 
     def loggable(self) -> dict[str, Any]:
-        """Settings for the startup log; nothing here is secret yet, fields named like a
-        secret are redacted anyway so a future key never reaches a log."""
+        """Settings for the startup log: every field named like a secret (the API keys and
+        their file among them) is redacted, so a key never reaches a log."""
         data: dict[str, Any] = self.model_dump(mode="json")
 
         def redact(node: Any) -> Any:

@@ -51,5 +51,14 @@ class EngineOptions:
     cpu_threads: int = 0
 
 
+class FatalEngineError(Exception):
+    """A fault the process cannot recover from (a broken CUDA context, a lost device).
+
+    A runner raises it instead of an ordinary exception when no later batch can succeed
+    either; the service then fails the batch, stops the model and turns readiness and
+    liveness off so the orchestrator replaces the process. It is never retried in-process.
+    """
+
+
 class Loader(Protocol):
     def __call__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> Engine: ...

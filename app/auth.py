@@ -1,0 +1,93 @@
+"""Optional API keys, checked before anything else reads the request.
+
+With keys configured, every route asks for one (``Authorization: Bearer <key>`` or
+``X-API-Key: <key>``) except the health probes, which the orchestrator calls without
+credentials, and ``/metrics`` unless ``auth.protect_metrics`` is on. A refusal is 401
+``{"error": ...}`` with ``WWW-Authenticate: Bearer``, answered without reading the body.
+
+Keys are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
+key, so neither the time taken nor an early exit tells a caller how much of a key matched,
+which key it was close to, or how long the keys are. Keys are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Iterable
+
+import orjson
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+
+PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
+METRICS = "/metrics"
+CHALLENGE = b'Bearer realm="stoker"'
+
+
+def digest(key: str | bytes) -> bytes:
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
+
+
+class ApiKeys:
+    """ASGI middleware; with no keys it passes everything through untouched."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool) -> None:
+        self.app = app
+        self._digests = [digest(key) for key in keys]
+        self._open = PROBES if protect_metrics else PROBES | {METRICS}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def accepts(self, key: bytes) -> bool:
+        given = digest(key)
+        matched = False
+        for known in self._digests:
+            # No short cut: every key is compared whatever matched before.
+            matched |= hmac.compare_digest(given, known)
+        return matched
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._digests or scope["path"] in self._open:
+            await self.app(scope, receive, send)
+            return
+        key = presented_key(scope["headers"])
+        if key is not None and self.accepts(key):
+            await self.app(scope, receive, send)
+            return
+        problem = "invalid API key" if key is not None else "missing API key"
+        client = scope.get("client")
+        log.warning("401 %s for %s from %s", problem, scope["path"][:100], client and client[0])
+        await refuse(send, f"{problem}: send Authorization: Bearer <key> or X-API-Key: <key>")
+
+
+def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The key in ``X-API-Key`` or in a bearer ``Authorization`` header; None if neither."""
+    for name, value in headers:
+        if name == b"x-api-key" and value.strip():
+            return value.strip()
+        if name == b"authorization":
+            scheme, _, credentials = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and credentials.strip():
+                return credentials.strip()
+    return None
+
+
+async def refuse(send: Send, message: str) -> None:
+    body = orjson.dumps({"error": message})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", CHALLENGE),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
