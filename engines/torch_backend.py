@@ -28,6 +28,7 @@ import itertools
 import logging
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,6 +87,15 @@ _ARITHMETIC: dict[str, Callable[[Any, Any], Any]] = {
     "Mul": lambda x, y: x * y,
     "Div": lambda x, y: x / y,
 }
+
+
+def _add_into_first(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x + y`` written over ``x`` when the result has ``x``'s shape and dtype."""
+    if x.dtype == y.dtype and x.shape == torch.broadcast_shapes(x.shape, y.shape):  # type: ignore[no-untyped-call]
+        return x.add_(y)
+    return x + y
+
+
 _REDUCTIONS: dict[str, Callable[[torch.Tensor, tuple[int, ...], bool], torch.Tensor]] = {
     "ReduceMean": lambda x, dims, keep: x.mean(dim=dims, keepdim=keep),
     "ReduceSum": lambda x, dims, keep: x.sum(dim=dims, keepdim=keep),
@@ -133,6 +143,13 @@ class OnnxModule(torch.nn.Module):
         initializers = {init.name for init in graph.initializer}
         self.input_names = [v.name for v in graph.input if v.name not in initializers]
         self.output_names = [v.name for v in graph.output]
+        # A value read by exactly one node, produced by a node (not an input or a constant)
+        # and not a graph output may be overwritten by that node: elementwise ops then run in
+        # place, as torchvision's ReLU(inplace=True) and ``out += identity`` do, instead of
+        # writing a fresh activation to memory.
+        readers = Counter(n for node in graph.node for n in node.input if n)
+        readers.update(self.output_names)
+        produced = {out for node in graph.node for out in node.output}
         self._steps: list[_Step] = []
         for node in graph.node:
             if node.op_type == "Constant":
@@ -141,7 +158,9 @@ class OnnxModule(torch.nn.Module):
                     raise UnsupportedModel(f"Constant {node.name!r}: only tensor values")
                 self._add_constant(node.output[0], numpy_helper.to_array(value))
                 continue
-            fn = self._convert(node, opset)
+            first = node.input[0] if node.input else ""
+            reusable = first in produced and first not in self._static and readers[first] == 1
+            fn = self._convert(node, opset, reusable)
             inputs = tuple(n for n in node.input if n)
             self._steps.append(_Step(node.op_type, node.name, fn, inputs, tuple(node.output)))
 
@@ -160,13 +179,13 @@ class OnnxModule(torch.nn.Module):
         tensor: torch.Tensor = getattr(self, self._names[name])
         return tensor
 
-    def _convert(self, node: onnx.NodeProto, opset: int) -> Callable[..., Any]:
+    def _convert(self, node: onnx.NodeProto, opset: int, inplace: bool) -> Callable[..., Any]:
         op, a, name = node.op_type, _attrs(node), node.name or node.output[0]
         inputs = [n for n in node.input]
         if op == "Conv":
             return self._conv(node, a)
         if op == "Relu":
-            return F.relu
+            return F.relu_ if inplace else F.relu
         if op == "Clip":
             if opset >= 11:
                 low = float(self._const(inputs[1])) if len(inputs) > 1 and inputs[1] else None
@@ -175,7 +194,11 @@ class OnnxModule(torch.nn.Module):
                 low, high = a.get("min"), a.get("max")
             if low is None and high is None:
                 return lambda x, *_: x
+            if inplace:
+                return lambda x, *_: x.clamp_(low, high)
             return lambda x, *_: torch.clamp(x, low, high)
+        if op == "Add" and inplace:
+            return _add_into_first
         if op in ("Add", "Sub", "Mul", "Div"):
             return _ARITHMETIC[op]
         if op == "Sigmoid":

@@ -287,6 +287,21 @@ def bench_reference(seconds: float) -> None:
                    f"ceiling {ceiling:,} -> {rate / ceiling:.2f}"))  # fmt: skip
 
 
+def bench_graphs(paths: dict[str, Path], seconds: float) -> None:
+    """Graph replay alone, fp16, at batch 32 and 256: the converted model's GPU speed."""
+    for name, path in paths.items():
+        print(f"== {name} fp16 graph replay", flush=True)
+        engine = make_engine(path, "fp16", (32, 256))
+        runner = engine.new_runner()
+        for b in (32, 256):
+            gpu = graph_rate(runner, b, seconds)
+            ceiling = CEILINGS.get((name, "fp16", b))
+            note = f"ceiling {ceiling:,} -> {gpu / ceiling:.2f}" if ceiling else ""
+            record(Row(name, "fp16", "graph replay (GPU only)", b, gpu, "img/s", note))
+        runner.close()
+        engine.close()
+
+
 def bench_copies() -> None:
     print("== host to device copies, 256 MiB", flush=True)
     nbytes = 256 << 20
@@ -387,6 +402,16 @@ def main() -> None:
         ("scaling", lambda: bench_scaling(resnet, args.seconds)),
         ("reference", lambda: bench_reference(args.seconds)),
         ("copies", bench_copies),
+        (
+            "graphs",
+            lambda: bench_graphs(
+                {
+                    "resnet50": resnet,
+                    "efficientnet_lite0": model_path("efficientnet_lite0", args.models),
+                },
+                args.seconds,
+            ),
+        ),
         ("jpeg", lambda: bench_jpeg(args.seconds)),
     ]
     for key in args.only.split(","):
