@@ -3,8 +3,8 @@
 Targets, in the order given, the first being the one the others are compared with:
 ``--url`` (any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive``
 (the naive baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool
-with no HTTP). Each target gets the concurrency sweep, then any fixed open-loop rates, then
-the ``--find-rate`` search.
+with no HTTP). Every step of the concurrency sweep, then every fixed open-loop rate, runs on
+each target in turn; the ``--find-rate`` search comes last, target by target.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -229,47 +231,67 @@ def find_rate(
     return best
 
 
+def start(
+    plan: TargetPlan, args: argparse.Namespace, cache: PayloadCache, stack: ExitStack
+) -> Workers:
+    """Start a target (its server if the bench owns it, then its client workers); the stack
+    stops them."""
+    url = stack.enter_context(serving(plan))
+    target: Target
+    if url is None:
+        model = in_process_inputs(args.repository, args.model)
+        chosen = cache.get("tensors", model)
+        target = InProcessTarget(args.repository, args.model, args.backend)
+        count = 1
+    else:
+        model = None
+        if args.payload != "jpeg":
+            version = f"/versions/{args.model_version}" if args.model_version else ""
+            model = ModelInputs.from_metadata(fetch_json(f"{url}/v2/models/{args.model}{version}"))
+        chosen = cache.get(args.payload, model)
+        target = HttpTarget(url, http_path(args), args.timeout)
+        count = args.workers
+    workers = Workers(target, chosen, count, args.max_in_flight, args.model, args.model_version)
+    return stack.enter_context(workers)
+
+
 def measure(
-    plan: TargetPlan, args: argparse.Namespace, cache: PayloadCache, show: Any
-) -> report.TargetResult:
-    result = report.TargetResult(plan.name, plan.description)
-    with serving(plan) as url:
-        target: Target
-        if url is None:
-            model = in_process_inputs(args.repository, args.model)
-            chosen = cache.get("tensors", model)
-            target = InProcessTarget(args.repository, args.model, args.backend)
-            count = 1
-        else:
-            model = None
-            if args.payload != "jpeg":
-                version = f"/versions/{args.model_version}" if args.model_version else ""
-                model = ModelInputs.from_metadata(
-                    fetch_json(f"{url}/v2/models/{args.model}{version}")
-                )
-            chosen = cache.get(args.payload, model)
-            target = HttpTarget(url, http_path(args), args.timeout)
-            count = args.workers
-        with Workers(
-            target, chosen, count, args.max_in_flight, args.model, args.model_version
-        ) as workers:
+    args: argparse.Namespace,
+    cache: PayloadCache,
+    results: list[report.TargetResult],
+    show: Callable[[str, StepResult], None],
+) -> None:
+    """Every target is started first and stays up; each step then runs on every target in
+    turn, so the targets compared at a step are measured minutes apart at most, under the
+    same conditions, and a machine that drifts (other work, heat) skews them alike."""
+    with ExitStack() as stack:
+        live = []
+        for plan in plans(args):
+            workers = start(plan, args, cache, stack)
+            results.append(report.TargetResult(plan.name, plan.description))
+            live.append((results[-1], workers))
 
-            def record(step: StepResult) -> None:
-                result.steps.append(step)
-                show(plan.name, step)
+        def record(result: report.TargetResult, step: StepResult) -> None:
+            result.steps.append(step)
+            show(result.name, step)
 
-            for c in args.levels:
-                record(workers.run(Step("closed", c, 0.0, args.warmup, args.duration)))
-            for rate in args.rate:
-                record(workers.run(Step("open", 0, rate, args.warmup, args.duration)))
-            if args.find_rate:
-                result.p99_target_ms = args.p99_target_ms
-                capacity = max((s.throughput for s in result.steps), default=0.0)
-                if not result.steps:
-                    probe = Step("closed", 32, 0.0, args.warmup, args.duration)
-                    capacity = workers.run(probe).throughput
-                result.found_rate = find_rate(workers, capacity, args, record)
-    return result
+        steps = [Step("closed", c, 0.0, args.warmup, args.duration) for c in args.levels]
+        steps += [Step("open", 0, rate, args.warmup, args.duration) for rate in args.rate]
+        for step in steps:
+            for result, workers in live:
+                record(result, workers.run(step))
+        if not args.find_rate:
+            return
+        for result, workers in live:
+            result.p99_target_ms = args.p99_target_ms
+            capacity = max((s.throughput for s in result.steps), default=0.0)
+            if not result.steps:
+                probe = Step("closed", 32, 0.0, args.warmup, args.duration)
+                capacity = workers.run(probe).throughput
+            result.found_rate = find_rate(workers, capacity, args, partial(record, result))
+            found = result.found_rate
+            rate = f"{found.step.rate:,.0f} req/s" if found else "none found"
+            report.say(f"{result.name}: highest rate with p99 <= {args.p99_target_ms:g} ms: {rate}")
 
 
 @contextlib.contextmanager
@@ -307,14 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     # context managers instead, so they are stopped and finished targets are still written.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        for plan in plans(args):
-            results.append(measure(plan, args, cache, show))
-            found = results[-1].found_rate
-            if args.find_rate:
-                rate = f"{found.step.rate:,.0f} req/s" if found else "none found"
-                report.say(
-                    f"{plan.name}: highest rate with p99 <= {args.p99_target_ms:g} ms: {rate}"
-                )
+        measure(args, cache, results, show)
     except (OSError, ValueError, RuntimeError, urllib.error.URLError) as exc:
         print(f"stoker bench: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
