@@ -150,7 +150,9 @@ class Batcher:
         priority: int = 0,
     ) -> Tensors:
         """Queue one request and wait for its outputs, split to its own rows."""
-        if self._closing or self.failed is not None:
+        if self.failed is not None:
+            raise Unavailable(f"model {self._metrics.model!r} failed; retry on another replica")
+        if self._closing:
             raise Unavailable(f"model {self._metrics.model!r} is not accepting requests")
         if self._queued >= self._policy.max_queue_size:
             raise QueueFull(
