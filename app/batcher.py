@@ -141,15 +141,9 @@ class Batcher:
             priority = self._policy.default_priority_level or levels
         return min(priority, levels) - 1
 
-    async def infer(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        rows: int,
-        key: Hashable,
-        timeout_s: float | None,
-        priority: int = 0,
-    ) -> Tensors:
-        """Queue one request and wait for its outputs, split to its own rows."""
+    def admit(self) -> None:
+        """Raise now what ``infer`` would refuse with (503 failed or closing, 429 full), so that
+        a caller can refuse before spending CPU on decoding a request it cannot queue."""
         if self.failed is not None:
             raise Unavailable(f"model {self._metrics.model!r} failed; retry on another replica")
         if self._closing:
@@ -159,6 +153,17 @@ class Batcher:
                 f"queue of model {self._metrics.model!r} is full "
                 f"({self._policy.max_queue_size} requests); retry later"
             )
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        rows: int,
+        key: Hashable,
+        timeout_s: float | None,
+        priority: int = 0,
+    ) -> Tensors:
+        """Queue one request and wait for its outputs, split to its own rows."""
+        self.admit()
         pending = Pending(
             inputs=inputs,
             rows=rows,

@@ -249,6 +249,8 @@ class DataPlane:
         """Decode a V2 request, validate it against the model, batch it, shape the answer."""
 
         async def work() -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
+            # Under overload most requests are refused: refuse before decoding, not after.
+            model.batcher.admit()
             depth = self.settings.limits.max_json_depth
             if len(body) > THREADED_DECODE_BYTES:
                 request = await asyncio.to_thread(
@@ -310,6 +312,7 @@ class DataPlane:
             return np.stack(rows)
 
         async def work() -> list[list[dict[str, Any]]]:
+            model.batcher.admit()
             batch = await asyncio.to_thread(decode_all)
             if len(model.spec.inputs) != 1 or not image_input.matches(batch.shape[1:]):
                 raise BadRequest(
