@@ -32,7 +32,13 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check app engines zoo bench tests
 	$(BIN)/ruff format --check app engines zoo bench tests
 
-typecheck: $(VENV)/.installed-test
+# TensorRT's type stubs (pinned in pyproject.toml's `tensorrt-stubs` group), patched into
+# build/typings so that mypy checks the TensorRT backend against TensorRT's real API.
+TYPINGS := build/typings
+$(TYPINGS)/tensorrt/__init__.pyi: scripts/patch-tensorrt-stubs.sh pyproject.toml | $(BIN)/python
+	bash scripts/patch-tensorrt-stubs.sh $(BIN)/python $(TYPINGS)
+
+typecheck: $(VENV)/.installed-test $(TYPINGS)/tensorrt/__init__.pyi
 	$(BIN)/mypy
 
 # promtool and the Prometheus server for the deployment tests: Debian's package, installed once

@@ -106,7 +106,9 @@ class DataPlane:
             variant, _ = await asyncio.to_thread(
                 ensure_variant, self.store, plan, precision, backend
             )
-            options = EngineOptions(runners=config.runners)
+            options = EngineOptions(
+                runners=config.runners, store=self.store, profile=plan.profile, precision=precision
+            )
             engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
             pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
             await pool.warm()

@@ -18,9 +18,16 @@ def _load_torch(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
     return torch_backend.load(path, spec, options)
 
 
+def _load_tensorrt(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
+    from engines import tensorrt
+
+    return tensorrt.load(path, spec, options)
+
+
 LOADERS: dict[str, Loader] = {
     onnxruntime.BACKEND: onnxruntime.load,
     "torch": _load_torch,
+    "tensorrt": _load_tensorrt,
 }
 
 
@@ -34,7 +41,24 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def tensorrt_available() -> bool:
+    """Whether TensorRT can serve here: an NVIDIA driver, a TensorRT 10+ that imports (a
+    stubs-only ``tensorrt`` folder does not count) and a GPU that cuda-python sees."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return False
+    from engines import cuda, tensorrt
+
+    if not tensorrt.importable():
+        return False
+    try:
+        return cuda.device_count() > 0
+    except cuda.CudaUnavailable:
+        return False
+
+
 def _usable(name: str) -> bool:
+    if name == "tensorrt":
+        return tensorrt_available()
     if importlib.util.find_spec(name) is None:
         return False
     return name != "torch" or cuda_available()

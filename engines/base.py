@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from engines.spec import ModelSpec
+from engines.store import EngineStore
 
 
 class Runner(Protocol):
@@ -44,11 +45,17 @@ class EngineOptions:
     """What a backend needs beyond the model file and its tensor contract.
 
     ``runners`` is how many lanes will run at once, so a CPU backend can divide the cores
-    between them instead of oversubscribing.
+    between them instead of oversubscribing. Backends that compile the model (TensorRT) keep
+    what they build in ``store`` (None: built in memory at every load), optimise for the
+    batch sizes of ``profile`` (min, opt, max rows, from the batching config; empty: 1 to the
+    max batch size) and label the artefact with ``precision``.
     """
 
     runners: int = 1
     cpu_threads: int = 0
+    store: EngineStore | None = None
+    profile: tuple[int, ...] = ()
+    precision: str = ""
 
 
 class FatalEngineError(Exception):

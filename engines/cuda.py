@@ -137,6 +137,15 @@ def set_device(index: int) -> None:
     call(rt.cudaSetDevice, index)
 
 
+def device_properties(index: int) -> tuple[str, tuple[int, int]]:
+    """The name and compute capability of a device: what a compiled engine is valid for."""
+    _, rt = _bindings()
+    props = call(rt.cudaGetDeviceProperties, index)
+    raw = props.name
+    name = raw.split(b"\0", 1)[0].decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+    return name.strip(), (int(props.major), int(props.minor))
+
+
 class Stream:
     """A non-blocking stream: it never waits for work on the legacy default stream."""
 
@@ -239,6 +248,40 @@ def copy_to_host(dst: int, src: int, nbytes: int, stream: Stream) -> None:
     """Enqueue a device-to-host copy on ``stream``; asynchronous when ``dst`` is pinned."""
     kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToHost
     call(runtime.cudaMemcpyAsync, dst, src, nbytes, kind, stream.handle)
+
+
+class Graph:
+    """The work ``enqueue`` puts on ``stream``, captured once and replayed by one launch.
+
+    Capture is thread-local, so other threads' CUDA calls neither join nor break it. If
+    ``enqueue`` fails, the capture is ended and discarded and its error is the one raised.
+    """
+
+    def __init__(self, stream: Stream, enqueue: Callable[[], None]) -> None:
+        _, rt = _bindings()
+        mode = rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+        call(rt.cudaStreamBeginCapture, stream.handle, mode)
+        try:
+            enqueue()
+        except BaseException:
+            with contextlib.suppress(CudaError):
+                call(rt.cudaGraphDestroy, call(rt.cudaStreamEndCapture, stream.handle))
+            raise
+        self._graph = call(rt.cudaStreamEndCapture, stream.handle)
+        try:
+            self._exec = call(rt.cudaGraphInstantiate, self._graph, 0)
+        except CudaError:
+            call(rt.cudaGraphDestroy, self._graph)
+            raise
+
+    def launch(self, stream: Stream) -> None:
+        call(runtime.cudaGraphLaunch, self._exec, stream.handle)
+
+    def close(self) -> None:
+        if self._graph is not None:
+            call(runtime.cudaGraphExecDestroy, self._exec)
+            call(runtime.cudaGraphDestroy, self._graph)
+            self._graph = None
 
 
 async def completed(event: Event, executor: Executor | None = None) -> None:

@@ -1,0 +1,577 @@
+"""Building a TensorRT plan from a precision variant's ONNX, kept in the engine store.
+
+A precision is a property of the ONNX graph (``engines.build``), so the network is created
+strongly typed: TensorRT runs every tensor in the type the graph gives it (FP16 where the
+variant casts to FP16, INT8 between its symmetric Q/DQ pairs) and needs none of the
+precision flags and INT8 calibrators that TensorRT 10.12 deprecated and 11 removed. The
+strongly typed flag is required on 10.x; 11 makes every network strongly typed and still
+accepts the flag, which is passed whenever the installed TensorRT has it.
+
+One optimization profile covers the inputs: the batch dimension from the batching config
+(min 1, opt the largest preferred size, max the max batch size), every other dimension fixed
+at the ONNX file's value or, where the file leaves it dynamic, the model config's. The plan
+is kept in the engine store under everything it is valid for: TensorRT's version, the GPU's
+name and compute capability (or the hardware-compatibility level), the variant's content,
+the profile and the build options. The builder's timing cache is kept there too, per
+TensorRT version and GPU, so a later build (another precision or model, a changed profile)
+reuses the tactic timings already measured.
+
+``tensorrt`` is imported inside the functions that call it: profile derivation, store keys
+and error formatting are plain Python, unit-tested on machines without TensorRT.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import onnx
+
+from engines.base import EngineOptions
+from engines.spec import ModelSpec
+from engines.store import EngineKey, EngineStore, sha256_file
+
+if TYPE_CHECKING:
+    import tensorrt as trt
+
+log = logging.getLogger(__name__)
+
+BACKEND = "tensorrt"
+HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
+PLAN_SUFFIX = ".plan"
+TIMING_CACHE_SUFFIX = ".cache"
+
+Shape = tuple[int, ...]
+ProfileShapes = dict[str, tuple[Shape, Shape, Shape]]
+
+
+class BuildError(RuntimeError):
+    """TensorRT could not parse or build the model; the message says where and why."""
+
+
+class TensorRTUnavailable(RuntimeError):
+    """TensorRT cannot be imported here (or what imports is not TensorRT 10 or later)."""
+
+
+@dataclass(frozen=True)
+class TensorRTOptions:
+    """What the TensorRT backend takes beyond ``EngineOptions``; every field that changes the
+    plan is part of its store key.
+
+    ``workspace_bytes`` caps the builder's scratch memory (the WORKSPACE pool): tactics that
+    need more are not considered, and the plan may use up to this much at run time.
+    ``optimization_level`` is the builder's 0-5 (TensorRT's default 3): higher builds longer
+    and may find faster kernels. ``version_compatible`` embeds the lean runtime so later
+    TensorRT releases of the same major version load the plan, at some cost in tactics.
+    ``hardware_compatibility`` is ``none`` (this GPU's architecture), ``ampere_plus`` or
+    ``same_compute_capability``; such a plan is keyed by that level instead of the GPU's
+    name, so nodes with different GPUs sharing a store build it once. ``timing_cache`` loads
+    and saves the builder's timing cache in the store. ``cuda_graphs`` captures each batch
+    size's enqueue into a CUDA graph on first use and replays it (fewer launches for small
+    batches). ``device`` is the GPU that builds and runs the plan.
+    """
+
+    workspace_bytes: int = 4 << 30
+    optimization_level: int = 3
+    version_compatible: bool = False
+    hardware_compatibility: str = "none"
+    timing_cache: bool = True
+    cuda_graphs: bool = False
+    device: int = 0
+
+    def __post_init__(self) -> None:
+        if self.workspace_bytes <= 0:
+            raise ValueError("workspace_bytes must be positive")
+        if not 0 <= self.optimization_level <= 5:
+            raise ValueError("optimization_level must be between 0 and 5")
+        if self.hardware_compatibility not in HARDWARE_COMPATIBILITY:
+            raise ValueError(
+                f"hardware_compatibility {self.hardware_compatibility!r}: one of "
+                f"{', '.join(HARDWARE_COMPATIBILITY)}"
+            )
+
+    def build_options(self) -> dict[str, Any]:
+        """The options that change the plan, as they go into its store key."""
+        return {
+            "strongly_typed": True,
+            "workspace_bytes": self.workspace_bytes,
+            "optimization_level": self.optimization_level,
+            "version_compatible": self.version_compatible,
+            "hardware_compatibility": self.hardware_compatibility,
+        }
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a plan is built for and only valid on: a TensorRT version and a GPU."""
+
+    tensorrt_version: str
+    device_name: str
+    compute_capability: tuple[int, int]
+
+    def device_key(self, hardware_compatibility: str = "none") -> str:
+        major, minor = self.compute_capability
+        if hardware_compatibility == "ampere_plus":
+            return "hardware-compatible:ampere_plus"
+        if hardware_compatibility == "same_compute_capability":
+            return f"hardware-compatible:sm_{major}{minor}"
+        return f"{self.device_name} sm_{major}{minor}"
+
+
+def current_target(device: int) -> Target:
+    """The installed TensorRT and the GPU ``device``."""
+    import tensorrt as trt
+
+    from engines import cuda
+
+    name, capability = cuda.device_properties(device)
+    return Target(trt.__version__, name, capability)
+
+
+# -- the profile -----------------------------------------------------------------------------
+
+
+def batch_profile(spec: ModelSpec, profile: Sequence[int] = ()) -> tuple[int, int, int]:
+    """(min, opt, max) rows: the batching config's, else 1 to the max batch size.
+
+    The max must be the model's max batch size: the batcher sends batches that large and
+    the runners' buffers are sized for them.
+    """
+    if not spec.batched:
+        return (1, 1, 1)
+    maximum = spec.max_batch_size
+    if not profile:
+        return (1, maximum, maximum)
+    if len(profile) != 3:
+        raise ValueError(f"{spec.name}: a batch profile is (min, opt, max), got {list(profile)}")
+    low, opt, high = (int(v) for v in profile)
+    if not 1 <= low <= opt <= high:
+        raise ValueError(f"{spec.name}: batch profile {list(profile)} needs 1 <= min <= opt <= max")
+    if high != maximum:
+        raise ValueError(
+            f"{spec.name}: batch profile max {high} is not the max batch size {maximum}"
+        )
+    return low, opt, high
+
+
+def profile_shapes(
+    spec: ModelSpec, rows: tuple[int, int, int], network_inputs: Mapping[str, Shape]
+) -> ProfileShapes:
+    """The optimization profile: (min, opt, max) full shapes of every dynamic input.
+
+    ``network_inputs`` are the ONNX inputs' shapes (-1 where the file leaves a dimension
+    dynamic). The batch dimension spans ``rows``; every other dimension is the file's, or
+    the spec's (the model config's declaration) where the file leaves it dynamic. A fully
+    static input needs no entry. Anything that cannot make a valid profile is refused with
+    the input and dimension named.
+    """
+    problems: list[str] = []
+    missing = [t.name for t in spec.inputs if t.name not in network_inputs]
+    if missing:
+        problems.append(f"inputs {missing} are not in the ONNX file")
+    undeclared = sorted(set(network_inputs) - {t.name for t in spec.inputs})
+    if undeclared:
+        problems.append(f"the ONNX file's inputs {undeclared} are not in the model's contract")
+    shapes: ProfileShapes = {}
+    for tensor in spec.inputs:
+        if tensor.name not in network_inputs:
+            continue
+        dims = tuple(network_inputs[tensor.name])
+        rank = len(tensor.shape) + (1 if spec.batched else 0)
+        if len(dims) != rank:
+            problems.append(
+                f"input {tensor.name!r} has {len(dims)} dimensions in the ONNX file, "
+                f"{rank} in the model's contract"
+            )
+            continue
+        batch, rest = (dims[0], dims[1:]) if spec.batched else (None, dims)
+        offset = 1 if spec.batched else 0
+        row: list[int] = []
+        for axis, (have, want) in enumerate(zip(rest, tensor.shape, strict=True), offset):
+            if have == -1 and want == -1:
+                problems.append(
+                    f"input {tensor.name!r} dimension {axis} is dynamic in the ONNX file and "
+                    "in the config: declare it (inputs: shape of one row) so the profile can "
+                    "fix it"
+                )
+            elif -1 not in (have, want) and have != want:
+                problems.append(
+                    f"input {tensor.name!r} dimension {axis} is {have} in the ONNX file "
+                    f"but {want} in the config"
+                )
+            row.append(want if have == -1 else have)
+        if batch is not None and batch != -1 and (rows[0] != batch or rows[2] != batch):
+            problems.append(
+                f"input {tensor.name!r} has a fixed batch dimension of {batch} in the ONNX "
+                f"file; export it with a dynamic first dimension to batch {rows[0]} to "
+                f"{rows[2]} rows"
+            )
+        if -1 not in dims:
+            continue
+        if batch is None:
+            shapes[tensor.name] = (tuple(row), tuple(row), tuple(row))
+        else:
+            low, opt, high = rows
+            shapes[tensor.name] = ((low, *row), (opt, *row), (high, *row))
+    if problems:
+        raise ValueError(f"{spec.name}: no TensorRT profile: {'; '.join(problems)}")
+    return shapes
+
+
+def read_onnx(path: Path) -> tuple[dict[str, Shape], str]:
+    """The ONNX file's input shapes (-1 where dynamic) and the precision its graph is in."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    initializers = {init.name for init in graph.initializer}
+    inputs = {
+        value.name: tuple(
+            d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else -1
+            for d in value.type.tensor_type.shape.dim
+        )
+        for value in graph.input
+        if value.name not in initializers
+    }
+    ops = {node.op_type for node in graph.node}
+    if ops & {"QuantizeLinear", "DequantizeLinear"}:
+        precision = "int8"
+    elif any(init.data_type == onnx.TensorProto.FLOAT16 for init in graph.initializer):
+        precision = "fp16"
+    else:
+        precision = "fp32"
+    return inputs, precision
+
+
+# -- store keys ------------------------------------------------------------------------------
+
+
+def plan_key(
+    spec: ModelSpec,
+    model_hash: str,
+    precision: str,
+    target: Target,
+    rows: tuple[int, int, int],
+    shapes: ProfileShapes,
+    options: TensorRTOptions,
+) -> EngineKey:
+    """Everything a plan is valid for; a plan under any other key is never loaded."""
+    return EngineKey(
+        model=spec.name,
+        model_hash=model_hash,
+        precision=precision,
+        backend=BACKEND,
+        backend_version=target.tensorrt_version,
+        device=target.device_key(options.hardware_compatibility),
+        profile=rows,
+        options={
+            "shapes": {name: [list(s) for s in triple] for name, triple in sorted(shapes.items())},
+            **options.build_options(),
+        },
+    )
+
+
+def timing_cache_key(target: Target, generation: int) -> EngineKey:
+    """One generation of the timing cache of a TensorRT version on a GPU. Tactic timings
+    are measured on the GPU itself, so the key is the GPU even for hardware-compatible
+    plans."""
+    return EngineKey(
+        model="tensorrt-timing-cache",
+        model_hash="",
+        precision="any",
+        backend=BACKEND,
+        backend_version=target.tensorrt_version,
+        device=target.device_key(),
+        options={"generation": generation},
+        kind="timing-cache",
+    )
+
+
+def load_timing_cache(store: EngineStore, target: Target) -> tuple[int, bytes]:
+    """The newest timing cache in the store: (its generation, its bytes), (0, b"") if none.
+
+    Store entries are immutable, so a cache that a build extended is stored as the next
+    generation; one that does not verify (a write in progress, a corrupt file) is passed over
+    for the one before it.
+    """
+    generation = 0
+    while store.path_for(timing_cache_key(target, generation + 1), TIMING_CACHE_SUFFIX).exists():
+        generation += 1
+    while generation > 0:
+        try:
+            stored = store.load(timing_cache_key(target, generation), TIMING_CACHE_SUFFIX)
+            if stored is not None:
+                return generation, stored.path.read_bytes()
+        except OSError:
+            pass
+        generation -= 1
+    return 0, b""
+
+
+def save_timing_cache(store: EngineStore, target: Target, generation: int, data: bytes) -> None:
+    """Store ``data`` as ``generation``; if another build stored that generation first, its
+    cache stands and these timings are measured again by a later build."""
+
+    def write(path: Path) -> dict[str, int]:
+        path.write_bytes(data)
+        return {"bytes": len(data)}
+
+    store.get_or_build(timing_cache_key(target, generation), write, TIMING_CACHE_SUFFIX)
+
+
+# -- talking to TensorRT ---------------------------------------------------------------------
+
+_LOG_LEVELS = {
+    "INTERNAL_ERROR": logging.CRITICAL,
+    "ERROR": logging.ERROR,
+    "WARNING": logging.WARNING,
+    # TensorRT's INFO is a running commentary of the build; keep it for debugging.
+    "INFO": logging.DEBUG,
+    "VERBOSE": logging.DEBUG,
+}
+_logger: trt.ILogger | None = None
+_logger_lock = threading.Lock()
+
+
+def tensorrt_logger() -> trt.ILogger:
+    """One logger for every builder and runtime of the process, forwarding TensorRT's
+    messages to Python logging (it must outlive them all, so it is never freed)."""
+    global _logger
+    import tensorrt as trt
+
+    with _logger_lock:
+        if _logger is None:
+
+            class Logger(trt.ILogger):
+                def __init__(self) -> None:
+                    trt.ILogger.__init__(self)
+
+                def log(self, severity: trt.ILogger.Severity, msg: str) -> None:
+                    level = _LOG_LEVELS.get(severity.name, logging.WARNING)
+                    if log.isEnabledFor(level):
+                        log.log(level, "TensorRT: %s", msg)
+
+            _logger = Logger()
+        return _logger
+
+
+def require_tensorrt() -> str:
+    """The installed TensorRT's version; ``TensorRTUnavailable`` saying how to get one if it
+    cannot be imported, is not TensorRT or is older than 10."""
+    try:
+        import tensorrt as trt
+    except Exception as error:  # ImportError, or OSError for a missing libnvinfer
+        raise TensorRTUnavailable(
+            f"TensorRT is not installed ({error}); run in NVIDIA's TensorRT container "
+            "(docker build --target gpu) or `pip install 'stoker[tensorrt]'` on a machine "
+            "that reaches NVIDIA's package index, or use backend: torch or onnxruntime"
+        ) from error
+    version = getattr(trt, "__version__", None)
+    if not isinstance(version, str) or not hasattr(trt, "Builder"):
+        raise TensorRTUnavailable(
+            "the `tensorrt` module here is not TensorRT (a stubs-only package?); "
+            "install TensorRT's Python package"
+        )
+    major = version.split(".", 1)[0]
+    if not major.isdigit() or int(major) < 10:
+        raise TensorRTUnavailable(f"TensorRT {version} is too old: Stoker needs 10 or later")
+    return version
+
+
+def importable() -> bool:
+    """Whether a real TensorRT 10+ imports here."""
+    try:
+        require_tensorrt()
+    except TensorRTUnavailable:
+        return False
+    return True
+
+
+def dims(value: Any) -> Shape:
+    """A plain shape from TensorRT's ``Dims`` (or any sequence of ints)."""
+    return tuple(int(value[i]) for i in range(len(value)))
+
+
+def network_flags() -> int:
+    """``create_network`` flags: strongly typed (required on 10.x, the only kind on 11)."""
+    import tensorrt as trt
+
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
+    return 0 if flag is None else 1 << int(flag)
+
+
+def parser_errors(parser: trt.OnnxParser) -> list[str]:
+    """Every error of the ONNX parser, with the node it concerns where there is one."""
+    messages = []
+    for index in range(parser.num_errors):
+        error = parser.get_error(index)
+        node = error.node()
+        where = ""
+        if node >= 0:
+            where = f"node {node} ({error.node_operator()} {error.node_name()!r}): "
+        messages.append(where + error.desc())
+    return messages
+
+
+def progress_monitor(label: str, every_s: float = 10.0) -> trt.IProgressMonitor:
+    """Build progress in the log: each top-level phase as it starts and ends, and its steps at
+    most every ``every_s`` seconds. It never cancels the build."""
+    import tensorrt as trt
+
+    class Progress(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self._lock = threading.Lock()
+            self._phases: dict[str, tuple[int, float, float, bool]] = {}
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            now = time.monotonic()
+            top = parent_phase is None
+            with self._lock:
+                self._phases[phase_name] = (num_steps, now, now, top)
+            if top:
+                log.info("%s: %s (%d steps)", label, phase_name, num_steps)
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            now = time.monotonic()
+            with self._lock:
+                entry = self._phases.get(phase_name)
+                if entry is None:
+                    return True
+                steps, started, reported, top = entry
+                due = now - reported >= every_s
+                if due:
+                    self._phases[phase_name] = (steps, started, now, top)
+            if due:
+                log.info("%s: %s %d/%d", label, phase_name, step + 1, steps)
+            return True
+
+        def phase_finish(self, phase_name: str) -> None:
+            with self._lock:
+                entry = self._phases.pop(phase_name, None)
+            if entry is not None and entry[3]:
+                log.info("%s: %s done in %.1f s", label, phase_name, time.monotonic() - entry[1])
+
+    return Progress()
+
+
+def _use_timing_cache(config: trt.IBuilderConfig, data: bytes, label: str) -> None:
+    try:
+        cache = config.create_timing_cache(data)
+        accepted = cache is not None and config.set_timing_cache(cache, ignore_mismatch=False)
+    except Exception as error:  # a corrupt blob: TensorRT may raise rather than refuse
+        log.debug("%s: timing cache refused: %s", label, error)
+        accepted = False
+    if not accepted:
+        if data:
+            log.warning("%s: the stored timing cache does not fit; starting a new one", label)
+        config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
+
+
+def build_plan(
+    onnx_path: Path,
+    spec: ModelSpec,
+    shapes: ProfileShapes,
+    options: TensorRTOptions,
+    timing_cache: bytes,
+    label: str,
+) -> tuple[bytes, bytes]:
+    """Parse the ONNX file into a strongly typed network and build it: (serialized plan,
+    serialized timing cache). ``BuildError`` with the parser's errors, or pointing at
+    TensorRT's logged messages, if it cannot."""
+    import tensorrt as trt
+
+    logger = tensorrt_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags())
+    parser = trt.OnnxParser(network, logger)
+    # From the file, not from bytes: weights stored beside the model (external data) load too.
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = parser_errors(parser) or ["no error reported"]
+        raise BuildError(
+            f"{label}: TensorRT's ONNX parser refused {onnx_path.name}: {'; '.join(errors)}"
+        )
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    missing = [t.name for t in spec.outputs if t.name not in outputs]
+    if missing:
+        raise BuildError(f"{label}: outputs {missing} are not outputs of the parsed network")
+    dynamic = {
+        tensor.name
+        for tensor in (network.get_input(i) for i in range(network.num_inputs))
+        if -1 in dims(tensor.shape)
+    }
+    if dynamic - set(shapes):
+        raise BuildError(f"{label}: inputs {sorted(dynamic - set(shapes))} have no profile")
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, options.workspace_bytes)
+    config.builder_optimization_level = options.optimization_level
+    if options.version_compatible:
+        config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
+    if options.hardware_compatibility != "none":
+        config.hardware_compatibility_level = getattr(
+            trt.HardwareCompatibilityLevel, options.hardware_compatibility.upper()
+        )
+    if shapes:
+        profile = builder.create_optimization_profile()
+        for name, (low, opt, high) in shapes.items():
+            profile.set_shape(name, trt.Dims(list(low)), trt.Dims(list(opt)), trt.Dims(list(high)))
+        if config.add_optimization_profile(profile) < 0:
+            raise BuildError(f"{label}: TensorRT refused the optimization profile {shapes}")
+    _use_timing_cache(config, timing_cache, label)
+    # TensorRT calls the monitor until the build returns; the local keeps it alive that long.
+    monitor = progress_monitor(label)
+    config.progress_monitor = monitor
+
+    started = time.perf_counter()
+    log.info("%s: building a TensorRT %s plan", label, trt.__version__)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise BuildError(
+            f"{label}: TensorRT could not build the plan; its errors are logged above "
+            f"(logger {__name__})"
+        )
+    log.info("%s: built in %.1f s", label, time.perf_counter() - started)
+    return bytes(plan), bytes(config.get_timing_cache().serialize())
+
+
+def ensure_plan(
+    variant: Path,
+    spec: ModelSpec,
+    engine_options: EngineOptions,
+    options: TensorRTOptions,
+    target: Target,
+) -> bytes:
+    """The serialized plan of ``variant`` for ``target``: from the store, else built (once
+    across processes sharing the store) and stored. Without a store it is built in memory."""
+    network_inputs, graph_precision = read_onnx(variant)
+    precision = engine_options.precision or graph_precision
+    label = f"{spec.name} {precision}"
+    rows = batch_profile(spec, engine_options.profile)
+    shapes = profile_shapes(spec, rows, network_inputs)
+    store = engine_options.store
+    if store is None:
+        log.info("%s: no engine store, so the plan is built in memory and not kept", label)
+        plan, _ = build_plan(variant, spec, shapes, options, b"", label)
+        return plan
+    key = plan_key(spec, sha256_file(variant), precision, target, rows, shapes, options)
+
+    def build(path: Path) -> dict[str, Any]:
+        generation, cache = (0, b"")
+        if options.timing_cache:
+            generation, cache = load_timing_cache(store, target)
+        plan, new_cache = build_plan(variant, spec, shapes, options, cache, label)
+        path.write_bytes(plan)
+        if options.timing_cache and new_cache != cache:
+            generation += 1
+            save_timing_cache(store, target, generation, new_cache)
+        return {
+            "tensorrt": target.tensorrt_version,
+            "device": target.device_name,
+            "compute_capability": list(target.compute_capability),
+            "timing_cache_generation": generation,
+        }
+
+    return store.get_or_build(key, build, PLAN_SUFFIX).path.read_bytes()
