@@ -3,8 +3,8 @@
 A calibration set is a folder of images run through the model's own preprocessing (or
 ``.npy``/``.npz`` rows already preprocessed); with none at hand, ``augmented_builtin_set``
 makes one from scikit-image's public-domain photos. ``collect_ranges`` runs a copy of the FP32
-model that exposes every activation the Q/DQ quantizer needs, a stride of rows at a time so
-memory stays bounded whatever the set's size, and reduces them with one calibrator:
+model that exposes every activation the Q/DQ quantizer needs, in one pass a stride of rows at a
+time so memory stays bounded whatever the set's size, and reduces them with one calibrator:
 
 - ``minmax``: the observed (min, max), outliers included;
 - ``percentile``: the given percentile of ``|x|``;
@@ -16,7 +16,9 @@ CPU form then keep all 256 levels, and the symmetric form symmetrises them anywa
 Exact zeros are left out of the histograms: zero is quantized exactly whatever the threshold,
 and the spike at zero that a ReLU leaves would otherwise dominate the KL search.
 
-``Ranges`` serialise to JSON so that a rebuild does not recalibrate.
+The same pass records the per-channel means of the Conv/Gemm inputs, with which ``to_int8``
+corrects the bias that rounding the weights introduces. ``Ranges`` serialise to JSON so that a
+rebuild does not recalibrate.
 """
 
 from __future__ import annotations
@@ -319,8 +321,9 @@ class TensorStatistics:
         self.limit = 0.0
         self.zeros = 0
         self.histogram = None if bins is None else np.zeros(bins, dtype=np.int64)
+        self.averaged = channel_means
         self.channel_sum: np.ndarray | None = None
-        self.channel_count = 0 if channel_means else -1
+        self.channel_count = 0
 
     @property
     def absmax(self) -> float:
@@ -336,7 +339,7 @@ class TensorStatistics:
             return
         self.low = min(self.low, float(value.min()))
         self.high = max(self.high, float(value.max()))
-        if self.channel_count >= 0 and value.ndim >= 2:
+        if self.averaged and value.ndim >= 2:
             axes = tuple(a for a in range(value.ndim) if a != 1)
             sums = value.sum(axis=axes, dtype=np.float64)
             self.channel_sum = sums if self.channel_sum is None else self.channel_sum + sums
@@ -400,7 +403,7 @@ def collect_statistics(
     if len(data) == 0:
         raise ValueError("no calibration rows")
     names = calibration_tensors(model)
-    averaged = set(weight_inputs(model))
+    averaged = weight_inputs(model)
     names += [name for name in averaged if name not in names]
     fine_bins = bins * _REFINE if histograms else None
     stats = {name: TensorStatistics(fine_bins, name in averaged) for name in names}
