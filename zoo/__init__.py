@@ -8,12 +8,21 @@ with the same tensor contract: ``input`` FP32 [batch, 3, 224, 224], preprocessed
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from zoo import efficientnet_lite0, resnet50
+
+def _generator(module: str) -> Callable[[Path], None]:
+    # Imported on use: the default model's generator needs its weights package (the
+    # ``default-model`` extra), which a server of other models never has to install.
+    def write(model_dir: Path) -> None:
+        importlib.import_module(f"zoo.{module}").write(model_dir)
+
+    return write
+
 
 GENERATORS: dict[str, Callable[[Path], None]] = {
-    "efficientnet_lite0": efficientnet_lite0.write,
-    "resnet50": resnet50.write,
+    "efficientnet_lite0": _generator("efficientnet_lite0"),
+    "resnet50": _generator("resnet50"),
 }

