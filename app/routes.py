@@ -111,22 +111,7 @@ async def all_stats(request: Request) -> Response:
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
     model = plane.get(name, version)
-    spec = model.spec
-    return json_response(
-        {
-            "name": spec.name,
-            "versions": plane.versions(name),
-            "platform": f"{model.backend}_onnx",
-            "inputs": [
-                {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
-                for t in spec.inputs
-            ],
-            "outputs": [
-                {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
-                for t in spec.outputs
-            ],
-        }
-    )
+    return json_response(model.spec.metadata(plane.versions(name), f"{model.backend}_onnx"))
 
 
 @router.get("/v2/models/{name}/ready")

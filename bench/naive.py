@@ -93,21 +93,7 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
     @app.get("/v2/models/{model_name}")
     async def metadata(request: Request, model_name: str) -> Response:
         spec = served(request, model_name).spec
-        return json_response(
-            {
-                "name": spec.name,
-                "versions": [],
-                "platform": "naive",
-                "inputs": [
-                    {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
-                    for t in spec.inputs
-                ],
-                "outputs": [
-                    {"name": t.name, "datatype": t.datatype, "shape": spec.full_shape(t)}
-                    for t in spec.outputs
-                ],
-            }
-        )
+        return json_response(spec.metadata([], "naive"))
 
     @app.post("/v2/models/{model_name}/infer")
     @app.post("/v2/models/{model_name}/versions/{version}/infer")

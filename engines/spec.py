@@ -131,3 +131,19 @@ class ModelSpec:
     def full_shape(self, tensor: TensorSpec) -> list[int]:
         """The shape as clients see it in metadata: a leading -1 when batched."""
         return [-1, *tensor.shape] if self.batched else list(tensor.shape)
+
+    def metadata(self, versions: list[str], platform: str) -> dict[str, object]:
+        """The V2 model-metadata response."""
+
+        def tensors(specs: tuple[TensorSpec, ...]) -> list[dict[str, object]]:
+            return [
+                {"name": t.name, "datatype": t.datatype, "shape": self.full_shape(t)} for t in specs
+            ]
+
+        return {
+            "name": self.name,
+            "versions": versions,
+            "platform": platform,
+            "inputs": tensors(self.inputs),
+            "outputs": tensors(self.outputs),
+        }
