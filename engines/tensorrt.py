@@ -273,6 +273,7 @@ class TensorRTRunner:
         self._inputs: list[_Slot] = []
         self._outputs: list[_Slot] = []
         self._graphs: dict[int, cuda.Graph] = {}
+        self._use_graphs = engine.options.cuda_graphs
         self._stream: cuda.Stream | None = None
         self._done: cuda.Event | None = None
         cuda.set_device(self.device)
@@ -366,13 +367,13 @@ class TensorRTRunner:
                     f"output {slot.tensor.name!r} has shape {list(shape)} for a batch of {rows}"
                 )
             shapes[slot.tensor.name] = shape
-        if self.engine.options.cuda_graphs:
-            graph = self._graphs.get(rows)
-            if graph is None:
-                graph = self._capture(rows)
+        graph = self._graphs.get(rows)
+        if graph is not None:
             graph.launch(stream)
         else:
             self._enqueue()
+            if self._use_graphs:
+                self._capture(rows)
         views = {}
         for slot in self._outputs:
             shape = shapes[slot.tensor.name]
@@ -409,13 +410,22 @@ class TensorRTRunner:
             self.stream.synchronize()
             raise RuntimeError(f"{self._spec.name}: execute_async_v3 failed; see TensorRT's log")
 
-    def _capture(self, rows: int) -> cuda.Graph:
-        # The first enqueue after a shape change does shape-dependent work on the host that a
-        # graph cannot hold: run it once uncaptured (it also computes this batch), then capture.
-        self._enqueue()
-        graph = cuda.Graph(self.stream, self._enqueue)
-        self._graphs[rows] = graph
-        return graph
+    def _capture(self, rows: int) -> None:
+        """Capture the enqueue for the next batches of ``rows`` rows. It follows an uncaptured
+        enqueue of the same shapes, which did the shape-dependent host work a graph cannot
+        hold. A plan that cannot be captured runs uncaptured from then on."""
+
+        def enqueue() -> None:
+            if not self.context.execute_async_v3(self.stream.ptr):
+                raise RuntimeError("execute_async_v3 failed during CUDA graph capture")
+
+        try:
+            self._graphs[rows] = cuda.Graph(self.stream, enqueue)
+        except (cuda.CudaError, RuntimeError) as error:
+            if isinstance(error, cuda.CudaError) and is_sticky(error.code):
+                raise
+            log.warning("%s: no CUDA graph (%s); running without", self._spec.name, error)
+            self._use_graphs = False
 
     def close(self) -> None:
         if self._stream is not None:

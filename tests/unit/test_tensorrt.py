@@ -842,6 +842,31 @@ def test_runner_moves_batches_through_its_buffers_with_a_stand_in_not_tensorrt(
         engine.close()
 
 
+def test_a_plan_that_cannot_be_captured_runs_without_graphs_with_a_stand_in_not_tensorrt(
+    stand_in: StandIn,
+    tiny: tuple[Path, ModelSpec],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def refuse(stream: object, enqueue: Any) -> None:
+        raise cuda.CudaError("cudaStreamEndCapture", _Enum("cudaErrorStreamCaptureInvalidated"))
+
+    monkeypatch.setattr(cuda, "Graph", refuse)
+    path, spec = tiny
+    engine = trt_backend.TensorRTEngine(
+        path, spec, EngineOptions(), TensorRTOptions(cuda_graphs=True)
+    )
+    runner = engine.new_runner()
+    x = np.ones((2, 4), np.float32)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            np.testing.assert_allclose(
+                runner.run({"x": x})["y"], reference(path, x)["y"], rtol=1e-6
+            )
+    assert caplog.text.count("no CUDA graph") == 1
+    runner.close()
+
+
 def test_runner_refuses_bad_batches_before_copying_with_a_stand_in_not_tensorrt(
     stand_in: StandIn, tiny: tuple[Path, ModelSpec]
 ) -> None:
