@@ -10,8 +10,9 @@ spinning a core, so other runners and the event loop keep running while the GPU 
 Every call goes through ``check``, which raises ``CudaError`` naming the call for any code
 other than success. Both APIs' success codes count as success (``cudaSuccess`` of the
 runtime, ``CUDA_SUCCESS`` of the driver); a result of any other type is refused rather than
-guessed at. The TensorRT backend uses this module as is; the torch backend runs its CUDA
-graphs on a ``Stream`` from here.
+guessed at. The TensorRT backend's runners are built from these pieces, and capture their
+enqueue into a CUDA graph with ``Graph``; the torch backend captures its own CUDA graphs and
+runs them on a ``Stream`` from here.
 """
 
 from __future__ import annotations
