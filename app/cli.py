@@ -242,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # ONNX Runtime's quantizer logs each scale it adjusts on the root logger: hundreds of
+    # lines per INT8 build that bury the progress lines. Keep its warnings.
+    logging.getLogger().addFilter(
+        lambda record: record.levelno >= logging.WARNING or "onnxruntime" not in record.pathname
+    )
     if args.command == "accuracy":
         return accuracy_report.run(args, settings)
     commands = {

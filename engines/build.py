@@ -32,6 +32,9 @@ Int8Form = Literal["u8s8", "s8s8"]
 BUILTIN_CALIBRATION = "builtin"
 # Bumped when the builtin augmented set changes, so cached ranges are recalibrated.
 BUILTIN_VERSION = "skimage-augmented-1"
+# Bumped when what calibration records changes (2: per-channel input means for bias
+# correction), so ranges cached by an older build are recalibrated rather than reused.
+RANGES_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,7 @@ def calibration_ranges(
         backend_version="",
         device="",
         options={
+            "ranges_version": RANGES_VERSION,
             "calibrator": options.calibrator,
             "percentile": options.percentile,
             "samples": options.samples,
