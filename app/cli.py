@@ -155,6 +155,7 @@ def serve(settings: Settings) -> int:
         port=settings.server.port,
         log_level=settings.server.log_level,
         access_log=False,
+        timeout_keep_alive=settings.server.keep_alive_s,
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
         limit_concurrency=None,
     )

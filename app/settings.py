@@ -25,6 +25,10 @@ class ServerSettings(BaseModel):
     """TCP port; 0 picks a free one (tests)."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log verbosity. ``debug`` logs every batch, which costs throughput."""
+    keep_alive_s: int = Field(default=75, ge=1)
+    """How long an idle kept-alive connection stays open. Longer than clients' own idle timeouts
+    (aiohttp 15 s, most load balancers 60 s), so the server never closes a connection a
+    client is about to reuse, which loses that request; each idle connection costs a socket."""
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On shutdown, how long in-flight and queued requests may take to finish before exit.
     Keep it below Kubernetes' terminationGracePeriodSeconds."""
