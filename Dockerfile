@@ -4,9 +4,10 @@
 #   docker build --target gpu -t stoker:gpu .   NVIDIA's TensorRT image, NGC release 25.10:
 #                                               TensorRT 10.13.3, CUDA 13.0.2, Ubuntu 24.04,
 #                                               Python 3.12 (driver 580 or a data-center
-#                                               compatibility driver); serves with the torch
-#                                               backend on the GPU (`auto`), the TensorRT
-#                                               bindings ready for the TensorRT backend
+#                                               compatibility driver); `auto` serves with the
+#                                               TensorRT backend (never yet run by the
+#                                               project's tests: see README, TensorRT);
+#                                               STOKER_MODELS__BACKEND=torch for the torch one
 # Both run as a non-root user, take STOKER_* settings from the environment, keep the engine
 # store on the volume /var/cache/stoker (a restarted container loads instead of rebuilding),
 # and carry the default model prepared at build time, so they start offline.
