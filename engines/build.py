@@ -163,10 +163,11 @@ def evaluate(
     }
 
 
-def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -> None:
+def budget_problems(plan: BuildPlan, precision: str, report: Mapping[str, float]) -> list[str]:
+    """How a variant's accuracy report misses the model's budget (empty when it does not)."""
     budget = plan.budgets.get(precision)
     if budget is None:
-        return
+        return []
     problems = []
     agreement = report["top1_agreement"]
     if agreement < budget.min_top1_agreement:
@@ -177,6 +178,11 @@ def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -
         )
     if budget.max_mean_kl is not None and report["mean_kl"] > budget.max_mean_kl:
         problems.append(f"mean KL {report['mean_kl']:.4f} > {budget.max_mean_kl}")
+    return problems
+
+
+def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -> None:
+    problems = budget_problems(plan, precision, report)
     if not problems:
         return
     advice = (
