@@ -5,10 +5,12 @@ from __future__ import annotations
 import io
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 import pytest
+import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,15 +65,32 @@ def efficientnet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def configure(folder: Path, overrides: dict[str, Any]) -> None:
+    """Merge ``overrides`` into a model folder's config.yaml (nested mappings merge)."""
+
+    def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+        merged = dict(base)
+        for key, value in extra.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                merged[key] = merge(base[key], value)
+            else:
+                merged[key] = value
+        return merged
+
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(merge(yaml.safe_load(path.read_text()), overrides)))
+
+
 # Every precision of the default model, with calibration small enough for a test run; the
 # budgets are loose because a few dozen augmented photos calibrate INT8 only roughly.
-ALL_PRECISIONS = """
-precisions: [fp32, fp16, int8]
-int8: {samples: 32, calibrator: minmax}
-accuracy:
-  evaluation_samples: 16
-  budgets: {fp16: {min_top1_agreement: 0.9}, int8: {min_top1_agreement: 0.5}}
-"""
+ALL_PRECISIONS: dict[str, Any] = {
+    "precisions": ["fp32", "fp16", "int8"],
+    "int8": {"samples": 32, "calibrator": "minmax"},
+    "accuracy": {
+        "evaluation_samples": 16,
+        "budgets": {"fp16": {"min_top1_agreement": 0.9}, "int8": {"min_top1_agreement": 0.5}},
+    },
+}
 
 
 @pytest.fixture(scope="session")
@@ -79,9 +98,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory, efficientnet_dir: Path)
     """A model repository with the default model (every precision) and the tiny model."""
     repo = tmp_path_factory.mktemp("repository")
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
-    config = repo / "efficientnet_lite0" / "config.yaml"
-    text = config.read_text().replace("precisions: [fp32]\n", "")
-    config.write_text(text + ALL_PRECISIONS)
+    configure(repo / "efficientnet_lite0", ALL_PRECISIONS)
     tiny = repo / "tiny"
     tiny.mkdir()
     onnx.save(tiny_onnx(), str(tiny / "model.onnx"))

@@ -14,19 +14,7 @@ from app.repository import ModelEntry, load_config
 from engines import build, calibration
 from engines.build import AccuracyBudgetExceeded, Budget, BuildPlan, ensure_variant
 from engines.store import EngineStore
-from tests.conftest import ROOT
-
-SMALL = """
-int8:
-  samples: 24
-  calibrator: {calibrator}
-  percentile: {percentile}
-accuracy:
-  evaluation_samples: 24
-  budgets:
-    fp16: {{min_top1_agreement: 0.9}}
-    int8: {{min_top1_agreement: {int8_budget}}}
-"""
+from tests.conftest import ROOT, configure
 
 
 def model_folder(
@@ -38,10 +26,18 @@ def model_folder(
 ) -> Path:
     folder = tmp_path / "repo" / "efficientnet_lite0"
     shutil.copytree(efficientnet_dir, folder)
-    config = folder / "config.yaml"
-    config.write_text(
-        config.read_text()
-        + SMALL.format(calibrator=calibrator, percentile=percentile, int8_budget=int8_budget)
+    configure(
+        folder,
+        {
+            "int8": {"samples": 24, "calibrator": calibrator, "percentile": percentile},
+            "accuracy": {
+                "evaluation_samples": 24,
+                "budgets": {
+                    "fp16": {"min_top1_agreement": 0.9},
+                    "int8": {"min_top1_agreement": int8_budget},
+                },
+            },
+        },
     )
     return folder
 
@@ -110,10 +106,7 @@ def test_stoker_build_reports_each_precision_and_fails_on_a_refusal(
     folder = model_folder(
         tmp_path, efficientnet_dir, calibrator="percentile", percentile=60, int8_budget=0.9
     )
-    config = folder / "config.yaml"
-    config.write_text(
-        config.read_text().replace("precisions: [fp32]", "precisions: [fp32, fp16, int8]")
-    )
+    configure(folder, {"precisions": ["fp32", "fp16", "int8"]})
     monkeypatch.setenv("STOKER_STORE__PATH", str(tmp_path / "store"))
     assert main(["build", "--repository", str(folder.parent)]) == 1
     out = capsys.readouterr().out
