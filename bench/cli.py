@@ -286,8 +286,9 @@ def measure(
             result.p99_target_ms = args.p99_target_ms
             capacity = max((s.throughput for s in result.steps), default=0.0)
             if not result.steps:
-                probe = Step("closed", 32, 0.0, args.warmup, args.duration)
-                capacity = workers.run(probe).throughput
+                probe = workers.run(Step("closed", 32, 0.0, args.warmup, args.duration))
+                record(result, probe)
+                capacity = probe.throughput
             result.found_rate = find_rate(workers, capacity, args, partial(record, result))
             found = result.found_rate
             rate = f"{found.step.rate:,.0f} req/s" if found else "none found"

@@ -203,6 +203,7 @@ def write_plots(folder: Path, targets: Sequence[TargetResult], title: str) -> li
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -229,23 +230,29 @@ def write_plots(folder: Path, targets: Sequence[TargetResult], title: str) -> li
     figure, axes = plt.subplots(figsize=(7, 4.5))
     styles = {"p50": "o-", "p90": "s--", "p99": "^:"}
     for index, target in enumerate(targets):
-        color = f"C{index}"
-        steps = sorted(
-            (s for s in target.steps if s.latency_ms["p50"] is not None),
-            key=lambda s: s.throughput,
+        # A line follows the load as it rises: the closed loop by concurrency, the open loop
+        # (fixed rates and the rate search) by offered rate, as points of their own.
+        sweep = sorted(
+            (s for s in target.steps if s.step.mode == "closed"), key=lambda s: s.step.concurrency
         )
-        for name, style in styles.items():
-            values = [(s.throughput, s.latency_ms[name]) for s in steps]
-            points = [(x, y) for x, y in values if y is not None]
-            if points:
-                axes.plot(
-                    [x for x, _ in points],
-                    [y for _, y in points],
-                    style,
-                    color=color,
-                    label=f"{target.name} {name}",
-                )
+        rates = sorted(
+            (s for s in target.steps if s.step.mode == "open"), key=lambda s: s.step.rate
+        )
+        for steps, suffix, line in ((sweep, "", True), (rates, " open loop", False)):
+            for name, style in styles.items():
+                points = [(s.throughput, s.latency_ms[name]) for s in steps]
+                shown = [(x, y) for x, y in points if y is not None]
+                if shown:
+                    axes.plot(
+                        [x for x, _ in shown],
+                        [y for _, y in shown],
+                        style if line else style[0],
+                        color=f"C{index}",
+                        alpha=1.0 if line else 0.5,
+                        label=f"{target.name} {name}{suffix}",
+                    )
     axes.set_yscale("log")
+    axes.yaxis.set_major_formatter(ScalarFormatter())
     axes.set_xlabel("requests/s achieved")
     axes.set_ylabel("latency (ms)")
     axes.set_title(f"Latency against throughput: {title}")
