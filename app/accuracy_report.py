@@ -69,18 +69,32 @@ def rows_of(files: list[Path], prep: ImagePreprocess) -> np.ndarray:
     return np.stack(rows)
 
 
-def throughput(model: Path, row: np.ndarray, input_name: str, batch: int) -> float:
-    """Images per second at one batch size: the median of repeated timed runs."""
-    session = accuracy.session(model, threads=os.cpu_count() or 1)
-    inputs = {input_name: np.repeat(row[None], batch, axis=0)}
-    session.run(None, inputs)
-    times: list[float] = []
-    budget = time.perf_counter() + 3.0
-    while len(times) < 5 or (time.perf_counter() < budget and len(times) < 50):
-        started = time.perf_counter()
-        session.run(None, inputs)
-        times.append(time.perf_counter() - started)
-    return batch / statistics.median(times)
+def throughput(
+    models: dict[str, Path], row: np.ndarray, input_name: str, batches: list[int], rounds: int = 5
+) -> dict[str, dict[int, float]]:
+    """Images per second per model and batch size. A shared, noisy machine drifts over a
+    run, so the models are timed in interleaved rounds (every model once per round) and each
+    figure is the median of its rounds."""
+    threads = os.cpu_count() or 1
+    sessions = {name: accuracy.session(path, threads=threads) for name, path in models.items()}
+    samples: dict[tuple[str, int], list[float]] = {}
+    for batch in batches:
+        inputs = {input_name: np.repeat(row[None], batch, axis=0)}
+        for session in sessions.values():
+            session.run(None, inputs)
+        for round_ in range(1, rounds + 1):
+            for name, session in sessions.items():
+                runs, started = 0, time.perf_counter()
+                while runs < 3 or time.perf_counter() - started < 0.5:
+                    session.run(None, inputs)
+                    runs += 1
+                rate = batch * runs / (time.perf_counter() - started)
+                samples.setdefault((name, batch), []).append(rate)
+            print(f"  img/s at batch {batch}: round {round_}/{rounds}")
+    return {
+        name: {batch: statistics.median(samples[(name, batch)]) for batch in batches}
+        for name in models
+    }
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -134,6 +148,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             int8 = dataclasses.replace(plan.int8, calibrator=calibrator)
             rows.append((f"int8 {calibrator}", dataclasses.replace(plan, int8=int8)))
     results: list[dict[str, Any]] = []
+    paths: dict[str, Path] = {}
     reference: np.ndarray | None = None
     for name, variant_plan in rows:
         precision = name.split()[0]
@@ -151,17 +166,23 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         if labelled.any():
             result["top1"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 1)
             result["top5"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 5)
-        for batch in batches:
-            result[f"img/s@{batch}"] = throughput(path, data[0], plan.input_name, batch)
-            print(f"{name}: {result[f'img/s@{batch}']:.1f} img/s at batch {batch}")
         result["gate"] = gate_verdict(plan, precision, build_report)
         results.append(result)
+        paths[name] = path
+    print(f"timing {len(paths)} variants at batch {', '.join(map(str, batches))}")
+    speeds = throughput(paths, data[0], plan.input_name, batches)
+    for result in results:
+        gate = result.pop("gate")
+        for batch in batches:
+            result[f"img/s@{batch}"] = speeds[result["precision"]][batch]
+        result["gate"] = gate
     args.out.mkdir(parents=True, exist_ok=True)
     header = (
         f"# {entry.config.name}: precision against FP32\n\n"
         f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
         f"calibration: {calibration_note}; backend "
-        f"{backend}; {os.cpu_count()} CPU threads; {time.strftime('%Y-%m-%d')}.\n\n"
+        f"{backend}; {os.cpu_count()} CPU threads; img/s are medians of 5 interleaved "
+        f"rounds; {time.strftime('%Y-%m-%d')}.\n\n"
     )
     table = markdown_table(results)
     (args.out / "accuracy.md").write_text(header + table)

@@ -49,4 +49,4 @@ def test_accuracy_report_compares_precisions_and_calibrators(
     assert fp32[2].strip() == "1.0000" and fp32[3].strip() == "0.0000"
     assert float(fp32[4]) >= 0.5  # top-1 of the espresso and tabby crops
     assert (out / "accuracy.png").stat().st_size > 10_000
-    assert "img/s at batch 1" in capsys.readouterr().out
+    assert "img/s at batch 1: round 5/5" in capsys.readouterr().out
