@@ -15,6 +15,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from engines.onnxruntime import cpu_session
+
 _WNID = re.compile(r"^(n\d{8})(?:[_.\-]|$)")
 
 
@@ -101,14 +103,8 @@ def imagenet_label_of(path: Path | str) -> int | None:
 
 def session(model: onnx.ModelProto | Path, threads: int = 0) -> ort.InferenceSession:
     """A CPU session with the settings the server's runners use."""
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])
+    return cpu_session(source, threads)
 
 
 def run_onnx(

@@ -56,18 +56,22 @@ def threads_per_runner(options: EngineOptions) -> int:
     return max(1, cores // max(1, options.runners))
 
 
+def cpu_session(model: bytes | str, threads: int) -> ort.InferenceSession:
+    """A CPU session as the runners use it: ``threads`` intra-op threads (0: ONNX Runtime's
+    choice), one inter-op thread, all graph optimizations."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Spinning threads burn the cores other runners need while they wait for work.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+
+
 class OrtRunner:
     def __init__(self, model: bytes, spec: ModelSpec, threads: int) -> None:
-        session_options = ort.SessionOptions()
-        session_options.intra_op_num_threads = threads
-        session_options.inter_op_num_threads = 1
-        session_options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        session_options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # Spinning threads burn the cores other runners need while they wait for work.
-        session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(
-            model, sess_options=session_options, providers=["CPUExecutionProvider"]
-        )
+        self._session = cpu_session(model, threads)
         self._output_names = [t.name for t in spec.outputs]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

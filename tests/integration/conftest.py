@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 BODY_LIMIT = 8 * 1024 * 1024
 
@@ -68,6 +69,17 @@ def start_server(repository: Path, log: Path, env: dict[str, str] | None = None)
         time.sleep(0.2)
     process.kill()
     raise RuntimeError(f"server not ready in 120 s:\n{log.read_text()}")
+
+
+def metric_samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the server's /metrics, parsed by prometheus_client, keyed by name and
+    sorted labels."""
+    text = httpx.get(f"{server.url}/metrics").text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
 
 
 def stop_server(server: Server) -> int:

@@ -38,7 +38,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 from tests.unit.test_hardening import png_bomb
 
 WIDTH = 256
@@ -165,15 +165,6 @@ AUTH = {"X-API-Key": KEY_FILE}
 
 def client(server: Server, **kwargs: Any) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=AUTH, timeout=30, **kwargs)
-
-
-def samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return found
 
 
 def counter(values: dict[Any, float], name: str, model: str, **labels: str) -> float:
@@ -581,7 +572,7 @@ def test_an_engine_error_fails_only_its_own_batch(hardened: Server, busy_m: int)
     will form one batch, four m=3 requests another. ONNX Runtime fails the first batch: its
     four requests get 500, the other batch's four get their own right answers, the failures
     are counted as backend, and the server stays ready."""
-    before = samples(hardened)
+    before = metric_samples(hardened)
 
     async def scenario() -> tuple[httpx.Response, list[httpx.Response], list[httpx.Response]]:
         async with httpx.AsyncClient(base_url=hardened.url, headers=AUTH, timeout=60) as http:
@@ -606,7 +597,7 @@ def test_an_engine_error_fails_only_its_own_batch(hardened: Server, busy_m: int)
     for i, response in enumerate(spared):
         assert response.status_code == 200, response.text
         assert slow_answer(response) == [pytest.approx((i + 1) * 3 * WIDTH)]
-    after = samples(hardened)
+    after = metric_samples(hardened)
     assert failures(after, "slow", "backend") - failures(before, "slow", "backend") == 4
     assert httpx.get(f"{hardened.url}/v2/health/ready").status_code == 200
     with client(hardened) as http:
@@ -654,7 +645,7 @@ def test_deadlines_bound_a_busy_runner(hardened: Server, busy_m: int) -> None:
 def test_a_disconnected_client_is_dropped_before_compute(hardened: Server, busy_m: int) -> None:
     """A request queued behind a busy runner whose client hangs up is dropped from the queue:
     counted as cancelled, never run."""
-    before, counted_before = stats(hardened, "slow"), samples(hardened)
+    before, counted_before = stats(hardened, "slow"), metric_samples(hardened)
 
     async def scenario() -> httpx.Response:
         async with httpx.AsyncClient(base_url=hardened.url, headers=AUTH, timeout=60) as http:
@@ -669,7 +660,7 @@ def test_a_disconnected_client_is_dropped_before_compute(hardened: Server, busy_
     blocker = asyncio.run(scenario())
     assert blocker.status_code == 200
     deadline = time.monotonic() + 5
-    while failures(samples(hardened), "slow", "cancelled") == failures(
+    while failures(metric_samples(hardened), "slow", "cancelled") == failures(
         counted_before, "slow", "cancelled"
     ):
         assert time.monotonic() < deadline, "the disconnect was never counted"
@@ -769,9 +760,9 @@ def test_every_response_matches_its_own_request_under_mixed_traffic(hardened: Se
 
             await asyncio.gather(*(bounded(i) for i in range(480)))
 
-    before = samples(hardened)
+    before = metric_samples(hardened)
     asyncio.run(scenario())
-    after = samples(hardened)
+    after = metric_samples(hardened)
     batches = counter(after, "stoker_inference_exec_count_total", "tiny") - counter(
         before, "stoker_inference_exec_count_total", "tiny"
     )

@@ -13,11 +13,10 @@ import onnxruntime as ort
 import pytest
 import tritonclient.http as triton
 from PIL import Image
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.images import decode
 from engines.preprocess import ImagePreprocess, preprocess
-from tests.integration.conftest import BODY_LIMIT, Server
+from tests.integration.conftest import BODY_LIMIT, Server, metric_samples
 
 ESPRESSO = 967
 
@@ -30,15 +29,6 @@ def reference(model: Path, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
     session = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     result: list[np.ndarray] = session.run(None, inputs)
     return result
-
-
-def metric_samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = httpx.get(f"{server.url}/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
 
 
 def test_health_and_server_metadata(server: Server) -> None:
