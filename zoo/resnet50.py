@@ -14,15 +14,15 @@ Same tensor contract as the pretrained zoo models: ``input`` FP32 [batch, 3, 224
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
-from zoo.common import NUM_CLASSES, classifier, save
+from zoo.common import NUM_CLASSES, GraphBuilder, classifier, save
 
 _RESIDUAL_SCALE = 0.2
 # (bottlenecks, width, first stride) per stage; each bottleneck outputs 4 * width channels.
@@ -30,14 +30,8 @@ _STAGES = ((3, 64, 1), (4, 128, 2), (6, 256, 2), (3, 512, 2))
 
 
 @dataclass
-class _Graph:
+class _Graph(GraphBuilder):
     rng: np.random.Generator
-    nodes: list[onnx.NodeProto] = field(default_factory=list)
-    initializers: list[onnx.TensorProto] = field(default_factory=list)
-
-    def constant(self, name: str, value: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(value, name))
-        return name
 
     def conv(
         self,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.launch import free_port, stop
+
 BODY_LIMIT = 8 * 1024 * 1024
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass
@@ -83,12 +77,7 @@ def metric_samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...
 
 
 def stop_server(server: Server) -> int:
-    server.process.terminate()
-    try:
-        return server.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        return server.process.wait()
+    return stop(server.process)
 
 
 @pytest.fixture(scope="session")

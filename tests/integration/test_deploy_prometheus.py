@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
+from bench.launch import stop
 from tests.integration.conftest import Server, free_port
 from tests.integration.test_deploy_tools import DOCKER, adapter_query, tool
 
@@ -61,12 +62,7 @@ def prometheus(server: Server, tmp_path: Path) -> Iterator[str]:
             time.sleep(0.2)
         yield url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, timeout_s=10)
 
 
 def query(prometheus: str, expression: str) -> list[dict[str, Any]]:
