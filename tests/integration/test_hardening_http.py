@@ -466,7 +466,30 @@ def raw_exchange(
                 break
             sent += len(chunk)
         sock.settimeout(10)
-        return sock.recv(4096), sent
+        return read_response(sock), sent
+
+
+def read_response(sock: socket.socket) -> bytes:
+    """The whole answer: headers, then as many body bytes as its Content-Length says (head and
+    body can arrive in separate segments, so one recv is not enough)."""
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        chunk = sock.recv(4096)
+        if not chunk:
+            return answer
+        answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
 
 
 def test_a_huge_declared_body_is_refused_without_being_read(hardened: Server) -> None:
