@@ -28,10 +28,10 @@ from app.protocol import InferRequest, RequestedOutput, classify, decode_request
 from app.repository import ModelEntry, discover
 from app.settings import Settings
 from engines import accuracy, backends
-from engines.base import EngineOptions
+from engines.base import EngineOptions, pixel_input
 from engines.build import ensure_variant
 from engines.onnxruntime import read_spec
-from engines.preprocess import preprocess
+from engines.preprocess import normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 from engines.store import EngineStore
 
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
 THREADED_DECODE_BYTES = 256 * 1024
+GPU_BACKENDS = ("torch", "tensorrt")
 
 
 @dataclass
@@ -53,6 +54,12 @@ class ServedModel:
     batcher: Batcher
     metrics: ModelMetrics
     labels: list[str] | None
+    pixel_input: str | None = None
+    """The image input, when UINT8 pixels are accepted on it (the model has preprocessing)."""
+    native_pixels: bool = False
+    """The engine normalises those pixels itself (on the GPU); else the service does."""
+    decoder: images.DecodeQueue | None = None
+    """Batched device decoding of JPEG uploads, when it is on for this model."""
 
     @property
     def name(self) -> str:
@@ -106,27 +113,60 @@ class DataPlane:
             variant, _ = await asyncio.to_thread(
                 ensure_variant, self.store, plan, precision, backend
             )
-            options = EngineOptions(
-                runners=config.runners, store=self.store, profile=plan.profile, precision=precision
-            )
+            options = engine_options(entry, spec, self.store, plan.profile, precision)
             engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
             pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
             await pool.warm()
             metrics = ModelMetrics(config.name, precision)
             batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
             batcher.start()
+            native = pixel_input(engine)
+            decoder = self._decoder(entry, backend)
             versions[precision] = ServedModel(
-                entry, precision, spec, backend, pool, batcher, metrics, entry.labels()
+                entry,
+                precision,
+                spec,
+                backend,
+                pool,
+                batcher,
+                metrics,
+                entry.labels(),
+                pixel_input=pixels_input(entry, spec),
+                native_pixels=native is not None,
+                decoder=decoder,
             )
             log.info(
-                "model %s version %s: %s backend, %d runner(s), loaded and warmed in %.1f s",
+                "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
+                "JPEG uploads decoded on the %s; loaded and warmed in %.1f s",
                 config.name,
                 precision,
                 backend,
                 config.runners,
+                f" on GPUs {config.gpus}" if config.gpus else "",
+                "device" if native else "CPU",
+                "GPU" if decoder else "CPU",
                 time.perf_counter() - started,
             )
         self._models[config.name] = versions
+
+    def _decoder(self, entry: ModelEntry, backend: str) -> images.DecodeQueue | None:
+        """A batched GPU decoder for the model's JPEG uploads, where ``image_decode`` and
+        this machine allow one."""
+        config, settings = entry.config, self.settings.models
+        if config.preprocess is None or settings.image_decode == "cpu":
+            return None
+        available = backends.gpu_image_decode_available()
+        if settings.image_decode == "auto" and not (backend in GPU_BACKENDS and available):
+            return None
+        if not available:
+            raise RuntimeError("image_decode is gpu, but torchvision with CUDA is not available")
+        from engines import torch_images
+
+        device = f"cuda:{config.gpus[0] if config.gpus else 0}"
+        decoder = torch_images.TorchImageDecoder(config.preprocess.to_spec("UINT8"), device)
+        queue = images.DecodeQueue(decoder.decode, settings.decode_batch, f"{config.name}-jpeg")
+        queue.start()
+        return queue
 
     def begin_drain(self) -> None:
         """From now on readiness is false and new inference requests get 503; the drain
@@ -162,6 +202,8 @@ class DataPlane:
         self.begin_drain()
         await self._close_batchers()
         for model in reversed(self.all_served()):
+            if model.decoder is not None:
+                await model.decoder.close()
             await asyncio.to_thread(model.pool.close)
         self._models.clear()
 
@@ -260,7 +302,8 @@ class DataPlane:
                 )
             else:
                 request = decode_request(body, header_length, model.spec, depth)
-            rows, key = validate_inputs(model.spec, request.inputs)
+            rows, key = validate_inputs(model.spec, request.inputs, model.pixel_input)
+            inputs = pixels_for_engine(model.entry, model.spec, model.native_pixels, request.inputs)
             wanted = requested_outputs(model.spec, request)
             levels = model.entry.config.dynamic_batching.priority_levels
             if request.priority > levels:
@@ -268,9 +311,7 @@ class DataPlane:
                     f"priority {request.priority} exceeds the model's {levels} level(s)"
                 )
             timeout = self._timeout_s(model, request.timeout_us)
-            outputs = await model.batcher.infer(
-                request.inputs, rows, key, timeout, request.priority
-            )
+            outputs = await model.batcher.infer(inputs, rows, key, timeout, request.priority)
             return request.id, [(out, self._shape_output(model, out, outputs)) for out in wanted]
 
         return await self._measured(model, work)
@@ -305,26 +346,43 @@ class DataPlane:
                 f"the limit is {limits.max_images_per_request}"
             )
         image_input = model.spec.inputs[0]
-        prep = config.preprocess.to_spec(image_input.datatype)
+        prep = config.preprocess.to_spec("UINT8")
+        if len(model.spec.inputs) != 1 or not image_input.matches(prep.row_shape()):
+            raise BadRequest(
+                f"model {model.name!r} input {image_input.name!r} expects rows of "
+                f"{list(image_input.shape)}, preprocessing gives {list(prep.row_shape())}"
+            )
 
-        def decode_all() -> np.ndarray:
-            rows = [
-                preprocess(images.decode(data, limits.max_image_pixels), prep) for data in uploads
-            ]
-            return np.stack(rows)
+        def on_cpu(data: bytes) -> np.ndarray:
+            return preprocess(images.decode(data, limits.max_image_pixels), prep)
+
+        async def decode_all() -> np.ndarray:
+            """UINT8 rows: JPEGs in batches on the GPU when a decoder is on, the rest (and
+            what it gives back) on the CPU; headers are checked first either way."""
+            headers = [images.inspect(data, limits.max_image_pixels) for data in uploads]
+            rows: list[np.ndarray | None] = [None] * len(uploads)
+            if model.decoder is not None:
+                picked = [i for i, h in enumerate(headers) if h.device_decodable]
+                decoded = await model.decoder.decode([uploads[i] for i in picked])
+                for i, row in zip(picked, decoded, strict=True):
+                    rows[i] = row
+            left = [i for i, row in enumerate(rows) if row is None]
+            if left:
+                done = await asyncio.to_thread(lambda: [on_cpu(uploads[i]) for i in left])
+                for i, row in zip(left, done, strict=True):
+                    rows[i] = row
+            return np.stack([row for row in rows if row is not None])
 
         async def work() -> list[list[dict[str, Any]]]:
             model.batcher.admit()
-            batch = await asyncio.to_thread(decode_all)
-            if len(model.spec.inputs) != 1 or not image_input.matches(batch.shape[1:]):
-                raise BadRequest(
-                    f"model {model.name!r} input {image_input.name!r} expects rows of "
-                    f"{list(image_input.shape)}, preprocessing gives {list(batch.shape[1:])}"
-                )
+            batch = await decode_all()
+            native = model.native_pixels and model.pixel_input == image_input.name
+            if image_input.datatype != "UINT8" and not native:
+                batch = normalize(batch, prep, image_input.dtype)
             timeout = self._timeout_s(model, None)
             step = model.spec.max_batch_size or 1
             chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
-            key = (batch.shape[1:],)
+            key = ((batch.dtype.str, *batch.shape[1:]),)
             results = await asyncio.gather(
                 *(model.batcher.infer({image_input.name: c}, len(c), key, timeout) for c in chunks)
             )
@@ -349,9 +407,12 @@ def top_k(scores: np.ndarray, k: int, labels: list[str] | None) -> list[dict[str
     ]
 
 
-def validate_inputs(spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int, tuple[Any, ...]]:
-    """Check a request's tensors against the model; return its rows and its shape-group key
-    (requests with different non-batch shapes never share a batch)."""
+def validate_inputs(
+    spec: ModelSpec, inputs: dict[str, np.ndarray], pixels: str | None = None
+) -> tuple[int, tuple[Any, ...]]:
+    """Check a request's tensors against the model; return its rows and its batch key
+    (requests with different non-batch shapes or datatypes never share a batch). The
+    ``pixels`` input also takes UINT8 pixels of its declared shape."""
     missing = [t.name for t in spec.inputs if t.name not in inputs]
     if missing:
         raise BadRequest(f"missing input(s): {', '.join(missing)}")
@@ -360,10 +421,11 @@ def validate_inputs(spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int
         expected = ", ".join(t.name for t in spec.inputs)
         raise BadRequest(f"unknown input(s): {', '.join(unknown[:8])}; the model takes {expected}")
     rows: int | None = None
-    key: list[tuple[int, ...]] = []
+    key: list[tuple[Any, ...]] = []
     for tensor in spec.inputs:
         value = inputs[tensor.name]
-        check_datatype(tensor, value)
+        if not (tensor.name == pixels and value.dtype == np.uint8):
+            check_datatype(tensor, value, pixels=tensor.name == pixels)
         shape = tuple(value.shape)
         row_shape = shape[1:] if spec.batched else shape
         if spec.batched:
@@ -378,18 +440,19 @@ def validate_inputs(spec: ModelSpec, inputs: dict[str, np.ndarray]) -> tuple[int
                 f"input {tensor.name!r}: shape {list(shape)} does not match "
                 f"{spec.full_shape(tensor)}"
             )
-        key.append(row_shape)
+        key.append((value.dtype.str, *row_shape))
     rows = rows if rows is not None else 1
     if spec.batched and not 1 <= rows <= spec.max_batch_size:
         raise BadRequest(f"batch of {rows} rows; the model takes 1 to {spec.max_batch_size}")
     return rows, tuple(key)
 
 
-def check_datatype(tensor: TensorSpec, value: np.ndarray) -> None:
+def check_datatype(tensor: TensorSpec, value: np.ndarray, pixels: bool = False) -> None:
     got = v2_datatype(value.dtype)
     if got != tensor.datatype:
+        also = " (or UINT8 pixels)" if pixels else ""
         raise BadRequest(
-            f"input {tensor.name!r}: datatype {got}, the model takes {tensor.datatype}"
+            f"input {tensor.name!r}: datatype {got}, the model takes {tensor.datatype}{also}"
         )
 
 
@@ -400,6 +463,52 @@ def requested_outputs(spec: ModelSpec, request: InferRequest) -> list[RequestedO
     if unknown:
         raise BadRequest(f"unknown output(s): {', '.join(unknown[:8])}")
     return list(request.outputs)
+
+
+def pixels_input(entry: ModelEntry, spec: ModelSpec) -> str | None:
+    """The input that takes UINT8 pixels: a model with preprocessing whose only input is a
+    floating-point image of the preprocessed shape."""
+    prep = entry.config.preprocess
+    if prep is None or len(spec.inputs) != 1:
+        return None
+    tensor = spec.inputs[0]
+    if tensor.datatype not in ("FP32", "FP16", "BF16", "FP64"):
+        return None
+    return tensor.name if tuple(tensor.shape) == prep.to_spec("UINT8").row_shape() else None
+
+
+def pixels_for_engine(
+    entry: ModelEntry, spec: ModelSpec, native: bool, inputs: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A request's inputs as the engine takes them: UINT8 pixels on the image input are
+    normalised here with the model's preprocessing, unless the engine does it (``native``)."""
+    name = pixels_input(entry, spec)
+    if name is None or native or inputs[name].dtype != np.uint8:
+        return inputs
+    prep = entry.config.preprocess
+    assert prep is not None
+    return {**inputs, name: normalize(inputs[name], prep.to_spec("UINT8"), spec.inputs[0].dtype)}
+
+
+def engine_options(
+    entry: ModelEntry,
+    spec: ModelSpec,
+    store: EngineStore | None = None,
+    profile: tuple[int, ...] = (),
+    precision: str = "",
+) -> EngineOptions:
+    """What the backend is told about a model: runners, GPUs, batch sizes, preprocessing."""
+    config = entry.config
+    prep = config.preprocess
+    return EngineOptions(
+        runners=config.runners,
+        store=store,
+        profile=profile,
+        precision=precision,
+        devices=tuple(config.gpus),
+        preferred_batch_sizes=tuple(config.dynamic_batching.preferred_batch_size),
+        image=prep.to_spec(spec.inputs[0].datatype) if prep and pixels_input(entry, spec) else None,
+    )
 
 
 def model_spec(entry: ModelEntry) -> ModelSpec:

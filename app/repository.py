@@ -7,7 +7,7 @@ where the config omits them.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -154,6 +154,10 @@ class ModelConfig(BaseModel):
     """Most rows in one batch; 0 means the model has no batch dimension."""
     runners: int = Field(default=1, ge=1)
     """Execution lanes. Two or more keep the device busy while the next batch fills."""
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """GPUs the runners are placed on, round-robin, with one copy of the weights per GPU and
+    one batcher for them all (Triton's ``instance_group.gpus``); empty: GPU 0. GPU backends
+    only; give at least as many runners as GPUs."""
     precisions: list[str] = Field(default_factory=lambda: ["fp32"])
     """Precisions to serve, each a version: ``/v2/models/<name>/versions/<precision>``."""
     default_precision: str = "fp32"
@@ -186,6 +190,13 @@ class ModelConfig(BaseModel):
         if self.default_precision not in self.precisions:
             raise ValueError(
                 f"default_precision {self.default_precision!r} is not among {self.precisions}"
+            )
+        if len(set(self.gpus)) != len(self.gpus):
+            raise ValueError(f"gpus {self.gpus} lists a GPU twice")
+        if self.runners < len(self.gpus):
+            raise ValueError(
+                f"{self.runners} runner(s) cannot cover gpus {self.gpus}: "
+                "give at least one runner per GPU"
             )
         levels = self.dynamic_batching.priority_levels
         if self.dynamic_batching.default_priority_level > levels:

@@ -47,6 +47,14 @@ class ModelRepositorySettings(BaseModel):
     backend: str | None = None
     """Override every model's backend (``auto``, ``onnxruntime``...). ``auto`` picks the
     fastest backend this machine can run."""
+    image_decode: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where ``/infer`` decodes and preprocesses JPEG uploads: ``gpu`` decodes batches of
+    them with nvJPEG (torchvision) on the model's first GPU; ``auto`` does so when the model
+    runs on a GPU backend and torchvision sees CUDA, else on the CPU. Other formats are
+    always decoded on the CPU."""
+    decode_batch: int = Field(default=64, gt=0)
+    """Most JPEG uploads decoded together on the GPU (uploads of concurrent requests are
+    gathered while the previous batch decodes)."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""

@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     load = parser.add_argument_group("payload")
     load.add_argument("--payload", choices=payloads.KINDS, default="v2-binary")
     load.add_argument("--rows", type=int, default=1, help="rows (images) per request")
+    load.add_argument(
+        "--uint8",
+        action="store_true",
+        help="send an image input as UINT8 pixels (resized and cropped, not normalised: a "
+        "quarter of the bytes; the server normalises them)",
+    )
     load.add_argument("--images", type=Path, help="folder of JPEG/PNG files (default synthetic)")
     load.add_argument("--image-size", default="640x480", help="synthetic images, WxH")
     load.add_argument("--distinct", type=int, default=16, help="distinct payloads to cycle")
@@ -192,9 +198,11 @@ class PayloadCache:
         if key not in self._built:
             configured = None
             if model is not None and len(model.inputs) == 1:
-                configured = configured_preprocess(
-                    self._args.repository, model.name, model.inputs[0].datatype
-                )
+                tensor = model.inputs[0]
+                datatype = "UINT8" if self._args.uint8 else tensor.datatype
+                configured = configured_preprocess(self._args.repository, model.name, datatype)
+                if configured is None and self._args.uint8:
+                    configured = replace(payloads.image_preprocess(tensor, None), datatype="UINT8")
             self._built[key] = payloads.build(
                 kind, self.images, self._args.rows, self._args.distinct, model, configured
             )

@@ -231,8 +231,14 @@ class InProcessClient:
     HTTP and the codec."""
 
     def __init__(
-        self, batcher: Batcher, pool: RunnerPool, timeout_s: float | None, keys: dict[int, Any]
+        self,
+        batcher: Batcher,
+        pool: RunnerPool,
+        timeout_s: float | None,
+        keys: dict[int, tuple[Any, dict[str, np.ndarray]]],
     ) -> None:
+        """``keys``: per payload (by id), its batch key and its tensors as the engine takes
+        them."""
         self._batcher = batcher
         self._pool = pool
         self._timeout_s = timeout_s
@@ -241,12 +247,19 @@ class InProcessClient:
     @classmethod
     async def load(cls, target: InProcessTarget, payloads: list[Payload]) -> InProcessClient:
         from app.batcher import Batcher
-        from app.dataplane import model_spec, prepare, validate_inputs
+        from app.dataplane import (
+            engine_options,
+            model_spec,
+            pixels_for_engine,
+            pixels_input,
+            prepare,
+            validate_inputs,
+        )
         from app.metrics import ModelMetrics
         from app.pool import RunnerPool
         from app.repository import discover
         from engines import backends
-        from engines.base import EngineOptions
+        from engines.base import pixel_input
 
         entry = discover(target.repository, [target.model])[0]
         config = entry.config
@@ -254,8 +267,9 @@ class InProcessClient:
             await asyncio.to_thread(prepare, entry)
         spec = await asyncio.to_thread(model_spec, entry)
         loader = backends.loader(target.backend or config.backend)
-        options = EngineOptions(runners=config.runners)
+        options = engine_options(entry, spec)
         engine = await asyncio.to_thread(loader, entry.onnx_path, spec, options)
+        native = pixel_input(engine) is not None
         pool = await RunnerPool.create(engine, config.runners, f"bench-{config.name}")
         await pool.warm()
         metrics = ModelMetrics(config.name, config.default_precision)
@@ -265,18 +279,20 @@ class InProcessClient:
         for payload in payloads:
             if payload.tensors is None:
                 raise ValueError("in-process payloads are tensors, not HTTP bodies")
-            keys[id(payload)] = validate_inputs(spec, payload.tensors)[1]
+            pixels = pixels_input(entry, spec)
+            validate_inputs(spec, payload.tensors, pixels)
+            # What the service does to UINT8 pixels before batching, done once up front.
+            tensors = pixels_for_engine(entry, spec, native, payload.tensors)
+            keys[id(payload)] = (validate_inputs(spec, tensors, pixels)[1], tensors)
         timeout_us = config.dynamic_batching.default_timeout_us
         return cls(batcher, pool, timeout_us / 1e6 if timeout_us else None, keys)
 
     async def send(self, payload: Payload) -> int:
         from app.errors import StokerError
 
-        assert payload.tensors is not None
+        key, tensors = self._keys[id(payload)]
         try:
-            await self._batcher.infer(
-                payload.tensors, payload.rows, self._keys[id(payload)], self._timeout_s
-            )
+            await self._batcher.infer(tensors, payload.rows, key, self._timeout_s)
         except StokerError as exc:
             return exc.status
         return 200

@@ -16,20 +16,29 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
 from app import images
-from app.dataplane import model_spec, prepare, requested_outputs, top_k, validate_inputs
+from app.dataplane import (
+    engine_options,
+    model_spec,
+    pixels_for_engine,
+    pixels_input,
+    prepare,
+    requested_outputs,
+    top_k,
+    validate_inputs,
+)
 from app.errors import BadRequest, NotFound, StokerError
 from app.protocol import classify, decode_request, encode_response
 from app.repository import ModelEntry, discover
 from app.routes import header_length, json_response, uploaded_images
 from engines import accuracy, backends
-from engines.base import EngineOptions, Runner
+from engines.base import Runner, pixel_input
 from engines.preprocess import preprocess
 from engines.spec import ModelSpec
 
@@ -44,6 +53,7 @@ class Model:
     runner: Runner
     executor: ThreadPoolExecutor
     labels: list[str] | None
+    native_pixels: bool = False
 
     async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
@@ -55,11 +65,11 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
     if not entry.onnx_path.exists():
         prepare(entry)
     spec = model_spec(entry)
-    engine = backends.loader(backend or entry.config.backend)(
-        entry.onnx_path, spec, EngineOptions(runners=1)
-    )
+    options = replace(engine_options(entry, spec), runners=1, devices=())
+    engine = backends.loader(backend or entry.config.backend)(entry.onnx_path, spec, options)
     runner = engine.new_runner()
-    return Model(entry, spec, runner, ThreadPoolExecutor(1, "naive"), entry.labels())
+    native = pixel_input(engine) is not None
+    return Model(entry, spec, runner, ThreadPoolExecutor(1, "naive"), entry.labels(), native)
 
 
 def create_app(repository: Path, name: str, backend: str | None = None) -> FastAPI:
@@ -101,8 +111,9 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
         model = served(request, model_name)
         body = await request.body()
         decoded = decode_request(body, header_length(request), model.spec)
-        validate_inputs(model.spec, decoded.inputs)
-        outputs = await model.run(decoded.inputs)
+        validate_inputs(model.spec, decoded.inputs, pixels_input(model.entry, model.spec))
+        inputs = pixels_for_engine(model.entry, model.spec, model.native_pixels, decoded.inputs)
+        outputs = await model.run(inputs)
         answer = [
             (
                 out,

@@ -41,6 +41,11 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def gpu_image_decode_available() -> bool:
+    """Whether JPEGs can be decoded on the GPU here (torchvision's nvJPEG path)."""
+    return importlib.util.find_spec("torchvision") is not None and cuda_available()
+
+
 def tensorrt_available() -> bool:
     """Whether TensorRT can serve here: an NVIDIA driver, a TensorRT 10+ that imports (a
     stubs-only ``tensorrt`` folder does not count) and a GPU that cuda-python sees."""

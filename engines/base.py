@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec
 from engines.store import EngineStore
 
@@ -48,7 +49,11 @@ class EngineOptions:
     between them instead of oversubscribing. Backends that compile the model (TensorRT) keep
     what they build in ``store`` (None: built in memory at every load), optimise for the
     batch sizes of ``profile`` (min, opt, max rows, from the batching config; empty: 1 to the
-    max batch size) and label the artefact with ``precision``.
+    max batch size) and label the artefact with ``precision``. GPU backends place runners on
+    ``devices`` round-robin (one copy of the weights per GPU; empty: GPU 0) and may size
+    their batch buckets by ``preferred_batch_sizes``. ``image`` is the model's preprocessing:
+    a backend that can normalise on the device accepts UINT8 pixels on the first input and
+    says so in its engine's ``pixel_input`` (see ``pixel_input``).
     """
 
     runners: int = 1
@@ -56,6 +61,16 @@ class EngineOptions:
     store: EngineStore | None = None
     profile: tuple[int, ...] = ()
     precision: str = ""
+    devices: tuple[int, ...] = ()
+    preferred_batch_sizes: tuple[int, ...] = ()
+    image: ImagePreprocess | None = None
+
+
+def pixel_input(engine: Engine) -> str | None:
+    """The input that takes UINT8 pixels, normalised by the engine itself on its device, or
+    None: the service then normalises pixels on the CPU before they reach the engine."""
+    name = getattr(engine, "pixel_input", None)
+    return name if isinstance(name, str) else None
 
 
 class FatalEngineError(Exception):

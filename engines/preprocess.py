@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -36,12 +37,8 @@ class ImagePreprocess:
 
 def preprocess(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     """One model input row from an RGB image."""
-    width, height = image.size
-    scale = spec.resize_shorter / min(width, height)
-    size = (max(spec.crop, round(width * scale)), max(spec.crop, round(height * scale)))
-    resized = image.resize(size, Image.Resampling.BILINEAR)
-    left = (size[0] - spec.crop) // 2
-    top = (size[1] - spec.crop) // 2
+    width, height, left, top = crop_box(*image.size, spec)
+    resized = image.resize((width, height), Image.Resampling.BILINEAR)
     cropped = resized.crop((left, top, left + spec.crop, top + spec.crop))
     pixels = np.asarray(cropped, dtype=np.uint8)
     if spec.datatype == "UINT8":
@@ -53,6 +50,24 @@ def preprocess(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     if spec.layout == "NCHW":
         row = np.transpose(row, (2, 0, 1))
     return np.ascontiguousarray(row)
+
+
+def crop_box(width: int, height: int, spec: ImagePreprocess) -> tuple[int, int, int, int]:
+    """(resized width, resized height, left, top): the resize that makes the shorter side
+    ``resize_shorter`` and where the centre crop starts; every decoder uses these numbers."""
+    scale = spec.resize_shorter / min(width, height)
+    size = (max(spec.crop, round(width * scale)), max(spec.crop, round(height * scale)))
+    return size[0], size[1], (size[0] - spec.crop) // 2, (size[1] - spec.crop) // 2
+
+
+def normalize(pixels: np.ndarray, spec: ImagePreprocess, dtype: np.dtype[Any]) -> np.ndarray:
+    """UINT8 pixels (rows in the spec's layout) as the model's input: ``(x - mean) / std``."""
+    shape: tuple[int, ...] = (1, 3, 1, 1) if spec.layout == "NCHW" else (1, 1, 1, 3)
+    if pixels.ndim == 3:
+        shape = shape[1:]
+    mean = np.asarray(spec.mean, dtype=np.float32).reshape(shape)
+    std = np.asarray(spec.std, dtype=np.float32).reshape(shape)
+    return ((pixels.astype(np.float32) - mean) / std).astype(dtype, copy=False)
 
 
 def load_image(path: Path) -> Image.Image:

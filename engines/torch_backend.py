@@ -477,6 +477,8 @@ class TorchEngine:
         self.spec = spec
         self.precision = precision
         self.options = torch_options
+        # The image input takes UINT8 pixels too, normalised inside the CUDA graph.
+        self.pixel_input = spec.inputs[0].name if torch_options.image is not None else None
         self.devices = torch_options.devices or (0,)
         self.cuda_graphs = torch_options.cuda_graphs
         if not spec.batched:
@@ -715,5 +717,23 @@ class TorchRunner:
 
 
 def load(path: Path, spec: ModelSpec, options: EngineOptions) -> TorchEngine:
-    """The registry's loader: the graph's own precision, GPU 0."""
-    return TorchEngine(path, spec, options, TorchOptions())
+    """The registry's loader: the graph's own precision; the GPUs, batch buckets and image
+    preprocessing the service passes (UINT8 pixels are then normalised on the GPU)."""
+    image = options.image
+    first = spec.inputs[0] if spec.inputs else None
+    takes_pixels = (
+        image is not None
+        and first is not None
+        and first.datatype in ("FP32", "FP16", "BF16")
+        and tuple(first.shape) == image.row_shape()
+    )
+    return TorchEngine(
+        path,
+        spec,
+        options,
+        TorchOptions(
+            devices=options.devices or (0,),
+            image=image if takes_pixels else None,
+            preferred_batch_sizes=options.preferred_batch_sizes,
+        ),
+    )

@@ -205,3 +205,30 @@ def test_naive_and_in_process_targets_in_one_run(tiny_repository: Path, tmp_path
     (ratio,) = document["ratios"]
     assert ratio["numerator"] == "naive" and ratio["denominator"] == "in-process"
     assert np.isfinite(ratio["throughput_ratio"])
+
+
+def test_uint8_pixels_reach_the_naive_server_and_the_batcher(
+    efficientnet_dir: Path, tmp_path: Path
+) -> None:
+    """``--uint8`` sends the image input as pixels; on ONNX Runtime the service normalises
+    them, and every request of both targets is answered."""
+    import shutil
+
+    from tests.conftest import configure
+
+    repository = tmp_path / "repo"
+    shutil.copytree(efficientnet_dir, repository / "efficientnet_lite0")
+    configure(repository / "efficientnet_lite0", {"precisions": ["fp32"]})
+    out = tmp_path / "bench.json"
+    code = cli.main(
+        [
+            *("--naive", "--in-process", "--repository", str(repository), "--uint8"),
+            *("--model", "efficientnet_lite0", "--rows", "2", "--image-size", "320x240"),
+            *("--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--distinct", "2"),
+            *("--json", str(out)),
+        ]
+    )
+    assert code == 0
+    for target in orjson.loads(out.read_bytes())["targets"]:
+        (step,) = target["steps"]
+        assert step["errors"] == 0 and step["requests"] > 0

@@ -89,6 +89,47 @@ def test_tritonclient_on_the_default_model_matches_onnxruntime(
     client.close()
 
 
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_uint8_pixels_answer_as_the_normalised_tensor_does(
+    server: Server, repository: Path, coffee_jpeg: bytes, binary: bool
+) -> None:
+    """A model with preprocessing takes its image input as UINT8 pixels too (a quarter of the
+    bytes): the answer is the one the FP32 tensor of the same photo gets. Pixel and FP32
+    requests sent at once never share a batch (that would mix dtypes)."""
+    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
+    (want,) = reference(
+        repository / "efficientnet_lite0" / "model.onnx", {"input": image_row(coffee_jpeg)[None]}
+    )
+
+    def infer(x: np.ndarray, datatype: str) -> np.ndarray:
+        client = triton.InferenceServerClient(server.address)
+        inp = triton.InferInput("input", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = triton.InferRequestedOutput("logits", binary_data=binary)
+        result = client.infer("efficientnet_lite0", [inp], model_version="fp32", outputs=[out])
+        client.close()
+        logits: np.ndarray = result.as_numpy("logits")
+        return logits
+
+    async def mixed() -> list[np.ndarray]:
+        calls = [
+            asyncio.to_thread(infer, pixels, "UINT8")
+            if i % 2
+            else asyncio.to_thread(infer, image_row(coffee_jpeg)[None], "FP32")
+            for i in range(8)
+        ]
+        return list(await asyncio.gather(*calls))
+
+    for got in asyncio.run(mixed()):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    wrong = httpx.post(
+        f"{server.url}/v2/models/tiny/infer",
+        json={"inputs": [{"name": "x", "shape": [1, 4], "datatype": "UINT8", "data": [1] * 4}]},
+    )
+    assert wrong.status_code == 400
+    assert wrong.json() == {"error": "input 'x': datatype UINT8, the model takes FP32"}
+
+
 def test_classification_extension_names_the_label(server: Server, coffee_jpeg: bytes) -> None:
     x = image_row(coffee_jpeg)[None]
     client = triton.InferenceServerClient(server.address)

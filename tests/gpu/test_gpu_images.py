@@ -1,0 +1,163 @@
+"""JPEG uploads decoded on the GPU (nvJPEG through torchvision), the service on the torch
+backend end to end, and runners placed on several GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+torch = pytest.importorskip("torch")
+
+from engines.preprocess import ImagePreprocess, preprocess  # noqa: E402
+from tests.conftest import configure  # noqa: E402
+
+ESPRESSO = 967
+JPEG = {"Content-Type": "image/jpeg"}
+
+
+def jpeg(array: np.ndarray, **save: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=90, **save)
+    return buffer.getvalue()
+
+
+def photos() -> list[bytes]:
+    from skimage import data
+
+    return [
+        jpeg(data.astronaut()),
+        jpeg(data.coffee()),
+        jpeg(data.chelsea()),
+        jpeg(data.camera()),  # greyscale
+        jpeg(data.rocket(), progressive=True),
+    ]
+
+
+def decoder(spec: ImagePreprocess) -> object:
+    pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
+    from engines.torch_images import TorchImageDecoder
+
+    return TorchImageDecoder(spec, "cuda:0")
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: str) -> None:
+    """nvJPEG's IDCT and chroma upsampling differ from libjpeg's by a level or two; after
+    the shared resize and crop the rows stay that close to the CPU path's."""
+    from engines.torch_images import TorchImageDecoder
+
+    spec = ImagePreprocess(layout=layout, datatype="UINT8")
+    gpu = decoder(spec)
+    assert isinstance(gpu, TorchImageDecoder)
+    uploads = photos()
+    rows = gpu.decode(uploads)
+    for data, row in zip(uploads, rows, strict=True):
+        want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
+        assert row is not None and row.shape == want.shape and row.dtype == np.uint8
+        diff = np.abs(row.astype(np.int16) - want)
+        assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 8, (diff.mean(), diff.max())
+
+
+def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
+    from engines.torch_images import TorchImageDecoder
+
+    gpu = decoder(ImagePreprocess(datatype="UINT8"))
+    assert isinstance(gpu, TorchImageDecoder)
+    good = photos()[:2]
+    rows = gpu.decode([good[0], b"\xff\xd8\xff\xe0" + bytes(200), good[1]])
+    assert rows[0] is not None and rows[2] is not None and rows[1] is None
+
+
+@pytest.fixture(scope="module")
+def gpu_server(efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> object:
+    """A real ``stoker serve`` of the default model on the torch backend (FP32)."""
+    pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
+    from tests.integration.conftest import start_server, stop_server
+
+    root = tmp_path_factory.mktemp("gpu-serve")
+    shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
+    configure(root / "repo" / "efficientnet_lite0", {"precisions": ["fp32"], "runners": 2})
+    server = start_server(
+        root / "repo",
+        root / "server.log",
+        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__IMAGE_DECODE": "auto"},
+    )
+    yield server
+    stop_server(server)
+
+
+def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
+    gpu_server: object, coffee_jpeg: bytes
+) -> None:
+    from tests.integration.conftest import Server
+
+    assert isinstance(gpu_server, Server)
+    log = gpu_server.log.read_text()
+    assert "torch backend" in log and "JPEG uploads decoded on the GPU" in log
+    assert "pixels normalised on the device" in log
+
+    async def many() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=gpu_server.url, timeout=60) as client:
+            return await asyncio.gather(
+                *(client.post("/infer", content=coffee_jpeg, headers=JPEG) for _ in range(48))
+            )
+
+    for response in asyncio.run(many()):
+        assert response.status_code == 200, response.text
+        assert response.json()["predictions"][0][0]["label"] == "espresso"
+
+
+def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(
+    gpu_server: object, coffee_jpeg: bytes
+) -> None:
+    import tritonclient.http as triton
+
+    from tests.integration.conftest import Server
+
+    assert isinstance(gpu_server, Server)
+    photo = Image.open(io.BytesIO(coffee_jpeg)).convert("RGB")
+    pixels = preprocess(photo, ImagePreprocess(datatype="UINT8"))[None]
+    floats = preprocess(photo, ImagePreprocess())[None]
+    client = triton.InferenceServerClient(gpu_server.address)
+    answers = []
+    for x, datatype in ((pixels, "UINT8"), (floats, "FP32")):
+        inp = triton.InferInput("input", list(x.shape), datatype)
+        inp.set_data_from_numpy(x, binary_data=True)
+        result = client.infer("efficientnet_lite0", [inp])
+        answers.append(result.as_numpy("logits"))
+    client.close()
+    np.testing.assert_allclose(answers[0], answers[1], rtol=1e-3, atol=1e-3)
+    assert int(np.argmax(answers[0])) == ESPRESSO
+
+
+def test_runners_are_spread_over_two_gpus(efficientnet_dir: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
+    import onnxruntime as ort
+
+    from engines.base import EngineOptions
+    from engines.onnxruntime import read_spec
+    from engines.torch_backend import load
+
+    path = efficientnet_dir / "model.onnx"
+    spec = read_spec(path, "efficientnet_lite0", 8)
+    engine = load(path, spec, EngineOptions(runners=4, devices=(0, 1), image=ImagePreprocess()))
+    runners = [engine.new_runner() for _ in range(4)]
+    assert [r.device for r in runners] == [0, 1, 0, 1]
+    pixels = np.random.default_rng(5).integers(0, 256, (3, 3, 224, 224), dtype=np.uint8)
+    floats = ((pixels.astype(np.float32) - 127.0) / 128.0).astype(np.float32)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (want,) = session.run(None, {"input": floats})
+    for runner in runners:
+        got = runner.run({"input": pixels})["logits"]
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+        runner.close()
+    assert all(torch.cuda.memory_allocated(d) > 0 for d in (0, 1))
+    engine.close()

@@ -1,0 +1,301 @@
+"""UINT8 pixels on a model's image input, GPU placement in the config, and batched image
+decoding (the queue, and the torch resize and crop checked against Pillow on the CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from app.dataplane import engine_options, pixels_for_engine, pixels_input, validate_inputs
+from app.errors import BadRequest, PayloadTooLarge
+from app.images import DecodeQueue, inspect
+from app.repository import ConfigError, ModelConfig, ModelEntry
+from engines.preprocess import ImagePreprocess, crop_box, normalize, preprocess
+from engines.spec import ModelSpec, TensorSpec
+
+IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
+SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
+
+
+def entry(**config: object) -> ModelEntry:
+    from pathlib import Path
+
+    return ModelEntry(config=ModelConfig(name="m", max_batch_size=8, **config), folder=Path("."))
+
+
+def jpeg(array: np.ndarray, **save: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=90, **save)
+    return buffer.getvalue()
+
+
+def photos() -> list[bytes]:
+    from skimage import data
+
+    return [
+        jpeg(data.astronaut()),  # 512x512
+        jpeg(data.coffee()),  # 600x400
+        jpeg(data.chelsea()),  # 451x300
+        jpeg(data.camera()),  # greyscale
+        jpeg(data.rocket(), progressive=True),
+    ]
+
+
+# -- pixels on the protocol -------------------------------------------------------------
+
+
+def test_a_model_with_preprocessing_takes_uint8_pixels_in_its_own_batches() -> None:
+    with_prep = entry(preprocess={})
+    assert pixels_input(with_prep, SPEC) == "input"
+    assert pixels_input(entry(), SPEC) is None
+    pixels = np.zeros((2, 3, 224, 224), np.uint8)
+    floats = np.zeros((2, 3, 224, 224), np.float32)
+    rows_u8, key_u8 = validate_inputs(SPEC, {"input": pixels}, "input")
+    rows_f32, key_f32 = validate_inputs(SPEC, {"input": floats}, "input")
+    assert rows_u8 == rows_f32 == 2
+    assert key_u8 != key_f32  # never concatenated into one batch
+    with pytest.raises(BadRequest, match=r"datatype UINT8, the model takes FP32$"):
+        validate_inputs(SPEC, {"input": pixels})
+    with pytest.raises(BadRequest, match=r"datatype INT32, the model takes FP32 \(or UINT8"):
+        validate_inputs(SPEC, {"input": pixels.astype(np.int32)}, "input")
+    with pytest.raises(BadRequest, match="does not match"):
+        validate_inputs(SPEC, {"input": np.zeros((1, 224, 224, 3), np.uint8)}, "input")
+
+
+def test_pixels_are_normalised_exactly_as_the_cpu_preprocessing_does() -> None:
+    prep = entry(preprocess={"mean": [120.0, 110.0, 100.0], "std": [60.0, 61.0, 62.0]})
+    photo = Image.fromarray(np.random.default_rng(3).integers(0, 256, (300, 400, 3), np.uint8))
+    spec = prep.config.preprocess.to_spec("FP32")  # type: ignore[union-attr]
+    want = preprocess(photo, spec)
+    pixels = preprocess(photo, ImagePreprocess(**{**spec.__dict__, "datatype": "UINT8"}))
+    got = pixels_for_engine(prep, SPEC, False, {"input": pixels[None]})["input"]
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got[0], want)
+    # An engine that normalises on its device gets the pixels untouched.
+    untouched = pixels_for_engine(prep, SPEC, True, {"input": pixels[None]})["input"]
+    assert untouched.dtype == np.uint8
+    # NHWC rows normalise along the last axis.
+    nhwc = ImagePreprocess(layout="NHWC", datatype="UINT8")
+    row = preprocess(photo, nhwc)
+    np.testing.assert_array_equal(
+        normalize(row, nhwc, np.dtype(np.float32)),
+        preprocess(photo, ImagePreprocess(layout="NHWC")),
+    )
+
+
+def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
+    options = engine_options(
+        entry(
+            runners=4,
+            gpus=[0, 1],
+            preprocess={},
+            dynamic_batching={"preferred_batch_size": [4, 8]},
+        ),
+        SPEC,
+        precision="fp16",
+    )
+    assert options.devices == (0, 1) and options.runners == 4
+    assert options.preferred_batch_sizes == (4, 8) and options.precision == "fp16"
+    assert options.image == ImagePreprocess(datatype="FP32")
+    assert engine_options(entry(), SPEC).image is None
+
+
+@pytest.mark.parametrize(
+    ("config", "problem"),
+    [
+        ({"gpus": [0, 0], "runners": 2}, "lists a GPU twice"),
+        ({"gpus": [0, 1], "runners": 1}, "give at least one runner per GPU"),
+        ({"gpus": [-1]}, "greater than or equal to 0"),
+    ],
+)
+def test_gpu_placement_is_checked_when_the_config_loads(
+    tmp_path: object, config: dict[str, object], problem: str
+) -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from app.repository import load_config
+
+    folder = Path(str(tmp_path)) / "m"
+    folder.mkdir()
+    (folder / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 8, **config}))
+    with pytest.raises(ConfigError, match=problem):
+        load_config(folder)
+
+
+# -- headers ----------------------------------------------------------------------------
+
+
+def test_headers_are_read_without_decoding_and_bombs_refused() -> None:
+    photo = jpeg(np.zeros((30, 40, 3), np.uint8))
+    header = inspect(photo, 10_000)
+    assert (header.format, header.mode, header.width, header.height) == ("JPEG", "RGB", 40, 30)
+    assert header.device_decodable
+    png = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    assert not inspect(png.getvalue(), 10_000).device_decodable
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (8, 8)).save(cmyk, format="JPEG")
+    assert not inspect(cmyk.getvalue(), 10_000).device_decodable  # left to Pillow
+    with pytest.raises(PayloadTooLarge, match="1200 pixels; the limit is 1000"):
+        inspect(photo, 1000)
+    with pytest.raises(BadRequest, match="cannot decode image"):
+        inspect(b"not an image", 1000)
+
+
+# -- the decode queue -------------------------------------------------------------------
+
+
+class RecordingDecoder:
+    """Decodes to a row holding the upload's first byte; slow enough that uploads pile up."""
+
+    def __init__(self, seconds: float = 0.02, refuse: bytes = b"", fail: bool = False) -> None:
+        self.batches: list[int] = []
+        self.threads: set[str] = set()
+        self.seconds = seconds
+        self.refuse = refuse
+        self.fail = fail
+
+    def __call__(self, uploads: list[bytes]) -> list[np.ndarray | None]:
+        self.batches.append(len(uploads))
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.seconds)
+        if self.fail:
+            raise RuntimeError("device lost")
+        return [None if u == self.refuse else np.full(2, u[0], np.uint8) for u in uploads]
+
+
+def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None:
+    decoder = RecordingDecoder(refuse=b"\x07")
+
+    async def scenario() -> list[list[np.ndarray | None]]:
+        queue = DecodeQueue(decoder, max_batch=8)
+        queue.start()
+        try:
+            requests = [[bytes([i]), bytes([i + 100])] for i in range(20)]
+            return await asyncio.gather(*(queue.decode(r) for r in requests))
+        finally:
+            await queue.close()
+
+    answers = asyncio.run(scenario())
+    for i, answer in enumerate(answers):
+        first, second = answer
+        assert second is not None and second[0] == i + 100  # each upload gets its own row
+        assert first is None if i == 7 else first is not None and first[0] == i
+    assert sum(decoder.batches) == 40 and max(decoder.batches) == 8
+    assert len(decoder.batches) < 40 / 2  # gathered, not one by one
+    assert len(decoder.threads) == 1 and next(iter(decoder.threads)).startswith("decode")
+
+
+def test_a_failing_decoder_hands_every_upload_back_to_the_cpu() -> None:
+    async def scenario() -> list[np.ndarray | None]:
+        queue = DecodeQueue(RecordingDecoder(fail=True), max_batch=4)
+        queue.start()
+        try:
+            return await queue.decode([b"a", b"b", b"c"])
+        finally:
+            await queue.close()
+
+    assert asyncio.run(scenario()) == [None, None, None]
+
+
+def test_a_cancelled_request_is_skipped_and_others_still_answer() -> None:
+    decoder = RecordingDecoder(seconds=0.1)
+
+    async def scenario() -> list[np.ndarray | None]:
+        queue = DecodeQueue(decoder, max_batch=64)
+        queue.start()
+        try:
+            first = asyncio.create_task(queue.decode([b"a"]))
+            await asyncio.sleep(0.02)  # "a" is decoding; the next two wait
+            gone = asyncio.create_task(queue.decode([b"b", b"c"]))
+            kept = asyncio.create_task(queue.decode([b"d"]))
+            await asyncio.sleep(0)
+            gone.cancel()
+            await first
+            return await kept
+        finally:
+            await queue.close()
+
+    answer = asyncio.run(scenario())
+    assert answer[0] is not None and answer[0][0] == ord("d")
+    assert decoder.batches == [1, 1]  # b and c never reached the decoder
+
+
+# -- the torch decoder's resize and crop, on the CPU -----------------------------------
+
+
+def pil_decode(data: object, device: object) -> object:
+    """A stand-in for nvJPEG with torchvision's signature: Pillow on the CPU."""
+    import torch
+
+    if isinstance(data, list):
+        return [pil_decode(d, device) for d in data]
+    assert isinstance(data, torch.Tensor)
+    raw = data.numpy().tobytes()
+    if raw.startswith(b"\xff\xd8bad"):
+        raise RuntimeError("nvjpeg: bad bitstream")
+    image = Image.open(io.BytesIO(raw)).convert("RGB")
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_torch_resize_and_crop_match_pillow_within_one_level(layout: str) -> None:
+    pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
+    from engines.torch_images import TorchImageDecoder
+
+    spec = ImagePreprocess(layout=layout, datatype="UINT8")
+    uploads = photos()
+    rows = TorchImageDecoder(spec, "cpu", pil_decode).decode(uploads)
+    for data, row in zip(uploads, rows, strict=True):
+        want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
+        assert row is not None and row.shape == want.shape and row.dtype == np.uint8
+        diff = np.abs(row.astype(np.int16) - want)
+        assert diff.max() <= 1 and diff.mean() < 0.3
+
+
+def test_one_image_the_device_refuses_costs_only_itself() -> None:
+    pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
+    from engines.torch_images import TorchImageDecoder
+
+    good = photos()[:2]
+    rows = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode).decode(
+        [good[0], b"\xff\xd8bad", good[1]]
+    )
+    assert rows[0] is not None and rows[2] is not None and rows[1] is None
+
+
+def test_crop_box_keeps_the_crop_inside_the_resized_image() -> None:
+    spec = ImagePreprocess()
+    for width, height in [(640, 480), (480, 640), (224, 224), (300, 10), (1, 1000)]:
+        new_w, new_h, left, top = crop_box(width, height, spec)
+        assert min(new_w, new_h) >= spec.crop
+        assert left >= 0 and left + spec.crop <= new_w
+        assert top >= 0 and top + spec.crop <= new_h
+
+
+def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
+    from app.dataplane import DataPlane
+    from app.settings import Settings
+    from engines.backends import gpu_image_decode_available
+
+    if gpu_image_decode_available():
+        pytest.skip("this machine can decode on the GPU: tests/gpu covers it")
+    with_prep = entry(preprocess={})
+
+    def decoder(mode: str, backend: str) -> object:
+        plane = DataPlane(Settings(models={"image_decode": mode}))  # type: ignore[arg-type]
+        return plane._decoder(with_prep, backend)
+
+    assert decoder("auto", "onnxruntime") is None
+    assert decoder("auto", "torch") is None  # no CUDA here: the CPU decodes
+    assert decoder("cpu", "torch") is None
+    with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
+        decoder("gpu", "onnxruntime")
