@@ -249,7 +249,7 @@ def start(
     if url is None:
         model = in_process_inputs(args.repository, args.model)
         chosen = cache.get("tensors", model)
-        target = InProcessTarget(args.repository, args.model, args.backend)
+        target = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
         count = 1
     else:
         model = None

@@ -66,6 +66,9 @@ class InProcessTarget:
     repository: Path
     model: str
     backend: str | None = None
+    precision: str | None = None
+    """The version to serve (default: the model's default precision), its variant taken
+    from the engine store (``STOKER_STORE__PATH``) or built into it, as the server does."""
 
 
 Target = HttpTarget | InProcessTarget
@@ -258,21 +261,28 @@ class InProcessClient:
         from app.metrics import ModelMetrics
         from app.pool import RunnerPool
         from app.repository import discover
+        from app.settings import Settings
         from engines import backends
         from engines.base import pixel_input
+        from engines.build import ensure_variant
+        from engines.store import EngineStore
 
         entry = discover(target.repository, [target.model])[0]
         config = entry.config
         if not entry.onnx_path.exists():
             await asyncio.to_thread(prepare, entry)
         spec = await asyncio.to_thread(model_spec, entry)
-        loader = backends.loader(target.backend or config.backend)
-        options = engine_options(entry, spec)
-        engine = await asyncio.to_thread(loader, entry.onnx_path, spec, options)
+        backend = backends.resolve(target.backend or config.backend)
+        precision = target.precision or config.default_precision
+        store = EngineStore(Settings().store.path)
+        plan = entry.build_plan(spec)
+        variant, _ = await asyncio.to_thread(ensure_variant, store, plan, precision, backend)
+        options = engine_options(entry, spec, store, plan.profile, precision)
+        engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
         native = pixel_input(engine) is not None
         pool = await RunnerPool.create(engine, config.runners, f"bench-{config.name}")
         await pool.warm()
-        metrics = ModelMetrics(config.name, config.default_precision)
+        metrics = ModelMetrics(config.name, precision)
         batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
         batcher.start()
         keys = {}

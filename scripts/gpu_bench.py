@@ -251,6 +251,29 @@ def bench_scaling(path: Path, seconds: float) -> None:
     engine.close()
 
 
+def bench_gpus(path: Path, seconds: float) -> None:
+    """Rows/s at batch 256 with the runners on one GPU, then spread over every GPU."""
+    count = torch.cuda.device_count()
+    print(f"== resnet50 fp16: runners on 1 and {count} GPU(s), batch 256", flush=True)
+    if count < 2:
+        record(Row("resnet50", "fp16", "runners over GPUs: skipped", 256, count, "GPUs",
+                   "needs two GPUs"))  # fmt: skip
+        return
+    batches = pixels(256)
+    rates = {}
+    for devices in ((0,), tuple(range(count))):
+        engine = make_engine(path, "fp16", (256,), devices=devices)
+        runners = [engine.new_runner() for _ in range(2 * len(devices))]
+        assert sorted({r.device for r in runners}) == list(devices)
+        rates[len(devices)] = runner_rate(runners, batches, seconds)
+        note = "" if len(devices) == 1 else f"x{rates[len(devices)] / rates[1]:.2f} of 1 GPU"
+        record(Row("resnet50", "fp16", f"runner.run UINT8, {len(devices)} GPU(s), "
+                   f"{len(runners)} runners", 256, rates[len(devices)], "img/s", note))  # fmt: skip
+        for r in runners:
+            r.close()
+        engine.close()
+
+
 def bench_reference(seconds: float) -> None:
     """torchvision's ResNet-50 the same way (fp16, channels last, one CUDA graph): whether
     the issue's ceilings reproduce on this machine today, independent of our conversion."""
@@ -400,6 +423,7 @@ def main() -> None:
         ),
         ("streams", lambda: bench_streams(resnet, args.seconds)),
         ("scaling", lambda: bench_scaling(resnet, args.seconds)),
+        ("gpus", lambda: bench_gpus(resnet, args.seconds)),
         ("reference", lambda: bench_reference(args.seconds)),
         ("copies", bench_copies),
         (

@@ -2,9 +2,13 @@
 # The one command the GPU machine runs: install the carried wheels, run the GPU tests, the
 # raw-runner benchmarks and the service over HTTP (stoker bench), then print the tables.
 #
-#   bash scripts/h200.sh            (on the device, from the repository root; logs in $OUT)
-#   SECTIONS=tests,raw bash scripts/h200.sh
+#   bash scripts/h200.sh                      (on the device, from the repository root)
+#   SECTIONS=tests,raw,http bash scripts/h200.sh      (the first session's runs)
+#   SECTIONS=service,gpus bash scripts/h200.sh        (UINT8 / JPEG / rate service runs, and
+#                                                      runners over two GPUs: nvidia-h200-x2)
 #
+# Logs and JSON go to $OUT. With `service`, the GPU tests run beside it on the last GPU
+# when there are two (TESTS_BESIDE=1), so one call does both.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -17,6 +21,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 
 {
     date -u
@@ -30,11 +35,15 @@ cat "$OUT/env.txt"
 
 has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
+gpu_tests() {
+    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
+        tests/gpu tests/unit/test_cuda.py tests/unit/test_pixels.py "$@" >"$OUT/gpu_tests.log" 2>&1
+    echo "pytest exit $?" >>"$OUT/gpu_tests.log"
+}
+
 if has tests; then
     echo "== GPU tests"
-    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
-        tests/gpu tests/unit/test_cuda.py >"$OUT/gpu_tests.log" 2>&1
-    echo "pytest exit $?"
+    gpu_tests
     tail -25 "$OUT/gpu_tests.log"
 fi
 
@@ -49,8 +58,8 @@ fi
 bench() {
     local limit=$1 name=$2
     shift 2
-    timeout "$limit" python3 -m app bench --backend torch --payload v2-binary --workers 4 \
-        --duration 4 --warmup 1 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" python3 -m app bench --backend "${BACKEND:-torch}" --workers 4 \
+        --duration "${DURATION:-4}" --warmup 1 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
     echo "$name exit $?"
 }
 
@@ -62,14 +71,85 @@ if has http; then
         --concurrency 256 --duration 5 --warmup 2
 fi
 
+if has service; then
+    # One server (ResNet-50 FP16 on GPU 0) measured three ways over HTTP, against the raw
+    # runner pool in the bench's own process: binary UINT8 at 32 images per request, JPEG
+    # uploads decoded on the GPU, and an open-loop rate at half the best closed-loop one.
+    echo "== service: ResNet-50 FP16, UINT8 / JPEG / open loop"
+    beside=""
+    if [ "$GPUS" -ge 2 ] && [ "${TESTS_BESIDE:-1}" = 1 ]; then
+        CUDA_VISIBLE_DEVICES=$((GPUS - 1)) gpu_tests &
+        beside=$!
+    fi
+    export CUDA_VISIBLE_DEVICES=0 STOKER_STORE__PATH=/tmp/stoker-store
+    repo=/tmp/stoker-repo
+    python3 scripts/gpu_repo.py "$repo" >"$OUT/service_repo.log" 2>&1
+    port=8123
+    url=http://127.0.0.1:$port
+    STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 400 python3 -m app serve \
+        --repository "$repo" --model resnet50 --port $port >"$OUT/service_server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 "${READY_LIMIT:-150}"); do
+        curl -sf "$url/v2/health/ready" >/dev/null && break
+        kill -0 $server 2>/dev/null || break
+        sleep 1
+    done
+    echo "server ready: $(curl -s "$url/v2/health/ready")"
+    bench "${U8_LIMIT:-120}" service_u8_rows32 --url "$url" --in-process --model resnet50 \
+        --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
+        --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480
+    bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" --model resnet50 \
+        --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}"
+    bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 --url "$url" --model resnet50 \
+        --repository "$repo" --payload jpeg --rows 16 --concurrency "${JPEG16_CONCURRENCY:-8,32}"
+    rate=$(python3 - "$OUT/service_u8_rows32.json" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+steps = doc["targets"][0]["steps"]
+print(f"{0.5 * max(s['throughput'] for s in steps):.1f}")
+PY
+)
+    echo "open-loop rate (half the best closed-loop req/s): $rate"
+    if [ -n "$rate" ]; then
+        bench 30 service_u8_rate50 --url "$url" --model resnet50 --repository "$repo" \
+            --model-version fp16 --uint8 --payload v2-binary --rows "${ROWS:-32}" \
+            --concurrency none --rate "$rate" --duration "${RATE_DURATION:-8}"
+    fi
+    curl -s "$url/metrics" | grep -E "^stoker_gpu_|^stoker_inference_batch_size_(sum|count)" \
+        >"$OUT/service_metrics.txt"
+    kill -TERM $server 2>/dev/null
+    wait $server
+    echo "server exit $?"
+    unset CUDA_VISIBLE_DEVICES
+    if [ -n "$beside" ]; then
+        wait "$beside"
+        echo "== GPU tests (on GPU $((GPUS - 1)), beside the service)"
+        tail -25 "$OUT/gpu_tests.log"
+    fi
+fi
+
+if has gpus; then
+    echo "== runners over GPUs"
+    timeout "${GPUS_LIMIT:-90}" python3 scripts/gpu_bench.py --out "$OUT" \
+        --seconds "${SECONDS_PER_WINDOW:-1.5}" --only gpus >"$OUT/gpu_bench_gpus.log" 2>&1
+    echo "gpu_bench gpus exit $?"
+    timeout 60 python3 -m pytest -p no:cacheprovider -q tests/gpu/test_gpu_images.py \
+        -k two_gpus >"$OUT/gpu_tests_two.log" 2>&1
+    echo "two-GPU test exit $?"; tail -3 "$OUT/gpu_tests_two.log"
+fi
+
 echo
 echo "================ results ================"
-if [ -f "$OUT/gpu_bench.log" ]; then
-    grep -E "^env:|^!!" "$OUT/gpu_bench.log"
-    sed -n '/^| model |/,$p' "$OUT/gpu_bench.log"
-fi
-for log in "$OUT"/http_*.log; do
+for log in "$OUT/gpu_bench.log" "$OUT/gpu_bench_gpus.log"; do
     [ -f "$log" ] || continue
+    grep -E "^env:|^!!" "$log"
+    sed -n '/^| model |/,$p' "$log"
+done
+for log in "$OUT"/http_*.log "$OUT"/service_*.log; do
+    [ -f "$log" ] || continue
+    case "$log" in *service_server.log|*service_repo.log) continue ;; esac
     echo "-- $(basename "$log")"
     grep -v -E "^\s*$" "$log" | tail -12
 done
+[ -f "$OUT/service_metrics.txt" ] && cat "$OUT/service_metrics.txt"
+[ -f "$OUT/service_server.log" ] && grep -E "loaded and warmed|ERROR|Traceback" "$OUT/service_server.log" | head -5
