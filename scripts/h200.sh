@@ -7,8 +7,9 @@
 #   SECTIONS=service,gpus bash scripts/h200.sh        (UINT8 / JPEG / rate service runs, and
 #                                                      runners over two GPUs: nvidia-h200-x2)
 #
-# Logs and JSON go to $OUT. With `service`, the GPU tests run beside it on the last GPU
-# when there are two (TESTS_BESIDE=1), so one call does both.
+# Logs and JSON go to $OUT. With `service`, the GPU tests (TESTS, default all of them) run
+# beside it on the last GPU when there are two (TESTS_BESIDE=1), so one call does both;
+# SKIP_U8=1 leaves out the UINT8 and open-loop runs.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -37,7 +38,8 @@ has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 gpu_tests() {
     timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
-        tests/gpu tests/unit/test_cuda.py tests/unit/test_pixels.py "$@" >"$OUT/gpu_tests.log" 2>&1
+        ${TESTS:-tests/gpu tests/unit/test_cuda.py tests/unit/test_pixels.py} \
+        >"$OUT/gpu_tests.log" 2>&1
     echo "pytest exit $?" >>"$OUT/gpu_tests.log"
 }
 
@@ -95,14 +97,14 @@ if has service; then
         sleep 1
     done
     echo "server ready: $(curl -s "$url/v2/health/ready")"
-    bench "${U8_LIMIT:-120}" service_u8_rows32 --url "$url" --in-process --model resnet50 \
+    [ "${SKIP_U8:-0}" = 1 ] || bench "${U8_LIMIT:-120}" service_u8_rows32 --url "$url" --in-process --model resnet50 \
         --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
         --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480
     bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" --model resnet50 \
         --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}"
     bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 --url "$url" --model resnet50 \
         --repository "$repo" --payload jpeg --rows 16 --concurrency "${JPEG16_CONCURRENCY:-8,32}"
-    rate=$(python3 - "$OUT/service_u8_rows32.json" <<'PY'
+    rate=$(python3 - "$OUT/service_u8_rows32.json" 2>/dev/null <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 steps = doc["targets"][0]["steps"]

@@ -117,22 +117,22 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
 def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(
     gpu_server: object, coffee_jpeg: bytes
 ) -> None:
-    import tritonclient.http as triton
-
     from tests.integration.conftest import Server
 
     assert isinstance(gpu_server, Server)
     photo = Image.open(io.BytesIO(coffee_jpeg)).convert("RGB")
     pixels = preprocess(photo, ImagePreprocess(datatype="UINT8"))[None]
     floats = preprocess(photo, ImagePreprocess())[None]
-    client = triton.InferenceServerClient(gpu_server.address)
     answers = []
     for x, datatype in ((pixels, "UINT8"), (floats, "FP32")):
-        inp = triton.InferInput("input", list(x.shape), datatype)
-        inp.set_data_from_numpy(x, binary_data=True)
-        result = client.infer("efficientnet_lite0", [inp])
-        answers.append(result.as_numpy("logits"))
-    client.close()
+        tensor = {"name": "input", "shape": list(x.shape), "datatype": datatype}
+        body = {"inputs": [{**tensor, "data": x.ravel().tolist()}]}
+        response = httpx.post(
+            f"{gpu_server.url}/v2/models/efficientnet_lite0/infer", json=body, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        (output,) = response.json()["outputs"]
+        answers.append(np.asarray(output["data"], dtype=np.float32).reshape(output["shape"]))
     np.testing.assert_allclose(answers[0], answers[1], rtol=1e-3, atol=1e-3)
     assert int(np.argmax(answers[0])) == ESPRESSO
 

@@ -272,6 +272,24 @@ def test_one_image_the_device_refuses_costs_only_itself() -> None:
     assert rows[0] is not None and rows[2] is not None and rows[1] is None
 
 
+def test_images_of_one_size_resized_together_give_what_each_alone_gives() -> None:
+    pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
+    from engines import torch_images
+
+    a, b, c = photos()[:3]
+    decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
+    alone = {data: decoder.decode([data])[0] for data in (a, b, c)}
+    mixed = [a, b, a, c, a, b]
+    for limit in (torch_images.GROUP_PIXELS, 512 * 512 * 2):  # whole groups, then slices of 2
+        torch_images.GROUP_PIXELS, saved = limit, torch_images.GROUP_PIXELS
+        try:
+            rows = decoder.decode(mixed)
+        finally:
+            torch_images.GROUP_PIXELS = saved
+        for data, row in zip(mixed, rows, strict=True):
+            np.testing.assert_array_equal(row, alone[data])
+
+
 def test_crop_box_keeps_the_crop_inside_the_resized_image() -> None:
     spec = ImagePreprocess()
     for width, height in [(640, 480), (480, 640), (224, 224), (300, 10), (1, 1000)]:
