@@ -70,9 +70,9 @@ COPY engines ./engines
 COPY zoo ./zoo
 COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
-# The gpu extra: torch (a CUDA build with its own CUDA libraries), cuda-python and NVML, for
-# the torch backend and the GPU gauges; --system-site-packages keeps the base image's TensorRT
-# Python bindings importable.
+# The gpu extra: torch (a CUDA build with its own CUDA libraries), torchvision (nvJPEG),
+# cuda-python and NVML, for the torch backend, GPU decoding of uploads and the GPU gauges;
+# --system-site-packages keeps the base image's TensorRT Python bindings importable.
 RUN sh docker/install.sh /opt/stoker/venv /src default-model,gpu --system-site-packages
 
 FROM ${TENSORRT_IMAGE} AS gpu
