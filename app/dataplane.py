@@ -121,7 +121,7 @@ class DataPlane:
             batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
             batcher.start()
             native = pixel_input(engine)
-            decoder = self._decoder(entry, backend)
+            decoder = self._decoder(entry, backend, metrics)
             versions[precision] = ServedModel(
                 entry,
                 precision,
@@ -149,7 +149,9 @@ class DataPlane:
             )
         self._models[config.name] = versions
 
-    def _decoder(self, entry: ModelEntry, backend: str) -> images.DecodeQueue | None:
+    def _decoder(
+        self, entry: ModelEntry, backend: str, metrics: ModelMetrics | None = None
+    ) -> images.DecodeQueue | None:
         """A batched GPU decoder for the model's JPEG uploads, where ``image_decode`` and
         this machine allow one."""
         config, settings = entry.config, self.settings.models
@@ -164,7 +166,12 @@ class DataPlane:
 
         device = f"cuda:{config.gpus[0] if config.gpus else 0}"
         decoder = torch_images.TorchImageDecoder(config.preprocess.to_spec("UINT8"), device)
-        queue = images.DecodeQueue(decoder.decode, settings.decode_batch, f"{config.name}-jpeg")
+        queue = images.DecodeQueue(
+            decoder.decode,
+            settings.decode_batch,
+            f"{config.name}-jpeg",
+            metrics.decode_batch if metrics else None,
+        )
         queue.start()
         return queue
 
@@ -367,10 +374,12 @@ class DataPlane:
                 for i, row in zip(picked, decoded, strict=True):
                     rows[i] = row
             left = [i for i, row in enumerate(rows) if row is None]
+            model.metrics.images_decoded("gpu", len(rows) - len(left))
             if left:
                 done = await asyncio.to_thread(lambda: [on_cpu(uploads[i]) for i in left])
                 for i, row in zip(left, done, strict=True):
                     rows[i] = row
+                model.metrics.images_decoded("cpu", len(left))
             return np.stack([row for row in rows if row is not None])
 
         async def work() -> list[list[dict[str, Any]]]:

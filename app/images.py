@@ -89,8 +89,15 @@ class DecodeQueue:
     answers None for its batch, so a device fault degrades to CPU decoding, never to errors.
     """
 
-    def __init__(self, decode: BatchDecode, max_batch: int, label: str = "decode") -> None:
+    def __init__(
+        self,
+        decode: BatchDecode,
+        max_batch: int,
+        label: str = "decode",
+        on_batch: Callable[[int], None] | None = None,
+    ) -> None:
         self._decode = decode
+        self._on_batch = on_batch
         self._max = max(1, max_batch)
         self._pending: deque[tuple[bytes, asyncio.Future[np.ndarray | None]]] = deque()
         self._wake = asyncio.Event()
@@ -140,6 +147,8 @@ class DecodeQueue:
                     rows = [None] * len(batch)
                 self.batches += 1
                 self.images += len(batch)
+                if self._on_batch is not None:
+                    self._on_batch(len(batch))
                 for (_, future), row in zip(batch, rows, strict=True):
                     if not future.done():
                         future.set_result(row)

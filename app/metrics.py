@@ -83,6 +83,19 @@ BATCH_SIZE = Histogram(
     buckets=BATCH_BUCKETS,
 )
 
+IMAGES_DECODED = Counter(
+    "stoker_image_decode",
+    "Uploaded images decoded, by device: gpu (nvJPEG, in batches) or cpu (Pillow: formats "
+    "other than JPEG, GPU decoding off, or an image nvJPEG refused).",
+    (*LABELS, "device"),
+)
+DECODE_BATCH_SIZE = Histogram(
+    "stoker_image_decode_batch_size",
+    "JPEG uploads decoded together in one GPU batch (uploads of concurrent requests gather).",
+    LABELS,
+    buckets=BATCH_BUCKETS,
+)
+
 # GPU gauges, labelled ``gpu`` (the NVML index), read through NVML at scrape time.
 GPU_METRICS: dict[str, str] = {
     "stoker_gpu_utilization_ratio": "Fraction of NVML's last sample period in which a kernel "
@@ -173,6 +186,8 @@ class ModelMetrics:
         self._infer = COMPUTE_INFER_DURATION.labels(*labels)
         self._output = COMPUTE_OUTPUT_DURATION.labels(*labels)
         self._batch = BATCH_SIZE.labels(*labels)
+        self._decoded = {d: IMAGES_DECODED.labels(*labels, d) for d in ("gpu", "cpu")}
+        self._decode_batch = DECODE_BATCH_SIZE.labels(*labels)
         # Failure series exist from the start, so a dashboard's rate() sees a zero, not a gap.
         for reason in ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"):
             REQUEST_FAILURE.labels(*labels, reason)
@@ -185,6 +200,13 @@ class ModelMetrics:
     def request_failed(self, reason: str, seconds: float) -> None:
         REQUEST_FAILURE.labels(self.model, self.version, reason).inc()
         self.fail.add(seconds)
+
+    def images_decoded(self, device: str, count: int) -> None:
+        if count:
+            self._decoded[device].inc(count)
+
+    def decode_batch(self, images: int) -> None:
+        self._decode_batch.observe(images)
 
     def queued(self, seconds: float) -> None:
         self._queue.observe(seconds)

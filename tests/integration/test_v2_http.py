@@ -161,6 +161,31 @@ def test_infer_upload_answers_espresso(server: Server, coffee_jpeg: bytes) -> No
     assert [p["probability"] for p in top] == sorted((p["probability"] for p in top), reverse=True)
 
 
+def test_decoded_uploads_are_counted_by_device(
+    server: Server, coffee_jpeg: bytes, astronaut_png: bytes
+) -> None:
+    """No GPU here: every image is decoded on the CPU and counted there; the gpu series
+    exists at zero from the start, and an image that fails to decode is not counted."""
+
+    def key(device: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        labels = {"model": "efficientnet_lite0", "version": "fp32", "device": device}
+        return "stoker_image_decode_total", tuple(sorted(labels.items()))
+
+    before = metric_samples(server)
+    files = [
+        ("image", ("a.jpg", coffee_jpeg, "image/jpeg")),
+        ("image", ("b.png", astronaut_png, "image/png")),
+    ]
+    assert httpx.post(f"{server.url}/infer", files=files).status_code == 200
+    broken = httpx.post(
+        f"{server.url}/infer", content=coffee_jpeg[:600], headers={"Content-Type": "image/jpeg"}
+    )
+    assert broken.status_code == 400 and "cannot decode image" in broken.json()["error"]
+    after = metric_samples(server)
+    assert after[key("cpu")] - before.get(key("cpu"), 0.0) == 2
+    assert after[key("gpu")] == 0
+
+
 def test_infer_raw_body_and_several_images(
     server: Server, coffee_jpeg: bytes, astronaut_png: bytes
 ) -> None:

@@ -175,8 +175,10 @@ class RecordingDecoder:
 def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None:
     decoder = RecordingDecoder(refuse=b"\x07")
 
+    observed: list[int] = []
+
     async def scenario() -> list[list[np.ndarray | None]]:
-        queue = DecodeQueue(decoder, max_batch=8)
+        queue = DecodeQueue(decoder, max_batch=8, on_batch=observed.append)
         queue.start()
         try:
             requests = [[bytes([i]), bytes([i + 100])] for i in range(20)]
@@ -192,6 +194,7 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
     assert sum(decoder.batches) == 40 and max(decoder.batches) == 8
     assert len(decoder.batches) < 40 / 2  # gathered, not one by one
     assert len(decoder.threads) == 1 and next(iter(decoder.threads)).startswith("decode")
+    assert observed == decoder.batches  # what the batch-size histogram is fed
 
 
 def test_a_failing_decoder_hands_every_upload_back_to_the_cpu() -> None:
