@@ -295,7 +295,7 @@ class DataPlane:
         return result
 
     async def infer(
-        self, model: ServedModel, body: bytes, header_length: int | None
+        self, model: ServedModel, body: bytes | bytearray, header_length: int | None
     ) -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
         """Decode a V2 request, validate it against the model, batch it, shape the answer."""
 

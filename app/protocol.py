@@ -157,7 +157,7 @@ class InferRequest:
 
 
 def decode_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: int | None,
     spec: ModelSpec,
     max_json_depth: int = MAX_JSON_DEPTH,
@@ -291,7 +291,7 @@ def classify(scores: Array, k: int, labels: Sequence[str] | None) -> Array:
     return result[0] if scores.ndim == 1 else result
 
 
-def _decode_raw(body: bytes, spec: ModelSpec) -> InferRequest:
+def _decode_raw(body: bytes | bytearray, spec: ModelSpec) -> InferRequest:
     """Triton's raw binary request: the body is the bytes of the model's only input."""
     if len(spec.inputs) != 1:
         raise BadRequest("a raw binary request needs a model with exactly one input")

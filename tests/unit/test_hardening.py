@@ -240,3 +240,39 @@ def test_no_file_is_unpickled_or_yaml_loaded_unsafely() -> None:
     reader = (ROOT / "zoo" / "checkpoint.py").read_text()
     assert "class _RestrictedUnpickler(pickle.Unpickler)" in reader
     assert "def find_class" in reader
+
+
+@pytest.mark.parametrize(
+    ("declared", "chunks", "problem"),
+    [
+        (10, [b"01234", b"56789"], None),
+        (None, [b"abc", b"def"], None),
+        (4, [b"01234"], "longer than its Content-Length"),
+        (8, [b"0123"], "shorter than its Content-Length"),
+    ],
+)
+def test_a_body_is_read_into_one_buffer_of_its_declared_length(
+    declared: int | None, chunks: list[bytes], problem: str | None
+) -> None:
+    from starlette.requests import Request
+
+    from app.routes import read_body
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    messages = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    async def read() -> bytes | bytearray:
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+        return await read_body(Request(scope, receive))  # type: ignore[arg-type]
+
+    if problem is None:
+        assert bytes(asyncio.run(read())) == b"".join(chunks)
+    else:
+        with pytest.raises(BadRequest, match=problem):
+            asyncio.run(read())
