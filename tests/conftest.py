@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,39 @@ def tiny_onnx() -> onnx.ModelProto:
             numpy_helper.from_array(TINY_WEIGHTS, "W"),
             numpy_helper.from_array(TINY_BIAS, "b"),
             numpy_helper.from_array(np.array([1], dtype=np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    return model
+
+
+def slow_onnx(
+    width: int,
+    layers: int,
+    tail: Sequence[onnx.NodeProto] = (),
+    extra: Sequence[onnx.TensorProto] = (),
+) -> onnx.ModelProto:
+    """A model whose compute time is set by ``width`` and ``layers`` and whose answer is known:
+    x of shape [batch, m, 1] is broadcast to width, multiplied by the identity ``layers``
+    times and summed, so ``total`` is width * sum(x) per row. ``tail`` nodes (with ``extra``
+    initializers) may turn ``total`` into ``y``; without them ``total`` is the output ``y``."""
+    out = "total" if tail else "y"
+    nodes = [helper.make_node("Mul", ["x", "ones"], ["h0"])]
+    for i in range(layers):
+        nodes.append(helper.make_node("MatMul", [f"h{i}", "eye"], [f"h{i + 1}"]))
+    nodes.append(helper.make_node("ReduceSum", [f"h{layers}", "axes"], [out], keepdims=1))
+    graph = helper.make_graph(
+        [*nodes, *tail],
+        "slow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "m", 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 1])],
+        initializer=[
+            numpy_helper.from_array(np.ones((1, width), np.float32), "ones"),
+            numpy_helper.from_array(np.eye(width, dtype=np.float32), "eye"),
+            numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
+            *extra,
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import slow_onnx
 from tests.integration.conftest import Server, start_server
 
 WIDTH = 512
@@ -41,28 +40,6 @@ dynamic_batching:
   max_queue_size: 1024
   default_timeout_us: 60000000
 """
-
-
-def slow_onnx() -> onnx.ModelProto:
-    nodes = [helper.make_node("Mul", ["x", "ones"], ["h0"])]
-    for i in range(LAYERS):
-        nodes.append(helper.make_node("MatMul", [f"h{i}", "eye"], [f"h{i + 1}"]))
-    nodes.append(helper.make_node("ReduceSum", [f"h{LAYERS}", "axes"], ["y"], keepdims=1))
-    graph = helper.make_graph(
-        nodes,
-        "slow",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "m", 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 1])],
-        initializer=[
-            numpy_helper.from_array(np.ones((1, WIDTH), np.float32), "ones"),
-            numpy_helper.from_array(np.eye(WIDTH, dtype=np.float32), "eye"),
-            numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
-        ],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    return model
 
 
 def infer_body(value: float, m: int = 1) -> dict[str, object]:
@@ -87,7 +64,7 @@ class Drained:
 def start(tmp_path: Path, drain_timeout_s: float) -> Server:
     model = tmp_path / "repository" / "slow"
     model.mkdir(parents=True)
-    onnx.save(slow_onnx(), str(model / "model.onnx"))
+    onnx.save(slow_onnx(WIDTH, LAYERS), str(model / "model.onnx"))
     (model / "config.yaml").write_text(CONFIG)
     return start_server(
         tmp_path / "repository",

@@ -37,7 +37,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 from tests.unit.test_hardening import png_bomb
 
@@ -80,28 +80,17 @@ def model(nodes: list[Any], inputs: list[Any], outputs: list[Any], init: list[An
     return proto
 
 
-def slow_onnx() -> Any:
-    nodes = [helper.make_node("Mul", ["x", "ones"], ["h0"])]
-    for i in range(LAYERS):
-        nodes.append(helper.make_node("MatMul", [f"h{i}", "eye"], [f"h{i + 1}"]))
-    nodes += [
-        helper.make_node("ReduceSum", [f"h{LAYERS}", "axes"], ["total"], keepdims=1),
+def slow_model() -> Any:
+    """The slow chain plus a bias looked up by the row's largest value, so a row's answer
+    tells which row it was."""
+    tail = [
         helper.make_node("ReduceMax", ["x"], ["top"], keepdims=0),
         helper.make_node("Cast", ["top"], ["index"], to=TensorProto.INT64),
         helper.make_node("Gather", ["table", "index"], ["bias"]),
         helper.make_node("Add", ["total", "bias"], ["y"]),
     ]
-    return model(
-        nodes,
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "m", 1])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 1, 1])],
-        [
-            numpy_helper.from_array(np.ones((1, WIDTH), np.float32), "ones"),
-            numpy_helper.from_array(np.eye(WIDTH, dtype=np.float32), "eye"),
-            numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
-            numpy_helper.from_array(np.zeros(1000, np.float32), "table"),
-        ],
-    )
+    table = numpy_helper.from_array(np.zeros(1000, np.float32), "table")
+    return slow_onnx(WIDTH, LAYERS, tail, [table])
 
 
 def triple_onnx() -> Any:
@@ -134,7 +123,7 @@ def hardening_repository(root: Path) -> Path:
     write_model(repository, "tiny", tiny_onnx(), TINY_CONFIG)
     write_model(repository, "triple", triple_onnx(), TRIPLE_CONFIG)
     write_model(repository, "tiny_image", image_onnx(), IMAGE_CONFIG)
-    write_model(repository, "slow", slow_onnx(), SLOW_CONFIG)
+    write_model(repository, "slow", slow_model(), SLOW_CONFIG)
     return repository
 
 
