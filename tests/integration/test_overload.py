@@ -38,7 +38,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.integration.conftest import Server, start_server, stop_server
-from tests.integration.test_hardening_http import WIDTH, slow_onnx, write_model
+from tests.integration.test_hardening_http import WIDTH, slow_model, write_model
 
 QUEUE = 8
 BATCH = 4
@@ -64,7 +64,7 @@ URL = "/v2/models/slow/infer"
 @pytest.fixture(scope="module")
 def overloaded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("overload")
-    write_model(root / "repository", "slow", slow_onnx(), CONFIG)
+    write_model(root / "repository", "slow", slow_model(), CONFIG)
     server = start_server(root / "repository", root / "server.log")
     yield server
     code = stop_server(server)
