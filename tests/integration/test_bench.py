@@ -26,10 +26,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from bench import cli, payloads
+from bench.launch import free_port
 from bench.loadgen import HttpTarget, Step, Workers
 from bench.payloads import ModelInputs
 from tests.conftest import TINY_CONFIG, tiny_onnx
-from tests.integration.conftest import Server, free_port
+from tests.integration.conftest import Server
 
 DELAY_S = 0.05
 SERIAL_DELAY_S = 0.01

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.conftest import free_port
+from bench.launch import free_port
 from tests.unit.test_deploy_files import ROOT, dockerfile_stages
 
 ESPRESSO = 967

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import yaml
 
-from bench.launch import stop
-from tests.integration.conftest import Server, free_port
+from bench.launch import free_port, stop
+from tests.integration.conftest import Server
 from tests.integration.test_deploy_tools import DOCKER, adapter_query, tool
 
 SCRAPE_INTERVAL = "1s"

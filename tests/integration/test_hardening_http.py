@@ -718,33 +718,33 @@ def test_every_response_matches_its_own_request_under_mixed_traffic(hardened: Se
             np.testing.assert_allclose(got["y"], y, rtol=1e-5, atol=1e-4)
             np.testing.assert_allclose(got["s"], s, rtol=1e-5, atol=1e-4)
         elif kind in (3, 4):
-            x = rng.integers(-(10**12), 10**12, (rows, 2), dtype=np.int64)
+            ints = rng.integers(-(10**12), 10**12, (rows, 2), dtype=np.int64)
             if kind == 3:
-                body = {
+                document = {
                     "id": rid,
                     "inputs": [
                         {
                             "name": "x",
                             "datatype": "INT64",
                             "shape": [rows, 2],
-                            "data": x.ravel().tolist(),
+                            "data": ints.ravel().tolist(),
                         }
                     ],
                 }
-                response = await http.post(f"{url}/v2/models/triple/infer", json=body)
+                response = await http.post(f"{url}/v2/models/triple/infer", json=document)
                 assert response.json()["id"] == rid
                 got_y = json_outputs(response)["y"]
             else:
-                content, headers = binary_body("x", "INT64", x, rid)
+                content, headers = binary_body("x", "INT64", ints, rid)
                 response = await http.post(
                     f"{url}/v2/models/triple/infer", content=content, headers=headers
                 )
                 got_y = binary_outputs(response, {"y": np.dtype("<i8")})["y"]
-            assert got_y.tolist() == (x * 3).tolist()
+            assert got_y.tolist() == (ints * 3).tolist()
         else:
             values = rng.integers(0, 900, rows).astype(np.float32)
             m = int(rng.integers(1, 4))
-            body = {
+            document = {
                 "id": rid,
                 "inputs": [
                     {
@@ -755,7 +755,7 @@ def test_every_response_matches_its_own_request_under_mixed_traffic(hardened: Se
                     }
                 ],
             }
-            response = await http.post(f"{url}/v2/models/slow/infer", json=body)
+            response = await http.post(f"{url}/v2/models/slow/infer", json=document)
             assert response.json()["id"] == rid
             assert slow_answer(response) == pytest.approx((values * m * WIDTH).tolist())
         assert response.status_code == 200

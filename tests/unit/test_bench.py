@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +186,7 @@ def test_jpeg_uploads_are_forms_a_server_parses() -> None:
     form = payloads.jpeg_upload(images)
 
     async def parse() -> list[bytes]:
-        async def stream() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncGenerator[bytes, None]:
             yield form.body
 
         parsed = await MultiPartParser(Headers(form.headers), stream()).parse()

@@ -138,7 +138,7 @@ def elements(datatype: str) -> st.SearchStrategy[Any]:
         return st.text(max_size=4)
     dtype = V2_TO_NUMPY[datatype]
     if dtype.kind in "iu":
-        info = np.iinfo(dtype)
+        info = np.iinfo(dtype.name)
         return st.integers(int(info.min), int(info.max))
     return st.floats(-1e4, 1e4, width=16 if datatype in ("FP16", "BF16") else 32)
 

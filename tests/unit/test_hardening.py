@@ -269,7 +269,7 @@ def test_a_body_is_read_into_one_buffer_of_its_declared_length(
 
     async def read() -> bytes | bytearray:
         scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
-        return await read_body(Request(scope, receive))  # type: ignore[arg-type]
+        return await read_body(Request(scope, receive))
 
     if problem is None:
         assert bytes(asyncio.run(read())) == b"".join(chunks)

@@ -7,6 +7,7 @@ import asyncio
 import io
 import threading
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
 SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
 
 
-def entry(**config: object) -> ModelEntry:
+def entry(**config: Any) -> ModelEntry:
     from pathlib import Path
 
     return ModelEntry(config=ModelConfig(name="m", max_batch_size=8, **config), folder=Path("."))

@@ -44,7 +44,7 @@ def sample(datatype: str, shape: tuple[int, ...], *, text: bool = False) -> np.n
     elif datatype == "BOOL":
         array = np.arange(n) % 3 == 0
     elif dtype.kind in "iu":
-        info = np.iinfo(dtype)
+        info = np.iinfo(dtype.name)
         pool_i = [int(info.min), int(info.max), 0, 1, 7]
         array = np.array([pool_i[i % len(pool_i)] for i in range(n)], dtype=dtype)
     else:

