@@ -78,6 +78,28 @@ def slow_onnx(
     return model
 
 
+def jpeg_bytes(array: np.ndarray, **save: Any) -> bytes:
+    """An RGB or greyscale array as a JPEG (quality 90; ``save`` adds Pillow options)."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=90, **save)
+    return buffer.getvalue()
+
+
+def sample_jpegs() -> list[bytes]:
+    """scikit-image's public-domain photos as JPEGs of different sizes and kinds."""
+    from skimage import data
+
+    return [
+        jpeg_bytes(data.astronaut()),  # 512x512
+        jpeg_bytes(data.coffee()),  # 600x400
+        jpeg_bytes(data.chelsea()),  # 451x300
+        jpeg_bytes(data.camera()),  # greyscale
+        jpeg_bytes(data.rocket(), progressive=True),
+    ]
+
+
 TINY_CONFIG = """\
 max_batch_size: 16
 runners: 2

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-cuda_bindings = pytest.importorskip("cuda.bindings")
+torch = pytest.importorskip("torch", reason="the GPU tests need torch")
+cuda_bindings = pytest.importorskip("cuda.bindings", reason="needs cuda-python")
 
 from cuda.bindings import driver, runtime  # noqa: E402
 

@@ -6,41 +6,29 @@ from __future__ import annotations
 import asyncio
 import io
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the GPU tests need torch")
 
 from engines.preprocess import ImagePreprocess, preprocess  # noqa: E402
-from tests.conftest import configure  # noqa: E402
+from tests.conftest import configure, sample_jpegs  # noqa: E402
+from tests.integration.conftest import Server, start_server, stop_server  # noqa: E402
+
+if TYPE_CHECKING:
+    from engines.torch_images import TorchImageDecoder
 
 ESPRESSO = 967
 JPEG = {"Content-Type": "image/jpeg"}
 
 
-def jpeg(array: np.ndarray, **save: object) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format="JPEG", quality=90, **save)
-    return buffer.getvalue()
-
-
-def photos() -> list[bytes]:
-    from skimage import data
-
-    return [
-        jpeg(data.astronaut()),
-        jpeg(data.coffee()),
-        jpeg(data.chelsea()),
-        jpeg(data.camera()),  # greyscale
-        jpeg(data.rocket(), progressive=True),
-    ]
-
-
-def decoder(spec: ImagePreprocess) -> object:
+def decoder(spec: ImagePreprocess) -> TorchImageDecoder:
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
     from engines.torch_images import TorchImageDecoder
 
@@ -51,12 +39,9 @@ def decoder(spec: ImagePreprocess) -> object:
 def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: str) -> None:
     """nvJPEG's IDCT and chroma upsampling differ from libjpeg's by a level or two; after
     the shared resize and crop the rows stay that close to the CPU path's."""
-    from engines.torch_images import TorchImageDecoder
-
     spec = ImagePreprocess(layout=layout, datatype="UINT8")
     gpu = decoder(spec)
-    assert isinstance(gpu, TorchImageDecoder)
-    uploads = photos()
+    uploads = sample_jpegs()
     rows = gpu.decode(uploads)
     for data, row in zip(uploads, rows, strict=True):
         want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
@@ -66,21 +51,18 @@ def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: str) -> None:
 
 
 def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
-    from engines.torch_images import TorchImageDecoder
-
     gpu = decoder(ImagePreprocess(datatype="UINT8"))
-    assert isinstance(gpu, TorchImageDecoder)
-    good = photos()[:2]
+    good = sample_jpegs()[:2]
     rows = gpu.decode([good[0], b"\xff\xd8\xff\xe0" + bytes(200), good[1]])
     assert rows[0] is not None and rows[2] is not None and rows[1] is None
 
 
 @pytest.fixture(scope="module")
-def gpu_server(efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> object:
+def gpu_server(
+    efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
     """A real ``stoker serve`` of the default model on the torch backend (FP32)."""
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
-    from tests.integration.conftest import start_server, stop_server
-
     root = tmp_path_factory.mktemp("gpu-serve")
     shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
     configure(root / "repo" / "efficientnet_lite0", {"precisions": ["fp32"], "runners": 2})
@@ -94,11 +76,8 @@ def gpu_server(efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 
 
 def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
-    gpu_server: object, coffee_jpeg: bytes
+    gpu_server: Server, coffee_jpeg: bytes
 ) -> None:
-    from tests.integration.conftest import Server
-
-    assert isinstance(gpu_server, Server)
     log = gpu_server.log.read_text()
     assert "torch backend" in log and "JPEG uploads decoded on the GPU" in log
     assert "pixels normalised on the device" in log
@@ -115,11 +94,8 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
 
 
 def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(
-    gpu_server: object, coffee_jpeg: bytes
+    gpu_server: Server, coffee_jpeg: bytes
 ) -> None:
-    from tests.integration.conftest import Server
-
-    assert isinstance(gpu_server, Server)
     photo = Image.open(io.BytesIO(coffee_jpeg)).convert("RGB")
     pixels = preprocess(photo, ImagePreprocess(datatype="UINT8"))[None]
     floats = preprocess(photo, ImagePreprocess())[None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-pytest.importorskip("pynvml")
+pytest.importorskip("pynvml", reason="nvidia-ml-py (pynvml) is not installed")
 
 from app import metrics  # registers the GPU collector
 from engines import nvml

@@ -9,7 +9,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the GPU tests need torch")
 
 from engines.base import EngineOptions  # noqa: E402
 from engines.onnxruntime import read_spec  # noqa: E402

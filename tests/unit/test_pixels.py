@@ -19,6 +19,7 @@ from app.images import DecodeQueue, inspect
 from app.repository import ConfigError, ModelConfig, ModelEntry
 from engines.preprocess import ImagePreprocess, crop_box, normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec
+from tests.conftest import jpeg_bytes, sample_jpegs
 
 IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
 SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
@@ -28,24 +29,6 @@ def entry(**config: Any) -> ModelEntry:
     from pathlib import Path
 
     return ModelEntry(config=ModelConfig(name="m", max_batch_size=8, **config), folder=Path("."))
-
-
-def jpeg(array: np.ndarray, **save: object) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format="JPEG", quality=90, **save)
-    return buffer.getvalue()
-
-
-def photos() -> list[bytes]:
-    from skimage import data
-
-    return [
-        jpeg(data.astronaut()),  # 512x512
-        jpeg(data.coffee()),  # 600x400
-        jpeg(data.chelsea()),  # 451x300
-        jpeg(data.camera()),  # greyscale
-        jpeg(data.rocket(), progressive=True),
-    ]
 
 
 # -- pixels on the protocol -------------------------------------------------------------
@@ -135,7 +118,7 @@ def test_gpu_placement_is_checked_when_the_config_loads(
 
 
 def test_headers_are_read_without_decoding_and_bombs_refused() -> None:
-    photo = jpeg(np.zeros((30, 40, 3), np.uint8))
+    photo = jpeg_bytes(np.zeros((30, 40, 3), np.uint8))
     header = inspect(photo, 10_000)
     assert (header.format, header.mode, header.width, header.height) == ("JPEG", "RGB", 40, 30)
     assert header.device_decodable
@@ -256,7 +239,7 @@ def test_torch_resize_and_crop_match_pillow_within_one_level(layout: str) -> Non
     from engines.torch_images import TorchImageDecoder
 
     spec = ImagePreprocess(layout=layout, datatype="UINT8")
-    uploads = photos()
+    uploads = sample_jpegs()
     rows = TorchImageDecoder(spec, "cpu", pil_decode).decode(uploads)
     for data, row in zip(uploads, rows, strict=True):
         want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
@@ -269,7 +252,7 @@ def test_one_image_the_device_refuses_costs_only_itself() -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
     from engines.torch_images import TorchImageDecoder
 
-    good = photos()[:2]
+    good = sample_jpegs()[:2]
     rows = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode).decode(
         [good[0], b"\xff\xd8bad", good[1]]
     )
@@ -280,7 +263,7 @@ def test_images_of_one_size_resized_together_give_what_each_alone_gives() -> Non
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
     from engines import torch_images
 
-    a, b, c = photos()[:3]
+    a, b, c = sample_jpegs()[:3]
     decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
     alone = {data: decoder.decode([data])[0] for data in (a, b, c)}
     mixed = [a, b, a, c, a, b]
