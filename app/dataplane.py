@@ -31,7 +31,7 @@ from engines import accuracy, backends
 from engines.base import EngineOptions, pixel_input
 from engines.build import ensure_variant
 from engines.onnxruntime import read_spec
-from engines.preprocess import normalize, preprocess
+from engines.preprocess import ImagePreprocess, normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 from engines.store import EngineStore
 
@@ -54,10 +54,8 @@ class ServedModel:
     batcher: Batcher
     metrics: ModelMetrics
     labels: list[str] | None
-    pixel_input: str | None = None
-    """The image input, when UINT8 pixels are accepted on it (the model has preprocessing)."""
-    native_pixels: bool = False
-    """The engine normalises those pixels itself (on the GPU); else the service does."""
+    pixels: PixelInput | None = None
+    """The image input, when UINT8 pixels are accepted on it, and who normalises them."""
     decoder: images.DecodeQueue | None = None
     """Batched device decoding of JPEG uploads, when it is on for this model."""
 
@@ -131,8 +129,7 @@ class DataPlane:
                 batcher,
                 metrics,
                 entry.labels(),
-                pixel_input=pixels_input(entry, spec),
-                native_pixels=native is not None,
+                pixels=PixelInput.of(entry, spec, native is not None),
                 decoder=decoder,
             )
             log.info(
@@ -309,8 +306,9 @@ class DataPlane:
                 )
             else:
                 request = decode_request(body, header_length, model.spec, depth)
-            rows, key = validate_inputs(model.spec, request.inputs, model.pixel_input)
-            inputs = pixels_for_engine(model.entry, model.spec, model.native_pixels, request.inputs)
+            pixels = model.pixels.name if model.pixels else None
+            rows, key = validate_inputs(model.spec, request.inputs, pixels)
+            inputs = pixels_for_engine(model.pixels, request.inputs)
             wanted = requested_outputs(model.spec, request)
             levels = model.entry.config.dynamic_batching.priority_levels
             if request.priority > levels:
@@ -385,8 +383,8 @@ class DataPlane:
         async def work() -> list[list[dict[str, Any]]]:
             model.batcher.admit()
             batch = await decode_all()
-            native = model.native_pixels and model.pixel_input == image_input.name
-            if image_input.datatype != "UINT8" and not native:
+            on_device = model.pixels is not None and model.pixels.on_device
+            if image_input.datatype != "UINT8" and not on_device:
                 batch = normalize(batch, prep, image_input.dtype)
             timeout = self._timeout_s(model, None)
             step = model.spec.max_batch_size or 1
@@ -474,29 +472,40 @@ def requested_outputs(spec: ModelSpec, request: InferRequest) -> list[RequestedO
     return list(request.outputs)
 
 
-def pixels_input(entry: ModelEntry, spec: ModelSpec) -> str | None:
-    """The input that takes UINT8 pixels: a model with preprocessing whose only input is a
-    floating-point image of the preprocessed shape."""
-    prep = entry.config.preprocess
-    if prep is None or len(spec.inputs) != 1:
-        return None
-    tensor = spec.inputs[0]
-    if tensor.datatype not in ("FP32", "FP16", "BF16", "FP64"):
-        return None
-    return tensor.name if tuple(tensor.shape) == prep.to_spec("UINT8").row_shape() else None
+@dataclass(frozen=True)
+class PixelInput:
+    """A model's image input that also takes UINT8 pixels (rows of the preprocessed shape),
+    and who normalises them: the engine on its device (``on_device``) or the service."""
+
+    name: str
+    prep: ImagePreprocess
+    dtype: np.dtype[Any]
+    on_device: bool = False
+
+    @classmethod
+    def of(cls, entry: ModelEntry, spec: ModelSpec, on_device: bool = False) -> PixelInput | None:
+        """The pixel input of a model with preprocessing whose only input is a floating-point
+        image of the preprocessed shape; None for any other model."""
+        prep = entry.config.preprocess
+        if prep is None or len(spec.inputs) != 1:
+            return None
+        tensor = spec.inputs[0]
+        pixels = prep.to_spec("UINT8")
+        if tensor.datatype not in ("FP32", "FP16", "BF16", "FP64"):
+            return None
+        if tuple(tensor.shape) != pixels.row_shape():
+            return None
+        return cls(tensor.name, pixels, tensor.dtype, on_device)
 
 
 def pixels_for_engine(
-    entry: ModelEntry, spec: ModelSpec, native: bool, inputs: dict[str, np.ndarray]
+    pixels: PixelInput | None, inputs: dict[str, np.ndarray]
 ) -> dict[str, np.ndarray]:
     """A request's inputs as the engine takes them: UINT8 pixels on the image input are
-    normalised here with the model's preprocessing, unless the engine does it (``native``)."""
-    name = pixels_input(entry, spec)
-    if name is None or native or inputs[name].dtype != np.uint8:
+    normalised here with the model's preprocessing, unless the engine does it."""
+    if pixels is None or pixels.on_device or inputs[pixels.name].dtype != np.uint8:
         return inputs
-    prep = entry.config.preprocess
-    assert prep is not None
-    return {**inputs, name: normalize(inputs[name], prep.to_spec("UINT8"), spec.inputs[0].dtype)}
+    return {**inputs, pixels.name: normalize(inputs[pixels.name], pixels.prep, pixels.dtype)}
 
 
 def engine_options(
@@ -509,6 +518,7 @@ def engine_options(
     """What the backend is told about a model: runners, GPUs, batch sizes, preprocessing."""
     config = entry.config
     prep = config.preprocess
+    image = prep.to_spec(spec.inputs[0].datatype) if prep and PixelInput.of(entry, spec) else None
     return EngineOptions(
         runners=config.runners,
         store=store,
@@ -516,7 +526,7 @@ def engine_options(
         precision=precision,
         devices=tuple(config.gpus),
         preferred_batch_sizes=tuple(config.dynamic_batching.preferred_batch_size),
-        image=prep.to_spec(spec.inputs[0].datatype) if prep and pixels_input(entry, spec) else None,
+        image=image,
     )
 
 

@@ -103,8 +103,6 @@ class DecodeQueue:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=label)
-        self.batches = 0
-        self.images = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -145,8 +143,6 @@ class DecodeQueue:
                         "device decode of %d image(s) failed; decoding on the CPU", len(batch)
                     )
                     rows = [None] * len(batch)
-                self.batches += 1
-                self.images += len(batch)
                 if self._on_batch is not None:
                     self._on_batch(len(batch))
                 for (_, future), row in zip(batch, rows, strict=True):

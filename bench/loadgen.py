@@ -251,10 +251,10 @@ class InProcessClient:
     async def load(cls, target: InProcessTarget, payloads: list[Payload]) -> InProcessClient:
         from app.batcher import Batcher
         from app.dataplane import (
+            PixelInput,
             engine_options,
             model_spec,
             pixels_for_engine,
-            pixels_input,
             prepare,
             validate_inputs,
         )
@@ -279,7 +279,8 @@ class InProcessClient:
         variant, _ = await asyncio.to_thread(ensure_variant, store, plan, precision, backend)
         options = engine_options(entry, spec, store, plan.profile, precision)
         engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
-        native = pixel_input(engine) is not None
+        pixels = PixelInput.of(entry, spec, pixel_input(engine) is not None)
+        name = pixels.name if pixels else None
         pool = await RunnerPool.create(engine, config.runners, f"bench-{config.name}")
         await pool.warm()
         metrics = ModelMetrics(config.name, precision)
@@ -289,11 +290,10 @@ class InProcessClient:
         for payload in payloads:
             if payload.tensors is None:
                 raise ValueError("in-process payloads are tensors, not HTTP bodies")
-            pixels = pixels_input(entry, spec)
-            validate_inputs(spec, payload.tensors, pixels)
+            validate_inputs(spec, payload.tensors, name)
             # What the service does to UINT8 pixels before batching, done once up front.
-            tensors = pixels_for_engine(entry, spec, native, payload.tensors)
-            keys[id(payload)] = (validate_inputs(spec, tensors, pixels)[1], tensors)
+            tensors = pixels_for_engine(pixels, payload.tensors)
+            keys[id(payload)] = (validate_inputs(spec, tensors, name)[1], tensors)
         timeout_us = config.dynamic_batching.default_timeout_us
         return cls(batcher, pool, timeout_us / 1e6 if timeout_us else None, keys)
 

@@ -24,10 +24,10 @@ from fastapi import FastAPI, Request, Response
 
 from app import images
 from app.dataplane import (
+    PixelInput,
     engine_options,
     model_spec,
     pixels_for_engine,
-    pixels_input,
     prepare,
     requested_outputs,
     top_k,
@@ -53,7 +53,7 @@ class Model:
     runner: Runner
     executor: ThreadPoolExecutor
     labels: list[str] | None
-    native_pixels: bool = False
+    pixels: PixelInput | None = None
 
     async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
@@ -68,8 +68,8 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
     options = replace(engine_options(entry, spec), runners=1, devices=())
     engine = backends.loader(backend or entry.config.backend)(entry.onnx_path, spec, options)
     runner = engine.new_runner()
-    native = pixel_input(engine) is not None
-    return Model(entry, spec, runner, ThreadPoolExecutor(1, "naive"), entry.labels(), native)
+    pixels = PixelInput.of(entry, spec, pixel_input(engine) is not None)
+    return Model(entry, spec, runner, ThreadPoolExecutor(1, "naive"), entry.labels(), pixels)
 
 
 def create_app(repository: Path, name: str, backend: str | None = None) -> FastAPI:
@@ -111,8 +111,8 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
         model = served(request, model_name)
         body = await request.body()
         decoded = decode_request(body, header_length(request), model.spec)
-        validate_inputs(model.spec, decoded.inputs, pixels_input(model.entry, model.spec))
-        inputs = pixels_for_engine(model.entry, model.spec, model.native_pixels, decoded.inputs)
+        validate_inputs(model.spec, decoded.inputs, model.pixels.name if model.pixels else None)
+        inputs = pixels_for_engine(model.pixels, decoded.inputs)
         outputs = await model.run(inputs)
         answer = [
             (

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.dataplane import engine_options, pixels_for_engine, pixels_input, validate_inputs
+from app.dataplane import PixelInput, engine_options, pixels_for_engine, validate_inputs
 from app.errors import BadRequest, PayloadTooLarge
 from app.images import DecodeQueue, inspect
 from app.repository import ConfigError, ModelConfig, ModelEntry
@@ -36,8 +36,9 @@ def entry(**config: Any) -> ModelEntry:
 
 def test_a_model_with_preprocessing_takes_uint8_pixels_in_its_own_batches() -> None:
     with_prep = entry(preprocess={})
-    assert pixels_input(with_prep, SPEC) == "input"
-    assert pixels_input(entry(), SPEC) is None
+    found = PixelInput.of(with_prep, SPEC)
+    assert found is not None and found.name == "input"
+    assert PixelInput.of(entry(), SPEC) is None
     pixels = np.zeros((2, 3, 224, 224), np.uint8)
     floats = np.zeros((2, 3, 224, 224), np.float32)
     rows_u8, key_u8 = validate_inputs(SPEC, {"input": pixels}, "input")
@@ -58,11 +59,12 @@ def test_pixels_are_normalised_exactly_as_the_cpu_preprocessing_does() -> None:
     spec = prep.config.preprocess.to_spec("FP32")  # type: ignore[union-attr]
     want = preprocess(photo, spec)
     pixels = preprocess(photo, ImagePreprocess(**{**spec.__dict__, "datatype": "UINT8"}))
-    got = pixels_for_engine(prep, SPEC, False, {"input": pixels[None]})["input"]
+    got = pixels_for_engine(PixelInput.of(prep, SPEC), {"input": pixels[None]})["input"]
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got[0], want)
     # An engine that normalises on its device gets the pixels untouched.
-    untouched = pixels_for_engine(prep, SPEC, True, {"input": pixels[None]})["input"]
+    on_device = PixelInput.of(prep, SPEC, on_device=True)
+    untouched = pixels_for_engine(on_device, {"input": pixels[None]})["input"]
     assert untouched.dtype == np.uint8
     # NHWC rows normalise along the last axis.
     nhwc = ImagePreprocess(layout="NHWC", datatype="UINT8")
