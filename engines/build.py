@@ -12,7 +12,7 @@ import hashlib
 import logging
 import platform
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -296,7 +296,6 @@ def ensure_variant(
     plan: BuildPlan,
     precision: str,
     backend: str,
-    identity: Callable[[str], tuple[str, str]] = backend_identity,
 ) -> tuple[Path, dict[str, Any]]:
     """The ONNX file that serves ``precision`` on ``backend`` and its accuracy report: the
     source for fp32, else a stored variant, built (calibrated, measured, gated) if missing."""
@@ -304,7 +303,7 @@ def ensure_variant(
         return plan.source, {}
     model_hash = sha256_file(plan.source)
     form = variant_form(backend)
-    backend_version, device = identity(backend)
+    backend_version, device = backend_identity(backend)
     data = CalibrationData(plan)
     options: dict[str, Any] = {
         "form": form,

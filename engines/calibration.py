@@ -39,7 +39,7 @@ from PIL import Image, ImageEnhance, UnidentifiedImageError
 from engines import preprocess as imaging
 from engines.accuracy import mean_kl, run_onnx, session
 from engines.preprocess import ImagePreprocess
-from engines.variants import to_int8, weight_nodes
+from engines.variants import to_int8
 
 logger = logging.getLogger(__name__)
 
@@ -612,30 +612,3 @@ def calibrate_auto(
     if best is None:
         raise ValueError("no calibrator to try")
     return best, scores
-
-
-def node_sensitivity(
-    model: onnx.ModelProto,
-    ranges: Ranges,
-    data: np.ndarray,
-    input_name: str,
-    form: Literal["u8s8", "s8s8"],
-    *,
-    nodes: Collection[str] | None = None,
-    threads: int = 0,
-) -> dict[str, float]:
-    """How much each weight node's quantization costs: node name -> the mean KL from FP32 of
-    the INT8 variant that leaves only that node in float, smallest (most worth excluding)
-    first. ``nodes`` defaults to every Conv/Gemm/MatMul with constant weights; one INT8 build
-    and one run of ``data`` per node, so keep ``data`` to a few dozen rows."""
-    names = (
-        list(nodes)
-        if nodes is not None
-        else [model.graph.node[index].name for index in weight_nodes(model)]
-    )
-    reference = run_onnx(model, data, input_name, threads=threads)
-    scores: dict[str, float] = {}
-    for name in names:
-        variant = to_int8(model, ranges, form=form, exclude_nodes=[name])
-        scores[name] = mean_kl(reference, run_onnx(variant, data, input_name, threads=threads))
-    return dict(sorted(scores.items(), key=lambda item: item[1]))

@@ -40,15 +40,11 @@ def preprocess(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     width, height, left, top = crop_box(*image.size, spec)
     resized = image.resize((width, height), Image.Resampling.BILINEAR)
     cropped = resized.crop((left, top, left + spec.crop, top + spec.crop))
-    pixels = np.asarray(cropped, dtype=np.uint8)
-    if spec.datatype == "UINT8":
-        row = pixels
-    else:
-        mean = np.asarray(spec.mean, dtype=np.float32)
-        std = np.asarray(spec.std, dtype=np.float32)
-        row = ((pixels.astype(np.float32) - mean) / std).astype(np.float32)
+    row = np.asarray(cropped, dtype=np.uint8)
     if spec.layout == "NCHW":
         row = np.transpose(row, (2, 0, 1))
+    if spec.datatype != "UINT8":
+        row = normalize(row, spec, np.dtype(np.float32))
     return np.ascontiguousarray(row)
 
 

@@ -359,9 +359,6 @@ class OnnxModule(torch.nn.Module):
             return values[name]
         return self._tensor(name)
 
-    def ops(self) -> list[str]:
-        return [step.op for step in self._steps]
-
 
 def convert(path: Path) -> OnnxModule:
     """The ONNX file as a module on the CPU, in the graph's own dtypes."""
@@ -537,7 +534,7 @@ class TorchRunner:
         self._max = max(1, spec.max_batch_size)
         self._dtype = compute_dtype(engine.precision)
         image = engine.options.image
-        self._image_input = spec.inputs[0].name if image is not None else None
+        self._image_input = engine.pixel_input
         self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None
         torch_device = torch.device("cuda", device)
         with torch.cuda.device(device):

@@ -10,6 +10,7 @@ another JPEG decoder), which is how they are tested without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -110,9 +111,9 @@ class TorchImageDecoder:
                 images.append(None)
         return images
 
-    def _on_stream(self) -> torch.cuda.StreamContext | _NoStream:
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
         if self._stream is None:
-            return _NoStream()
+            return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
 
 
@@ -122,11 +123,3 @@ def resize(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
     x = images.to(torch.float32)
     x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
     return x.round_().clamp_(0, 255).to(torch.uint8)
-
-
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -24,6 +25,11 @@ class GraphBuilder:
     def constant(self, name: str, value: np.ndarray) -> str:
         self.initializers.append(numpy_helper.from_array(value, name))
         return name
+
+    def node(self, op: str, inputs: list[str], out: str, **attrs: Any) -> str:
+        """One node named after its single output; returns that output."""
+        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
 
 
 def classifier(

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -109,10 +108,6 @@ class _Graph(GraphBuilder):
 
     def relu6(self, x: str) -> str:
         return self.node("Clip", [x, "relu6.min", "relu6.max"], f"{x}/relu6")
-
-    def node(self, op: str, inputs: list[str], out: str, **attrs: Any) -> str:
-        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
-        return out
 
 
 def _mbconv(

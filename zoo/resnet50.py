@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -66,10 +65,6 @@ class _Graph(GraphBuilder):
             )
         )
         return self.node("Relu", [name], f"{name}/relu") if relu else name
-
-    def node(self, op: str, inputs: list[str], out: str, **attrs: Any) -> str:
-        self.nodes.append(helper.make_node(op, inputs, [out], name=out, **attrs))
-        return out
 
 
 def _bottleneck(g: _Graph, x: str, prefix: str, cin: int, width: int, stride: int) -> str:
