@@ -39,10 +39,6 @@ class ApiKeys:
         self._digests = [digest(key) for key in keys]
         self._open = PROBES if protect_metrics else PROBES | {METRICS}
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._digests)
-
     def accepts(self, key: bytes) -> bool:
         given = digest(key)
         matched = False

@@ -11,7 +11,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -106,6 +106,7 @@ class DataPlane:
         spec = await asyncio.to_thread(model_spec, entry)
         plan = entry.build_plan(spec)
         versions: dict[str, ServedModel] = {}
+        labels = entry.labels()
         for precision in config.precisions:
             started = time.perf_counter()
             variant, _ = await asyncio.to_thread(
@@ -128,7 +129,7 @@ class DataPlane:
                 pool,
                 batcher,
                 metrics,
-                entry.labels(),
+                labels,
                 pixels=PixelInput.of(entry, spec, native is not None),
                 decoder=decoder,
             )
@@ -307,8 +308,10 @@ class DataPlane:
             else:
                 request = decode_request(body, header_length, model.spec, depth)
             pixels = model.pixels.name if model.pixels else None
-            rows, key = validate_inputs(model.spec, request.inputs, pixels)
+            rows, _ = validate_inputs(model.spec, request.inputs, pixels)
+            # The key of what the engine gets: normalised pixels batch with FP32 requests.
             inputs = pixels_for_engine(model.pixels, request.inputs)
+            key = batch_key(model.spec, inputs)
             wanted = requested_outputs(model.spec, request)
             levels = model.entry.config.dynamic_batching.priority_levels
             if request.priority > levels:
@@ -389,7 +392,7 @@ class DataPlane:
             timeout = self._timeout_s(model, None)
             step = model.spec.max_batch_size or 1
             chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
-            key = ((batch.dtype.str, *batch.shape[1:]),)
+            key = batch_key(model.spec, {image_input.name: batch})
             results = await asyncio.gather(
                 *(model.batcher.infer({image_input.name: c}, len(c), key, timeout) for c in chunks)
             )
@@ -428,7 +431,6 @@ def validate_inputs(
         expected = ", ".join(t.name for t in spec.inputs)
         raise BadRequest(f"unknown input(s): {', '.join(unknown[:8])}; the model takes {expected}")
     rows: int | None = None
-    key: list[tuple[Any, ...]] = []
     for tensor in spec.inputs:
         value = inputs[tensor.name]
         if not (tensor.name == pixels and value.dtype == np.uint8):
@@ -447,11 +449,18 @@ def validate_inputs(
                 f"input {tensor.name!r}: shape {list(shape)} does not match "
                 f"{spec.full_shape(tensor)}"
             )
-        key.append((value.dtype.str, *row_shape))
     rows = rows if rows is not None else 1
     if spec.batched and not 1 <= rows <= spec.max_batch_size:
         raise BadRequest(f"batch of {rows} rows; the model takes 1 to {spec.max_batch_size}")
-    return rows, tuple(key)
+    return rows, batch_key(spec, inputs)
+
+
+def batch_key(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    """Requests share a batch only when every input has the same datatype and row shape."""
+    return tuple(
+        (value.dtype.str, *(value.shape[1:] if spec.batched else value.shape))
+        for value in (inputs[tensor.name] for tensor in spec.inputs)
+    )
 
 
 def check_datatype(tensor: TensorSpec, value: np.ndarray, pixels: bool = False) -> None:

@@ -102,7 +102,6 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
 
         loading = asyncio.create_task(plane.start(), name="load-models")
         loading.add_done_callback(loaded)
-        app.state.loading = loading
         try:
             yield
         finally:

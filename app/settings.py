@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.protocol import MAX_JSON_DEPTH
 from engines.store import default_root
 
 
@@ -80,7 +81,7 @@ class LimitSettings(BaseModel):
     """Most images in one ``/infer`` upload; each costs a decode on the CPU."""
     default_top_k: int = Field(default=5, gt=0)
     """Labels returned by ``/infer`` when the request does not say ``k``."""
-    max_json_depth: int = Field(default=64, gt=0, le=1024)
+    max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole
     documents nested past 1024 levels are refused by the JSON parser whatever this says."""

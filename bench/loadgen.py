@@ -252,6 +252,7 @@ class InProcessClient:
         from app.batcher import Batcher
         from app.dataplane import (
             PixelInput,
+            batch_key,
             engine_options,
             model_spec,
             pixels_for_engine,
@@ -293,7 +294,7 @@ class InProcessClient:
             validate_inputs(spec, payload.tensors, name)
             # What the service does to UINT8 pixels before batching, done once up front.
             tensors = pixels_for_engine(pixels, payload.tensors)
-            keys[id(payload)] = (validate_inputs(spec, tensors, name)[1], tensors)
+            keys[id(payload)] = (batch_key(spec, tensors), tensors)
         timeout_us = config.dynamic_batching.default_timeout_us
         return cls(batcher, pool, timeout_us / 1e6 if timeout_us else None, keys)
 

@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
+
+from engines.base import FatalEngineError
 
 try:
     from cuda.bindings import driver, runtime
@@ -43,6 +45,50 @@ class CudaError(RuntimeError):
         value = int(code) if isinstance(code, int) else code
         message = f"{call} failed: {name} ({value})"
         super().__init__(f"{message}: {detail}" if detail else message)
+
+
+# After one of these the CUDA context is unusable: every later call fails the same way until
+# the process restarts (CUDA's documentation says so of each).
+STICKY_CUDA_ERRORS = frozenset(
+    {
+        "cudaErrorIllegalAddress",
+        "cudaErrorLaunchFailure",
+        "cudaErrorHardwareStackError",
+        "cudaErrorIllegalInstruction",
+        "cudaErrorMisalignedAddress",
+        "cudaErrorInvalidAddressSpace",
+        "cudaErrorInvalidPc",
+        "cudaErrorLaunchTimeout",
+        "cudaErrorECCUncorrectable",
+        "CUDA_ERROR_ILLEGAL_ADDRESS",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "CUDA_ERROR_HARDWARE_STACK_ERROR",
+        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+        "CUDA_ERROR_MISALIGNED_ADDRESS",
+        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+        "CUDA_ERROR_INVALID_PC",
+        "CUDA_ERROR_LAUNCH_TIMEOUT",
+        "CUDA_ERROR_ECC_UNCORRECTABLE",
+    }
+)
+
+
+def is_sticky(code: object) -> bool:
+    """Whether a CUDA error code leaves the context unusable."""
+    return getattr(code, "name", None) in STICKY_CUDA_ERRORS
+
+
+@contextlib.contextmanager
+def sticky_errors_are_fatal(label: str) -> Iterator[None]:
+    """Re-raise a CUDA error that leaves the context unusable as ``FatalEngineError`` (the
+    service then stops the model and turns readiness off); other errors pass unchanged.
+    Every GPU runner's ``run`` goes through this."""
+    try:
+        yield
+    except CudaError as error:
+        if is_sticky(error.code):
+            raise FatalEngineError(f"{label}: {error}") from error
+        raise
 
 
 class CudaUnavailable(RuntimeError):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engines import cuda
-from engines.base import EngineOptions, FatalEngineError
+from engines.base import EngineOptions
 from engines.spec import ModelSpec, numpy_dtype
 from engines.tensorrt_build import (
     BACKEND,
@@ -64,36 +64,6 @@ TRT_TO_V2 = {
     "BOOL": "BOOL",
     "UINT8": "UINT8",
 }
-
-# After one of these the CUDA context is unusable: every later call fails the same way until
-# the process restarts (CUDA's documentation says so of each).
-STICKY_CUDA_ERRORS = frozenset(
-    {
-        "cudaErrorIllegalAddress",
-        "cudaErrorLaunchFailure",
-        "cudaErrorHardwareStackError",
-        "cudaErrorIllegalInstruction",
-        "cudaErrorMisalignedAddress",
-        "cudaErrorInvalidAddressSpace",
-        "cudaErrorInvalidPc",
-        "cudaErrorLaunchTimeout",
-        "cudaErrorECCUncorrectable",
-        "CUDA_ERROR_ILLEGAL_ADDRESS",
-        "CUDA_ERROR_LAUNCH_FAILED",
-        "CUDA_ERROR_HARDWARE_STACK_ERROR",
-        "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-        "CUDA_ERROR_MISALIGNED_ADDRESS",
-        "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-        "CUDA_ERROR_INVALID_PC",
-        "CUDA_ERROR_LAUNCH_TIMEOUT",
-        "CUDA_ERROR_ECC_UNCORRECTABLE",
-    }
-)
-
-
-def is_sticky(code: object) -> bool:
-    """Whether a CUDA error code leaves the context unusable."""
-    return getattr(code, "name", None) in STICKY_CUDA_ERRORS
 
 
 # -- what the engine says about its tensors --------------------------------------------------
@@ -335,12 +305,8 @@ class TensorRTRunner:
         return self._stream
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        try:
+        with cuda.sticky_errors_are_fatal(self._spec.name):
             return self._run(inputs)
-        except cuda.CudaError as error:
-            if is_sticky(error.code):
-                raise FatalEngineError(f"{self._spec.name}: {error}") from error
-            raise
 
     def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec, context, stream = self._spec, self.context, self.stream
@@ -422,7 +388,7 @@ class TensorRTRunner:
         try:
             self._graphs[rows] = cuda.Graph(self.stream, enqueue)
         except (cuda.CudaError, RuntimeError) as error:
-            if isinstance(error, cuda.CudaError) and is_sticky(error.code):
+            if isinstance(error, cuda.CudaError) and cuda.is_sticky(error.code):
                 raise
             log.warning("%s: no CUDA graph (%s); running without", self._spec.name, error)
             self._use_graphs = False

@@ -638,6 +638,10 @@ class TorchRunner:
         raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with cuda.sticky_errors_are_fatal(self._spec.name):
+            return self._run(inputs)
+
+    def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec = self._spec
         first = inputs[spec.inputs[0].name]
         rows = int(first.shape[0]) if spec.batched else 1

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 import zoo
+from bench import payloads
 from engines import cuda
 from engines.base import EngineOptions
 from engines.onnxruntime import read_spec
@@ -352,15 +353,11 @@ def bench_jpeg(seconds: float) -> None:
     from torchvision.transforms.v2 import functional as tvf
 
     print("== JPEG decode + resize 256 + crop 224, 640x480 photos", flush=True)
-    rng = np.random.default_rng(0)
-    ys, xs = np.mgrid[0:480, 0:640].astype(np.float32)
-    jpegs = []
-    for _ in range(16):
-        img = rng.uniform(0, 255, 3) + xs[..., None] * rng.uniform(-0.3, 0.3, 3)
-        img = img + ys[..., None] * rng.uniform(-0.3, 0.3, 3) + rng.normal(0, 12, (480, 640, 3))
-        buf = io.BytesIO()
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(buf, "JPEG", quality=90)
-        jpegs.append(torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8))
+    # The bench's synthetic photos, so these numbers and the service's JPEG runs decode alike.
+    jpegs = [
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        for data in payloads.synthetic_images(16, 640, 480)
+    ]
     batch = [jpegs[i % len(jpegs)] for i in range(128)]
 
     def gpu_window(limit: float) -> float:

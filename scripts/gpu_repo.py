@@ -1,11 +1,11 @@
 """The model repository the H200 run serves: ResNet-50 (seeded weights) at FP16 on the GPU.
 
-python scripts/gpu_repo.py /tmp/stoker-repo [--gpus 0,1]
+python scripts/gpu_repo.py /tmp/stoker-repo
 
 The repo's ``models/resnet50`` config with: FP16 as the only version; its accuracy gate
 measured on 16 images and overridden, because seeded random weights give near-uniform
 logits whose top-1 means nothing (the FP16 variant itself is built and measured as for any
-model); two runners per GPU; batches up to 256, preferred 64, 128 and 256; a 2 ms delay.
+model); two runners; batches up to 256, preferred 64, 128 and 256; a 2 ms delay.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("repository", type=Path)
-    parser.add_argument("--gpus", default="", help="comma-separated GPU indices (default: 0)")
     args = parser.parse_args()
-    gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
     folder = args.repository / "resnet50"
     folder.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((ROOT / "models" / "resnet50" / "config.yaml").read_text())
@@ -32,8 +30,7 @@ def main() -> None:
         precisions=["fp16"],
         default_precision="fp16",
         max_batch_size=256,
-        runners=2 * max(1, len(gpus)),
-        gpus=gpus,
+        runners=2,
         accuracy={"evaluation_samples": 16, "override": True},
         dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": 2000},
     )

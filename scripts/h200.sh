@@ -9,7 +9,10 @@
 #
 # Logs and JSON go to $OUT. With `service`, the GPU tests (TESTS, default all of them) run
 # beside it on the last GPU when there are two (TESTS_BESIDE=1), so one call does both;
-# SKIP_U8=1 leaves out the UINT8 and open-loop runs.
+# SKIP_U8=1 leaves out the UINT8 and open-loop runs. Time limits in seconds: TESTS_LIMIT,
+# RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; the service runs: BACKEND (torch),
+# ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
+# JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32); SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -36,16 +39,16 @@ cat "$OUT/env.txt"
 
 has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
-gpu_tests() {
+gpu_tests() {  # $1: the log's name
     timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
         ${TESTS:-tests/gpu tests/unit/test_cuda.py tests/unit/test_pixels.py} \
-        >"$OUT/gpu_tests.log" 2>&1
-    echo "pytest exit $?" >>"$OUT/gpu_tests.log"
+        >"$OUT/$1" 2>&1
+    echo "pytest exit $?" >>"$OUT/$1"
 }
 
 if has tests; then
     echo "== GPU tests"
-    gpu_tests
+    gpu_tests gpu_tests.log
     tail -25 "$OUT/gpu_tests.log"
 fi
 
@@ -80,7 +83,7 @@ if has service; then
     echo "== service: ResNet-50 FP16, UINT8 / JPEG / open loop"
     beside=""
     if [ "$GPUS" -ge 2 ] && [ "${TESTS_BESIDE:-1}" = 1 ]; then
-        CUDA_VISIBLE_DEVICES=$((GPUS - 1)) gpu_tests &
+        CUDA_VISIBLE_DEVICES=$((GPUS - 1)) gpu_tests gpu_tests_beside.log &
         beside=$!
     fi
     export CUDA_VISIBLE_DEVICES=0 STOKER_STORE__PATH=/tmp/stoker-store
@@ -126,7 +129,7 @@ PY
     if [ -n "$beside" ]; then
         wait "$beside"
         echo "== GPU tests (on GPU $((GPUS - 1)), beside the service)"
-        tail -25 "$OUT/gpu_tests.log"
+        tail -25 "$OUT/gpu_tests_beside.log"
     fi
 fi
 
@@ -151,7 +154,7 @@ for log in "$OUT"/http_*.log "$OUT"/service_*.log; do
     [ -f "$log" ] || continue
     case "$log" in *service_server.log|*service_repo.log) continue ;; esac
     echo "-- $(basename "$log")"
-    grep -v -E "^\s*$" "$log" | tail -12
+    grep -v -E "^\s*$" "$log"
 done
 [ -f "$OUT/service_metrics.txt" ] && cat "$OUT/service_metrics.txt"
 [ -f "$OUT/service_server.log" ] && grep -E "loaded and warmed|ERROR|Traceback" "$OUT/service_server.log" | head -5

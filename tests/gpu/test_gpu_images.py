@@ -19,7 +19,12 @@ torch = pytest.importorskip("torch", reason="the GPU tests need torch")
 
 from engines.preprocess import ImagePreprocess, preprocess  # noqa: E402
 from tests.conftest import configure, sample_jpegs  # noqa: E402
-from tests.integration.conftest import Server, start_server, stop_server  # noqa: E402
+from tests.integration.conftest import (  # noqa: E402
+    Server,
+    metric_samples,
+    start_server,
+    stop_server,
+)
 
 if TYPE_CHECKING:
     from engines.torch_images import TorchImageDecoder
@@ -82,6 +87,14 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
     assert "torch backend" in log and "JPEG uploads decoded on the GPU" in log
     assert "pixels normalised on the device" in log
 
+    labels = {"model": "efficientnet_lite0", "version": "fp32"}
+
+    def decoded(device: str) -> float:
+        key = ("stoker_image_decode_total", tuple(sorted({**labels, "device": device}.items())))
+        return metric_samples(gpu_server).get(key, 0.0)
+
+    before = decoded("gpu"), decoded("cpu")
+
     async def many() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=gpu_server.url, timeout=60) as client:
             return await asyncio.gather(
@@ -91,6 +104,8 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
     for response in asyncio.run(many()):
         assert response.status_code == 200, response.text
         assert response.json()["predictions"][0][0]["label"] == "espresso"
+    # Every one of them went through nvJPEG, none fell back to Pillow.
+    assert (decoded("gpu"), decoded("cpu")) == (before[0] + 48, before[1])
 
 
 def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(

@@ -221,15 +221,16 @@ def test_uint8_pixels_reach_the_naive_server_and_the_batcher(
     shutil.copytree(efficientnet_dir, repository / "efficientnet_lite0")
     configure(repository / "efficientnet_lite0", {"precisions": ["fp32"]})
     out = tmp_path / "bench.json"
-    code = cli.main(
-        [
-            *("--naive", "--in-process", "--repository", str(repository), "--uint8"),
-            *("--model", "efficientnet_lite0", "--rows", "2", "--image-size", "320x240"),
-            *("--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--distinct", "2"),
-            *("--json", str(out)),
-        ]
-    )
-    assert code == 0
+    argv = [
+        *("--naive", "--in-process", "--repository", str(repository), "--uint8"),
+        *("--model", "efficientnet_lite0", "--rows", "2", "--image-size", "320x240"),
+        *("--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--distinct", "2"),
+        *("--json", str(out)),
+    ]
+    model = cli.in_process_inputs(repository, "efficientnet_lite0")
+    sent = cli.PayloadCache(cli.parse_args(argv)).get("tensors", model)
+    assert all(p.tensors is not None and p.tensors["input"].dtype == np.uint8 for p in sent)
+    assert cli.main(argv) == 0
     for target in orjson.loads(out.read_bytes())["targets"]:
         (step,) = target["steps"]
         assert step["errors"] == 0 and step["requests"] > 0

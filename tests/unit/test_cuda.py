@@ -54,3 +54,20 @@ def test_call_names_the_function() -> None:
 
     with pytest.raises(cuda.CudaError, match=r"^cudaFake failed: cudaErrorInvalidValue \(1\)"):
         cuda.call(cudaFake, 3)
+
+
+def test_an_error_that_breaks_the_context_is_fatal_for_every_gpu_runner() -> None:
+    """The torch and TensorRT runners both run a batch inside this: after an illegal address
+    the context is unusable, so the model must stop; an ordinary error stays ordinary."""
+    from engines.base import FatalEngineError
+
+    class Code:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    fatal = pytest.raises(FatalEngineError, match="m: cudaMemcpyAsync failed")
+    with fatal, cuda.sticky_errors_are_fatal("m"):
+        raise cuda.CudaError("cudaMemcpyAsync", Code("cudaErrorIllegalAddress"))
+    with pytest.raises(cuda.CudaError) as ordinary, cuda.sticky_errors_are_fatal("m"):
+        raise cuda.CudaError("cudaMalloc", Code("cudaErrorMemoryAllocation"))
+    assert not isinstance(ordinary.value, FatalEngineError)

@@ -904,8 +904,8 @@ def test_a_sticky_cuda_error_is_fatal_with_a_stand_in_not_tensorrt(
     monkeypatch.setattr(cuda, "copy_to_device", fail("cudaErrorInvalidValue"))
     with pytest.raises(cuda.CudaError):
         runner.run({"x": np.zeros((2, 4), np.float32)})
-    assert trt_backend.is_sticky(_Enum("CUDA_ERROR_ILLEGAL_ADDRESS"))
-    assert not trt_backend.is_sticky(_Enum("cudaErrorMemoryAllocation"))
+    assert cuda.is_sticky(_Enum("CUDA_ERROR_ILLEGAL_ADDRESS"))
+    assert not cuda.is_sticky(_Enum("cudaErrorMemoryAllocation"))
 
 
 # -- choosing the backend -----------------------------------------------------------------------
