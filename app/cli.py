@@ -213,8 +213,15 @@ def build_engines(settings: Settings) -> int:
 
 
 def list_models(settings: Settings) -> int:
+    """The repository's models, and per precision what the engine store holds for this CPU:
+    built, refused (and why: such a version answers 503 when served) or not built yet."""
+    from app.dataplane import model_spec
     from app.repository import discover
+    from engines import backends
+    from engines.build import variant_state
+    from engines.store import EngineStore
 
+    store = EngineStore(settings.store.path)
     for entry in discover(settings.models.repository, settings.models.models):
         config = entry.config
         state = "ready to load" if entry.onnx_path.exists() else "ONNX missing"
@@ -222,6 +229,12 @@ def list_models(settings: Settings) -> int:
             f"{config.name:24} precisions={','.join(config.precisions):12} "
             f"max_batch={config.max_batch_size:<4} runners={config.runners} {state}"
         )
+        if not entry.onnx_path.exists():
+            continue
+        backend = backends.resolve(settings.models.backend or config.backend)
+        plan = entry.build_plan(model_spec(entry))
+        for precision in config.precisions:
+            print(f"  {precision:6} {backend}: {variant_state(store, plan, precision, backend)}")
     return 0
 
 

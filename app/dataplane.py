@@ -22,14 +22,14 @@ import zoo
 from app import images
 from app.batcher import Batcher, Tensors
 from app.errors import BadRequest, NotFound, StokerError, Unavailable
-from app.metrics import ModelMetrics
+from app.metrics import ModelMetrics, model_unavailable
 from app.pool import RunnerPool
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
 from app.repository import ModelEntry, discover
 from app.settings import Settings
 from engines import accuracy, backends
 from engines.base import EngineOptions, pixel_input
-from engines.build import ensure_variant
+from engines.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
 from engines.onnxruntime import read_spec
 from engines.preprocess import ImagePreprocess, normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
@@ -74,6 +74,8 @@ class DataPlane:
         self._models: dict[str, dict[str, ServedModel]] = {}
         self._entries: list[ModelEntry] = []
         self.store = EngineStore(settings.store.path)
+        # model -> version -> why it is not served (it missed its budget or failed to load).
+        self._unavailable: dict[str, dict[str, str]] = {}
         self.ready = False
         self.failed: BaseException | None = None
         self.draining = False
@@ -86,13 +88,44 @@ class DataPlane:
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load every model, warm every runner, then report ready."""
+        """Load every model, warm every runner, then report ready. A version that misses its
+        accuracy budget or fails to load is not served and says why (unless
+        ``models.exit_on_error``); the others serve."""
         repo = self.settings.models
         self._entries = discover(repo.repository, repo.models)
         for entry in self._entries:
-            await self._load(entry)
+            try:
+                await self._load(entry)
+            except Exception as error:
+                # What every version needs (the ONNX file, its spec) is missing.
+                for precision in entry.config.precisions:
+                    if precision not in self._models.get(entry.config.name, {}):
+                        self._refuse(entry.config.name, precision, error)
         self.ready = True
-        log.info("ready: %s", ", ".join(f"{n}{sorted(v)}" for n, v in self._models.items()))
+        refused = [f"{n}[{v}]" for n, versions in self._unavailable.items() for v in versions]
+        log.info(
+            "ready: %s%s",
+            ", ".join(f"{n}{sorted(v)}" for n, v in self._models.items()) or "no model",
+            f"; NOT served: {', '.join(refused)} (see above)" if refused else "",
+        )
+
+    def _refuse(self, model: str, version: str, error: Exception) -> None:
+        """Record a version that will not be served, once, with the reason its 503s give;
+        or re-raise where ``models.exit_on_error`` wants the server to stop."""
+        if self.settings.models.exit_on_error:
+            raise error
+        accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
+        reason = str(error) if accuracy_refusal else f"{type(error).__name__}: {error}"
+        self._unavailable.setdefault(model, {})[version] = reason
+        model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
+        log.error(
+            "model %s version %s is NOT served (%s): %s",
+            model,
+            version,
+            "accuracy budget" if accuracy_refusal else "load failed",
+            reason,
+            exc_info=None if accuracy_refusal else error,
+        )
 
     async def _load(self, entry: ModelEntry) -> None:
         config = entry.config
@@ -108,44 +141,63 @@ class DataPlane:
         versions: dict[str, ServedModel] = {}
         labels = entry.labels()
         for precision in config.precisions:
-            started = time.perf_counter()
-            variant, _ = await asyncio.to_thread(
-                ensure_variant, self.store, plan, precision, backend
-            )
-            options = engine_options(entry, spec, self.store, plan.profile, precision)
-            engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
-            pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
-            await pool.warm()
-            metrics = ModelMetrics(config.name, precision)
-            batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
-            batcher.start()
-            native = pixel_input(engine)
-            decoder = self._decoder(entry, backend, metrics)
-            versions[precision] = ServedModel(
-                entry,
-                precision,
-                spec,
-                backend,
-                pool,
-                batcher,
-                metrics,
-                labels,
-                pixels=PixelInput.of(entry, spec, native is not None),
-                decoder=decoder,
-            )
-            log.info(
-                "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
-                "JPEG uploads decoded on the %s; loaded and warmed in %.1f s",
-                config.name,
-                precision,
-                backend,
-                config.runners,
-                f" on GPUs {config.gpus}" if config.gpus else "",
-                "device" if native else "CPU",
-                "GPU" if decoder else "CPU",
-                time.perf_counter() - started,
-            )
+            try:
+                versions[precision] = await self._load_version(
+                    entry, spec, plan, precision, backend, labels
+                )
+            except Exception as error:
+                self._refuse(config.name, precision, error)
         self._models[config.name] = versions
+
+    async def _load_version(
+        self,
+        entry: ModelEntry,
+        spec: ModelSpec,
+        plan: BuildPlan,
+        precision: str,
+        backend: str,
+        labels: list[str] | None,
+    ) -> ServedModel:
+        config = entry.config
+        started = time.perf_counter()
+        variant, _ = await asyncio.to_thread(ensure_variant, self.store, plan, precision, backend)
+        options = engine_options(entry, spec, self.store, plan.profile, precision)
+        engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
+        pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
+        try:
+            await pool.warm()
+        except BaseException:
+            await asyncio.to_thread(pool.close)
+            raise
+        metrics = ModelMetrics(config.name, precision)
+        batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
+        batcher.start()
+        native = pixel_input(engine)
+        decoder = self._decoder(entry, backend, metrics)
+        log.info(
+            "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
+            "JPEG uploads decoded on the %s; loaded and warmed in %.1f s",
+            config.name,
+            precision,
+            backend,
+            config.runners,
+            f" on GPUs {config.gpus}" if config.gpus else "",
+            "device" if native else "CPU",
+            "GPU" if decoder else "CPU",
+            time.perf_counter() - started,
+        )
+        return ServedModel(
+            entry,
+            precision,
+            spec,
+            backend,
+            pool,
+            batcher,
+            metrics,
+            labels,
+            pixels=PixelInput.of(entry, spec, native is not None),
+            decoder=decoder,
+        )
 
     def _decoder(
         self, entry: ModelEntry, backend: str, metrics: ModelMetrics | None = None
@@ -216,11 +268,11 @@ class DataPlane:
 
     @property
     def is_ready(self) -> bool:
-        return (
-            self.ready
-            and not self.draining
-            and all(m.ready for versions in self._models.values() for m in versions.values())
-        )
+        """Loading is over, some version serves, every served version is healthy and no
+        drain has begun. A version refused at load does not hold readiness back: it answers
+        503 with its reason instead."""
+        served = self.all_served()
+        return self.ready and not self.draining and bool(served) and all(m.ready for m in served)
 
     @property
     def alive(self) -> bool:
@@ -234,31 +286,59 @@ class DataPlane:
     def entries(self) -> list[ModelEntry]:
         return list(self._entries)
 
+    def _entry(self, name: str) -> ModelEntry | None:
+        return next((e for e in self._entries if e.config.name == name), None)
+
     def get(self, name: str, version: str | None = None) -> ServedModel:
-        versions = self._models.get(name)
-        if versions is None:
-            if not self.ready and any(e.config.name == name for e in self._entries):
-                raise Unavailable(f"model {name!r} is loading")
+        entry = self._entry(name)
+        if entry is None:
             raise NotFound(f"unknown model {name!r}")
-        if version is None:
-            version = next(iter(versions.values())).entry.config.default_precision
-        model = versions.get(version)
-        if model is None:
-            raise NotFound(
-                f"model {name!r} has no version {version!r}; versions: {', '.join(versions)}"
-            )
-        return model
+        version = version or entry.config.default_precision
+        model = self._models.get(name, {}).get(version)
+        if model is not None:
+            return model
+        reason = self._unavailable.get(name, {}).get(version)
+        if reason is not None:
+            raise Unavailable(f"model {name!r} version {version!r} is not served: {reason}")
+        if not self.ready and version in entry.config.precisions:
+            raise Unavailable(f"model {name!r} is loading")
+        raise NotFound(
+            f"model {name!r} has no version {version!r}; versions: "
+            f"{', '.join(entry.config.precisions)}"
+        )
 
     def versions(self, name: str) -> list[str]:
-        self.get(name)
-        return list(self._models[name])
+        """The versions of a model that serve."""
+        return list(self._models.get(name, {}))
+
+    def unavailable(self, name: str) -> dict[str, str]:
+        """The versions of a model that are configured but not served, with the reason."""
+        return dict(self._unavailable.get(name, {}))
+
+    def repository_index(self) -> list[dict[str, str]]:
+        """Triton's repository index: every configured version with its state (READY,
+        LOADING, UNAVAILABLE) and, where it is not served, the reason."""
+        index = []
+        for entry in self._entries:
+            name = entry.config.name
+            for version in entry.config.precisions:
+                item = {"name": name, "version": version}
+                reason = self._unavailable.get(name, {}).get(version)
+                if reason is not None:
+                    item |= {"state": "UNAVAILABLE", "reason": reason}
+                elif version in self._models.get(name, {}):
+                    item["state"] = "READY"
+                else:
+                    item["state"] = "LOADING"
+                index.append(item)
+        return index
 
     def default_model(self) -> ServedModel:
         name = self.settings.models.default_model
         if name is None:
-            if not self._models:
+            if not self._entries:
                 raise Unavailable("no model is loaded yet")
-            name = next(iter(self._models))
+            name = self._entries[0].config.name
         return self.get(name)
 
     def all_served(self) -> list[ServedModel]:

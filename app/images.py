@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
 
@@ -53,27 +53,34 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         return image
 
 
-def _refusing(fn: Callable[[], Image.Image]) -> Image.Image:
-    """Run ``fn`` turning every failure into 400, and a bomb into 413."""
+def _refusing(data: bytes, fn: Callable[[], Image.Image]) -> Image.Image:
+    """Run ``fn`` on ``data`` turning every failure into 400, and a bomb into 413."""
     try:
         return fn()
     except PayloadTooLarge:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise PayloadTooLarge(f"image refused as a decompression bomb: {exc}") from exc
+    except UnidentifiedImageError as exc:
+        # Pillow's own message names its file object (<_io.BytesIO object at 0x...>).
+        raise BadRequest(
+            f"cannot decode image: {len(data)} bytes that are not an image format this server "
+            "reads (send a JPEG or PNG)"
+        ) from exc
     except Exception as exc:
-        raise BadRequest(f"cannot decode image: {type(exc).__name__}: {exc}") from exc
+        detail = f"{type(exc).__name__}: {exc}"[:200]
+        raise BadRequest(f"cannot decode image: {detail}") from exc
 
 
 def inspect(data: bytes, max_pixels: int) -> Header:
     """The upload's format and size from its header alone (no pixel is decoded)."""
-    image = _refusing(lambda: _open(data, max_pixels))
+    image = _refusing(data, lambda: _open(data, max_pixels))
     return Header(image.format or "", image.mode, *image.size)
 
 
 def decode(data: bytes, max_pixels: int) -> Image.Image:
     """Decode JPEG/PNG/... bytes into RGB, refusing decompression bombs before decoding."""
-    return _refusing(lambda: _open(data, max_pixels).convert("RGB"))
+    return _refusing(data, lambda: _open(data, max_pixels).convert("RGB"))
 
 
 BatchDecode = Callable[[list[bytes]], list[np.ndarray | None]]

@@ -95,6 +95,18 @@ DECODE_BATCH_SIZE = Histogram(
     LABELS,
     buckets=BATCH_BUCKETS,
 )
+MODEL_UNAVAILABLE = Gauge(
+    "stoker_model_unavailable",
+    "1 for a configured model version that is not served, by reason: accuracy (it missed "
+    "its accuracy budget) or load (it failed to build or load). Its 503s say why.",
+    (*LABELS, "reason"),
+)
+
+
+def model_unavailable(model: str, version: str, reason: str) -> None:
+    """Count a configured version that is not served (``reason``: accuracy or load)."""
+    MODEL_UNAVAILABLE.labels(model, version, reason).set(1)
+
 
 # GPU gauges, labelled ``gpu`` (the NVML index), read through NVML at scrape time.
 GPU_METRICS: dict[str, str] = {

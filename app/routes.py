@@ -131,7 +131,14 @@ async def all_stats(request: Request) -> Response:
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
     model = plane.get(name, version)
-    return json_response(model.spec.metadata(plane.versions(name), f"{model.backend}_onnx"))
+    metadata = model.spec.metadata(plane.versions(name), f"{model.backend}_onnx")
+    unavailable = plane.unavailable(name)
+    if unavailable:
+        # Not in the V2 schema (clients ignore extra fields): why a configured version is absent.
+        metadata["unavailable_versions"] = [
+            {"version": v, "reason": reason} for v, reason in unavailable.items()
+        ]
+    return json_response(metadata)
 
 
 @router.get("/v2/models/{name}/ready")
@@ -194,18 +201,7 @@ async def model_stats(request: Request, name: str, version: str | None = None) -
 
 @router.post("/v2/repository/index")
 async def repository_index(request: Request) -> Response:
-    plane = plane_of(request)
-    loaded = set(plane.model_names())
-    index = [
-        {
-            "name": entry.config.name,
-            "version": version,
-            "state": "READY" if entry.config.name in loaded else "LOADING",
-        }
-        for entry in plane.entries()
-        for version in entry.config.precisions
-    ]
-    return json_response(index)
+    return json_response(plane_of(request).repository_index())
 
 
 # -- inference ----------------------------------------------------------------------------

@@ -59,6 +59,10 @@ class ModelRepositorySettings(BaseModel):
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""
+    exit_on_error: bool = False
+    """Stop the server when any model version fails to load or misses its accuracy budget
+    (Triton's ``--exit-on-error``). Off: that version answers 503 with the reason and the
+    rest serve, which keeps a pod up when one precision does not hold on its CPU."""
 
 
 class StoreSettings(BaseModel):

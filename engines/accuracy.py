@@ -101,10 +101,13 @@ def imagenet_label_of(path: Path | str) -> int | None:
     return _imagenet_1k_index().get(match.group(1))
 
 
-def session(model: onnx.ModelProto | Path, threads: int = 0) -> ort.InferenceSession:
-    """A CPU session with the settings the server's runners use."""
+def session(
+    model: onnx.ModelProto | Path, threads: int = 0, *, optimize: bool = True
+) -> ort.InferenceSession:
+    """A CPU session with the settings the server's runners use (``optimize=False``: no graph
+    optimisation, so Q/DQ nodes run as written, in float, not as fused integer kernels)."""
     source = str(model) if isinstance(model, Path) else model.SerializeToString()
-    return cpu_session(source, threads)
+    return cpu_session(source, threads, optimize=optimize)
 
 
 def run_onnx(
@@ -113,11 +116,14 @@ def run_onnx(
     input_name: str,
     batch: int = 32,
     threads: int = 0,
+    *,
+    optimize: bool = True,
 ) -> np.ndarray:
-    """The first output of ``model`` for every row of ``data``, run ``batch`` rows at a time."""
+    """The first output of ``model`` for every row of ``data``, run ``batch`` rows at a time
+    (``optimize``: as ``session``)."""
     if batch < 1:
         raise ValueError(f"batch must be positive, got {batch}")
-    runner = session(model, threads)
+    runner = session(model, threads, optimize=optimize)
     output = runner.get_outputs()[0].name
     chunks = [
         np.asarray(runner.run([output], {input_name: data[start : start + batch]})[0])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import platform
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engines import accuracy, calibration, variants
+from engines import accuracy, calibration, cpu, variants
 from engines.preprocess import ImagePreprocess
 from engines.store import EngineKey, EngineStore, StoredEngine, sha256_file
 
@@ -35,6 +34,10 @@ BUILTIN_VERSION = "skimage-augmented-1"
 # Bumped when what calibration records changes (2: per-channel input means for bias
 # correction), so ranges cached by an older build are recalibrated rather than reused.
 RANGES_VERSION = 2
+# Bumped when the code that makes or measures a variant changes what it builds (3: the INT8
+# recipe follows the CPU's integer kernels), so stored variants and their accuracy reports,
+# refusals included, are rebuilt rather than trusted.
+VARIANTS_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,22 @@ class Int8Options:
     calibration: str = BUILTIN_CALIBRATION
     exclude_op_types: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()
+    reduce_range: bool | None = None
+    """7-bit weights; None: where the CPU's integer kernels saturate (``engines.cpu``)."""
+    keep_first_and_last: bool | None = None
+    """The first and last weight layers in float; None: as for ``reduce_range``."""
+
+
+@dataclass(frozen=True)
+class Int8Recipe:
+    """How the INT8 variant is quantized for one backend on one machine."""
+
+    form: Int8Form
+    reduce_range: bool
+    keep_first_and_last: bool
+    kernels: str
+    """The integer kernels the recipe was chosen for (``cpu.IntegerKernels.name``, or the
+    backend's name for a GPU)."""
 
 
 @dataclass(frozen=True)
@@ -83,14 +102,33 @@ class AccuracyBudgetExceeded(Exception):
     """A variant lost more of FP32's answers than the model's budget allows."""
 
 
-def variant_form(backend: str) -> Int8Form:
-    """INT8 activations: symmetric S8S8 for TensorRT, U8S8 (fast on CPU) for the rest."""
-    return "s8s8" if backend == "tensorrt" else "u8s8"
+def int8_recipe(
+    backend: str, options: Int8Options, kernels: cpu.IntegerKernels | None = None
+) -> Int8Recipe:
+    """The INT8 recipe for ``backend``: symmetric S8S8 with 8-bit weights for TensorRT; U8S8
+    (ONNX Runtime's fast CPU form) for the rest, with 7-bit weights and the first and last
+    layers in float where the CPU's kernels saturate, unless the options say otherwise."""
+    if backend == "tensorrt":
+        saturates, name = False, backend
+    else:
+        kernels = kernels or cpu.integer_kernels()
+        saturates, name = kernels.saturates, kernels.name
+
+    def choose(option: bool | None) -> bool:
+        return saturates if option is None else option
+
+    return Int8Recipe(
+        form="s8s8" if backend == "tensorrt" else "u8s8",
+        reduce_range=choose(options.reduce_range),
+        keep_first_and_last=choose(options.keep_first_and_last),
+        kernels=name,
+    )
 
 
 def backend_identity(backend: str) -> tuple[str, str]:
-    """(backend version, device) for the store key of an ONNX Runtime artefact."""
-    return ort.__version__, f"cpu-{platform.machine()}"
+    """(backend version, device) for the store key of an ONNX Runtime artefact: the device
+    names the CPU's integer kernels, which decide an INT8 variant's numbers and speed."""
+    return ort.__version__, f"cpu-{cpu.integer_kernels().name}"
 
 
 class CalibrationData:
@@ -151,11 +189,21 @@ class CalibrationData:
 
 
 def evaluate(
-    plan: BuildPlan, reference: onnx.ModelProto, candidate: onnx.ModelProto, data: np.ndarray
+    plan: BuildPlan,
+    reference: onnx.ModelProto,
+    candidate: onnx.ModelProto,
+    data: np.ndarray,
+    *,
+    integer_kernels: bool = True,
 ) -> dict[str, float]:
-    """Top-1 agreement and mean softmax KL of a variant against FP32 on ``data``."""
+    """Top-1 agreement and mean softmax KL of a variant against FP32 on ``data``.
+
+    With ``integer_kernels`` the variant runs as ONNX Runtime serves it (Q/DQ fused into
+    this CPU's integer kernels); without, its Q/DQ nodes run as written, in float, which is
+    what a GPU's INT8 arithmetic computes and what no CPU's int16 saturation can distort.
+    """
     want = accuracy.run_onnx(reference, data, plan.input_name)
-    got = accuracy.run_onnx(candidate, data, plan.input_name)
+    got = accuracy.run_onnx(candidate, data, plan.input_name, optimize=integer_kernels)
     return {
         "top1_agreement": accuracy.top1_agreement(want, got),
         "mean_kl": accuracy.mean_kl(want, got),
@@ -204,7 +252,11 @@ def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -
 
 
 def calibration_ranges(
-    store: EngineStore, plan: BuildPlan, model_hash: str, form: Int8Form, data: CalibrationData
+    store: EngineStore,
+    plan: BuildPlan,
+    model_hash: str,
+    recipe: Int8Recipe,
+    data: CalibrationData,
 ) -> calibration.Ranges:
     """The activation ranges for the INT8 variant, cached in the store so a rebuild (another
     backend, a bumped runtime) does not recalibrate."""
@@ -223,8 +275,8 @@ def calibration_ranges(
             "samples": options.samples,
             "evaluation_samples": plan.evaluation_samples,
             "data": data.fingerprint(),
-            # Ranges do not depend on the INT8 form, except when auto scores candidates in it.
-            "form": form if options.calibrator == "auto" else "any",
+            # Ranges do not depend on the INT8 recipe, except when auto scores candidates in it.
+            "recipe": asdict(recipe) if options.calibrator == "auto" else "any",
         },
         kind="calibration",
     )
@@ -239,7 +291,16 @@ def calibration_ranges(
 
         extra: dict[str, Any] = {}
         if options.calibrator == "auto":
-            ranges, scores = calibration.calibrate_auto(model, rows, plan.input_name, form)
+            ranges, scores = calibration.calibrate_auto(
+                model,
+                rows,
+                plan.input_name,
+                recipe.form,
+                exclude_op_types=options.exclude_op_types,
+                exclude_nodes=options.exclude_nodes,
+                reduce_range=recipe.reduce_range,
+                keep_first_and_last=recipe.keep_first_and_last,
+            )
             extra["auto_mean_kl"] = scores
         else:
             ranges = calibration.collect_ranges(
@@ -264,7 +325,7 @@ def make_variant(
     store: EngineStore,
     plan: BuildPlan,
     precision: str,
-    form: Int8Form,
+    recipe: Int8Recipe,
     model_hash: str,
     data: CalibrationData,
 ) -> onnx.ModelProto:
@@ -280,15 +341,46 @@ def make_variant(
             keep_first_and_last=fp16.keep_first_and_last,
         )
     if precision == "int8":
-        ranges = calibration_ranges(store, plan, model_hash, form, data)
+        ranges = calibration_ranges(store, plan, model_hash, recipe, data)
         return variants.to_int8(
             model,
             ranges,
-            form=form,
+            form=recipe.form,
             exclude_op_types=plan.int8.exclude_op_types,
             exclude_nodes=plan.int8.exclude_nodes,
+            reduce_range=recipe.reduce_range,
+            keep_first_and_last=recipe.keep_first_and_last,
         )
     raise ValueError(f"no ONNX variant for precision {precision!r}")
+
+
+def variant_key(plan: BuildPlan, precision: str, backend: str) -> EngineKey:
+    """The store key of a precision variant: everything that changes its numbers or speed
+    (the model, the build options and calibration data, the recipe and the CPU's integer
+    kernels it was chosen for, ONNX Runtime's version, this code's ``VARIANTS_VERSION``)."""
+    recipe = int8_recipe(backend, plan.int8)
+    backend_version, device = backend_identity(backend)
+    options: dict[str, Any] = {
+        "variants_version": VARIANTS_VERSION,
+        "form": recipe.form,
+        "evaluation_samples": plan.evaluation_samples,
+        "data": CalibrationData(plan).fingerprint(),
+    }
+    if precision == "fp16":
+        options["fp16"] = asdict(plan.fp16)
+    elif precision == "int8":
+        options["int8"] = asdict(plan.int8)
+        options["recipe"] = asdict(recipe)
+    return EngineKey(
+        model=plan.model,
+        model_hash=sha256_file(plan.source),
+        precision=precision,
+        backend=backend,
+        backend_version=backend_version,
+        device=device,
+        profile=plan.profile,
+        options=options,
+    )
 
 
 def ensure_variant(
@@ -298,40 +390,32 @@ def ensure_variant(
     backend: str,
 ) -> tuple[Path, dict[str, Any]]:
     """The ONNX file that serves ``precision`` on ``backend`` and its accuracy report: the
-    source for fp32, else a stored variant, built (calibrated, measured, gated) if missing."""
+    source for fp32, else a stored variant, built (calibrated, measured, gated) if missing.
+
+    Raises ``AccuracyBudgetExceeded`` for a variant that misses its budget."""
     if precision == "fp32":
         return plan.source, {}
-    model_hash = sha256_file(plan.source)
-    form = variant_form(backend)
-    backend_version, device = backend_identity(backend)
+    key = variant_key(plan, precision, backend)
+    recipe = int8_recipe(backend, plan.int8)
     data = CalibrationData(plan)
-    options: dict[str, Any] = {
-        "form": form,
-        "evaluation_samples": plan.evaluation_samples,
-        "data": data.fingerprint(),
-    }
-    if precision == "fp16":
-        options["fp16"] = asdict(plan.fp16)
-    elif precision == "int8":
-        options["int8"] = asdict(plan.int8)
-    key = EngineKey(
-        model=plan.model,
-        model_hash=model_hash,
-        precision=precision,
-        backend=backend,
-        backend_version=backend_version,
-        device=device,
-        profile=plan.profile,
-        options=options,
-    )
 
     def build(path: Path) -> dict[str, Any]:
         started = time.perf_counter()
-        log.info("%s: building the %s variant for %s", plan.model, precision, backend)
-        variant = make_variant(store, plan, precision, form, model_hash, data)
+        how = ""
+        if precision == "int8":
+            how = (
+                f" ({recipe.form}, {7 if recipe.reduce_range else 8}-bit weights"
+                f"{', first and last layers in float' if recipe.keep_first_and_last else ''}"
+                f", for {recipe.kernels})"
+            )
+        log.info("%s: building the %s variant for %s%s", plan.model, precision, backend, how)
+        variant = make_variant(store, plan, precision, recipe, key.model_hash, data)
         onnx.save(variant, str(path))
         reference = onnx.load(str(plan.source))
-        report = evaluate(plan, reference, variant, data.split()[1])
+        # A TensorRT variant is judged by what a GPU computes, not by this CPU's kernels.
+        report = evaluate(
+            plan, reference, variant, data.split()[1], integer_kernels=backend != "tensorrt"
+        )
         log.info(
             "%s %s: top-1 agreement %.4f, mean KL %.5f on %d rows (built in %.1f s)",
             plan.model,
@@ -341,7 +425,10 @@ def ensure_variant(
             int(report["samples"]),
             time.perf_counter() - started,
         )
-        return {"accuracy": report}
+        extra: dict[str, Any] = {"accuracy": report}
+        if precision == "int8":
+            extra["recipe"] = asdict(recipe)
+        return extra
 
     stored: StoredEngine = store.get_or_build(key, build, ".onnx")
     report: dict[str, Any] = stored.extra.get("accuracy", {})
@@ -350,3 +437,18 @@ def ensure_variant(
     # never served against its budget.
     check_budget(plan, precision, report)
     return stored.path, report
+
+
+def variant_state(store: EngineStore, plan: BuildPlan, precision: str, backend: str) -> str:
+    """What the store holds for a variant, without building it: ``source`` (fp32), ``built``,
+    ``refused: <why>`` (built, and misses its budget) or ``not built``."""
+    if precision == "fp32":
+        return "source"
+    stored = store.load(variant_key(plan, precision, backend), ".onnx")
+    if stored is None:
+        return "not built"
+    try:
+        check_budget(plan, precision, stored.extra.get("accuracy", {}))
+    except AccuracyBudgetExceeded as refusal:
+        return f"refused: {refusal}"
+    return "built"

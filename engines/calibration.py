@@ -567,6 +567,8 @@ def calibrate_auto(
     exclude_op_types: Collection[str] = (),
     exclude_nodes: Collection[str] = (),
     per_channel: bool = True,
+    reduce_range: bool = False,
+    keep_first_and_last: bool = False,
 ) -> tuple[Ranges, dict[str, float]]:
     """Calibrate with each method on the first rows; keep the best on the held-out rest.
 
@@ -604,6 +606,8 @@ def calibrate_auto(
             exclude_op_types=exclude_op_types,
             exclude_nodes=exclude_nodes,
             per_channel=per_channel,
+            reduce_range=reduce_range,
+            keep_first_and_last=keep_first_and_last,
         )
         scores[method] = mean_kl(reference, run_onnx(variant, scoring, input_name, threads=threads))
         logger.info("calibrator %s: held-out KL %.5f", method, scores[method])

@@ -56,14 +56,19 @@ def threads_per_runner(options: EngineOptions) -> int:
     return max(1, cores // max(1, options.runners))
 
 
-def cpu_session(model: bytes | str, threads: int) -> ort.InferenceSession:
+def cpu_session(model: bytes | str, threads: int, *, optimize: bool = True) -> ort.InferenceSession:
     """A CPU session as the runners use it: ``threads`` intra-op threads (0: ONNX Runtime's
-    choice), one inter-op thread, all graph optimizations."""
+    choice), one inter-op thread, all graph optimizations (none with ``optimize=False``: Q/DQ
+    nodes then run in float instead of fused into integer kernels)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if optimize
+        else ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    )
     # Spinning threads burn the cores other runners need while they wait for work.
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])

@@ -493,6 +493,7 @@ def to_int8(
     exclude_nodes: Collection[str] = (),
     per_channel: bool = True,
     reduce_range: bool = False,
+    keep_first_and_last: bool = False,
     bias_correction: bool = True,
     quantize_outputs: bool = False,
     extra_options: Mapping[str, Any] | None = None,
@@ -504,9 +505,11 @@ def to_int8(
     ``u8s8`` quantizes them to uint8 with a zero point, the fast form on ONNX Runtime's CPU;
     ``s8s8`` to int8 with zero points of exactly 0, what TensorRT requires, with dedicated
     Q/DQ pairs per consumer and float biases as TensorRT's parser expects. Nodes of
-    ``exclude_op_types`` or named in ``exclude_nodes`` stay in float. ``reduce_range`` (7-bit
-    weights) helps x86 CPUs without VNNI. With ``bias_correction`` and the input means that
-    calibration records, biases absorb the mean error of the rounded weights
+    ``exclude_op_types``, named in ``exclude_nodes`` and, with ``keep_first_and_last``, the
+    first and last weight nodes (``weight_nodes``) stay in float. ``reduce_range`` quantizes
+    weights to 7 bits, which x86 CPUs without VNNI need (``engines.cpu``). With
+    ``bias_correction`` and the input means that calibration records, biases absorb the mean
+    error of the rounded weights
     (``correct_biases``). Graph outputs are left unquantized unless ``quantize_outputs``.
     ``extra_options`` go to ONNX Runtime's quantizer last, overriding.
     """
@@ -539,6 +542,10 @@ def to_int8(
             f"{', '.join(map(repr, missing[:3]))}): were they calibrated on this model?"
         )
     prepared = onnx.shape_inference.infer_shapes(_named(model))
+    if keep_first_and_last:
+        weighted = weight_nodes(prepared)
+        edges = {prepared.graph.node[i].name for i in weighted[:1] + weighted[-1:]}
+        exclude_nodes = [*exclude_nodes, *sorted(edges - set(exclude_nodes))]
     quantized = quantize(prepared)
     if bias_correction and ranges.channel_means:
         # The rounded weights are whatever ONNX Runtime's quantizer made of them: read them

@@ -28,9 +28,11 @@ from tests.integration.conftest import Server, start_server
 WIDTH = 512
 LAYERS = 16
 IN_FLIGHT = 200
-# Long enough for 200 requests to reach the queue on two busy cores (1 to 2.5 s seen) with the
-# blocker still running, and for the drain timeout test's 0.5 s to pass before it ends.
-BLOCKER_SECONDS = 4.0
+# Long enough for 200 requests to reach the queue on two busy cores (1 to 2.5 s seen, more
+# with another process on a core) with the blocker still running, and for the drain timeout
+# test's 0.5 s to pass before it ends. The blocker's size is calibrated on an idle server, so
+# the margin covers a machine that gets busier during the test.
+BLOCKER_SECONDS = 8.0
 
 CONFIG = """\
 max_batch_size: 64

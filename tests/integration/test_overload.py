@@ -8,7 +8,8 @@ the excess and the queue must refuse it. The queue holds ``QUEUE`` requests (``m
 of one row each, batches hold ``BATCH`` rows, one runner.
 
 What must hold:
-- the excess is refused with 429 at once (a refusal's p50 under ``REFUSAL_P50_S``, its p99,
+- the excess is refused with 429 at once (a refusal's p50 under ``REFUSAL_P50_S`` and under
+  ``REFUSAL_P50_RATIO`` of an accepted request's p50, its p99,
   on two cores shared with the model's threads and the client, under ``REFUSAL_P99_S``);
 - an accepted request waits at most for the queue ahead of it plus the running batch, so its
   p99 stays under ``(QUEUE / BATCH + 2) x batch time + HTTP_SLACK_S``, the batch time being the
@@ -45,7 +46,10 @@ BATCH = 4
 TARGET_BATCH_S = 0.06
 DURATION_S = float(os.environ.get("STOKER_OVERLOAD_SECONDS", "15"))
 OVERLOAD = 3.0
-REFUSAL_P50_S = 0.05
+# Generous for a machine with another process on a core (9 ms seen on a quiet one); the
+# ratio to the accepted requests' p50 is what shows that a refusal skips the queue.
+REFUSAL_P50_S = 0.25
+REFUSAL_P50_RATIO = 1 / 3
 REFUSAL_P99_S = 0.5
 HTTP_SLACK_S = 0.4
 RSS_MARGIN = 32 * 1024 * 1024
@@ -284,6 +288,8 @@ def test_three_times_the_sustainable_rate(
     # The excess was refused, quickly; the accepted ones waited no more than the queue allows.
     assert run.statuses["429"] > offered / 3
     assert refused_p50_ms < 1000 * REFUSAL_P50_S, figures
+    accepted_p50_ms = 1000 * float(np.percentile(run.accepted_s, 50))
+    assert refused_p50_ms < REFUSAL_P50_RATIO * accepted_p50_ms, figures
     assert refused_p99 < REFUSAL_P99_S, figures
     assert accepted_p99 < bound_s, figures
     assert run.statuses["200"] / run.elapsed_s > sustainable / 2, figures

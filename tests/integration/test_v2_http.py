@@ -181,6 +181,14 @@ def test_decoded_uploads_are_counted_by_device(
         f"{server.url}/infer", content=coffee_jpeg[:600], headers={"Content-Type": "image/jpeg"}
     )
     assert broken.status_code == 400 and "cannot decode image" in broken.json()["error"]
+    not_image = httpx.post(
+        f"{server.url}/infer", content=b"plain text " * 10, headers={"Content-Type": "image/png"}
+    )
+    assert not_image.status_code == 400
+    assert not_image.json() == {
+        "error": "cannot decode image: 110 bytes that are not an image format this server "
+        "reads (send a JPEG or PNG)"
+    }
     after = metric_samples(server)
     assert after[key("cpu")] - before.get(key("cpu"), 0.0) == 2
     assert after[key("gpu")] == 0

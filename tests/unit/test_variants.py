@@ -305,6 +305,74 @@ def test_int8_of_tiny_model() -> None:
     np.testing.assert_allclose(s, x.sum(axis=1, keepdims=True), atol=0.1)
 
 
+def three_layer_model(seed: int = 0) -> onnx.ModelProto:
+    """Gemm, Relu, Gemm, Relu, Gemm: a first, a middle and a last weight layer."""
+    rng = np.random.default_rng(seed)
+    sizes = [(16, 8), (16, 16), (CLASSES, 16)]
+    nodes, inits, current = [], [], "x"
+    for i, shape in enumerate(sizes):
+        inits += [
+            numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), f"w{i}"),
+            numpy_helper.from_array(np.zeros(shape[0], dtype=np.float32), f"b{i}"),
+        ]
+        out = "logits" if i == len(sizes) - 1 else f"h{i}"
+        nodes.append(
+            helper.make_node("Gemm", [current, f"w{i}", f"b{i}"], [out], f"fc{i}", transB=1)
+        )
+        if out != "logits":
+            nodes.append(helper.make_node("Relu", [out], [f"r{i}"], f"relu{i}"))
+            current = f"r{i}"
+    graph = helper.make_graph(
+        nodes,
+        "three",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def quantized_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """Weight node name -> its INT8 weight, for every weight node fed by a DequantizeLinear."""
+    found = {}
+    for weight in model.graph.node:
+        if weight.op_type not in variants.WEIGHT_OPS:
+            continue
+        dq = producer(model, weight.input[1])
+        if dq is not None and dq.op_type == "DequantizeLinear":
+            found[weight.name] = initializer(model, dq.input[0])
+    return found
+
+
+def test_seven_bit_weights_cannot_saturate_int16() -> None:
+    """x86 without VNNI adds two uint8 x int8 products in int16 (vpmaddubsw): with every
+    weight within 7 bits the worst pair, 2 x 255 x 64 = 32,640, fits in 32,767; with 8 bits
+    it does not."""
+    model = three_layer_model()
+    rows = np.random.default_rng(2).standard_normal((32, 8)).astype(np.float32)
+    ranges = calibration.collect_ranges(model, rows, "x", "minmax")
+    reduced = quantized_weights(variants.to_int8(model, ranges, form="u8s8", reduce_range=True))
+    full = quantized_weights(variants.to_int8(model, ranges, form="u8s8"))
+    assert set(reduced) == set(full) == {"fc0", "fc1", "fc2"}
+    worst = max(int(np.abs(w.astype(np.int32)).max()) for w in reduced.values())
+    assert 2 * 255 * worst <= np.iinfo(np.int16).max
+    assert max(int(np.abs(w.astype(np.int32)).max()) for w in full.values()) == 127
+
+
+def test_keep_first_and_last_leaves_the_edge_weight_layers_in_float() -> None:
+    model = three_layer_model()
+    rows = np.random.default_rng(2).standard_normal((32, 8)).astype(np.float32)
+    ranges = calibration.collect_ranges(model, rows, "x", "minmax")
+    kept = variants.to_int8(model, ranges, form="u8s8", keep_first_and_last=True)
+    assert set(quantized_weights(kept)) == {"fc1"}
+    assert initializer(kept, "w0").dtype == initializer(kept, "w2").dtype == np.float32
+    want = run(model, {"x": rows})[0]
+    got = run(kept, {"x": rows})[0]
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max()
+
+
 def test_wrong_ranges_or_form_are_refused(small_ranges: Ranges) -> None:
     with pytest.raises(ValueError, match="form"):
         variants.to_int8(small_conv_model(), small_ranges, form="u8u8")  # type: ignore[arg-type]
