@@ -22,11 +22,15 @@ from app.dataplane import model_spec, prepare
 from app.repository import discover
 from app.settings import Settings
 from engines import accuracy, backends
-from engines.build import BuildPlan, budget_problems, ensure_variant
+from engines.build import BuildPlan, budget_problems, ensure_variant, int8_recipe
 from engines.preprocess import ImagePreprocess, load_image, preprocess
 from engines.store import EngineStore
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
+
+
+# --int8-weights: Int8Options' reduce_range and keep_first_and_last per recipe (auto: the CPU).
+RECIPES: dict[str, bool | None] = {"auto": None, "8": False, "7": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--calibrators",
         help="comma-separated INT8 calibrators to compare, one row each "
         "(default: the model's configured one)",
+    )
+    parser.add_argument(
+        "--int8-weights",
+        default="auto",
+        help="comma-separated INT8 weight recipes to compare, one row each: auto (what this "
+        "CPU gets), 8 (8-bit weights everywhere), 7 (7-bit weights, first and last layers "
+        "in float)",
     )
     parser.add_argument("--batches", default="1,8,32", help="batch sizes for img/s")
     parser.add_argument("--out", type=Path, default=Path("accuracy-report"), help="output folder")
@@ -136,6 +147,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     precisions = args.precisions.split(",") if args.precisions else entry.config.precisions
     calibrators = args.calibrators.split(",") if args.calibrators else [plan.int8.calibrator]
+    recipes = args.int8_weights.split(",")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        print(f"unknown --int8-weights {unknown}; choose from {', '.join(RECIPES)}")
+        return 2
+    chosen = int8_recipe(backend, plan.int8)
     # The report shows every variant, including those the gate would refuse; the gate's
     # verdict is a column.
     plan = dataclasses.replace(plan, override_accuracy=True)
@@ -145,8 +162,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             rows.append((precision, plan))
             continue
         for calibrator in calibrators:
-            int8 = dataclasses.replace(plan.int8, calibrator=calibrator)
-            rows.append((f"int8 {calibrator}", dataclasses.replace(plan, int8=int8)))
+            for weights in recipes:
+                int8 = dataclasses.replace(
+                    plan.int8,
+                    calibrator=calibrator,
+                    reduce_range=RECIPES[weights],
+                    keep_first_and_last=RECIPES[weights],
+                )
+                label = f"int8 {calibrator}" + ("" if weights == "auto" else f" {weights}-bit")
+                rows.append((label, dataclasses.replace(plan, int8=int8)))
     results: list[dict[str, Any]] = []
     paths: dict[str, Path] = {}
     reference: np.ndarray | None = None
@@ -180,7 +204,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     header = (
         f"# {entry.config.name}: precision against FP32\n\n"
         f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
-        f"calibration: {calibration_note}; backend "
+        f"calibration: {calibration_note}; INT8 for this CPU ({chosen.kernels}): {chosen.form}, "
+        f"{7 if chosen.reduce_range else 8}-bit weights"
+        f"{', first and last layers in float' if chosen.keep_first_and_last else ''}; backend "
         f"{backend}; {os.cpu_count()} CPU threads; img/s are medians of 5 interleaved "
         f"rounds; {time.strftime('%Y-%m-%d')}.\n\n"
     )

@@ -124,7 +124,8 @@ class DataPlane:
             version,
             "accuracy budget" if accuracy_refusal else "load failed",
             reason,
-            exc_info=None if accuracy_refusal else error,
+            # A missing file says it all; anything else may need its traceback.
+            exc_info=None if isinstance(error, AccuracyBudgetExceeded | OSError) else error,
         )
 
     async def _load(self, entry: ModelEntry) -> None:

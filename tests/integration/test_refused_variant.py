@@ -43,6 +43,10 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
         },
     }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    # A model that cannot load at all: its ONNX file is missing and nothing generates it.
+    broken = repo / "broken"
+    broken.mkdir()
+    (broken / "config.yaml").write_text(TINY_CONFIG)
     return repo
 
 
@@ -103,9 +107,29 @@ def test_metadata_index_and_metrics_name_the_refusal(served: Server) -> None:
     )
     assert samples[key] == 1
     assert not any(
-        name == "stoker_model_unavailable" and ("version", "fp32") in labels
+        name == "stoker_model_unavailable"
+        and ("model", MODEL) in labels
+        and ("version", "fp32") in labels
         for name, labels in samples
     )
+
+
+def test_a_model_that_cannot_load_is_unavailable_with_the_reason(served: Server) -> None:
+    answer = httpx.post(
+        f"{served.url}/v2/models/broken/infer",
+        json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [0] * 4}]},
+    )
+    assert answer.status_code == 503
+    assert "model.onnx does not exist" in answer.json()["error"]
+    index = httpx.post(f"{served.url}/v2/repository/index").json()
+    (item,) = [i for i in index if i["name"] == "broken"]
+    assert item["state"] == "UNAVAILABLE" and "does not exist" in item["reason"]
+    key = (
+        "stoker_model_unavailable",
+        (("model", "broken"), ("reason", "load"), ("version", "fp32")),
+    )
+    assert metric_samples(served)[key] == 1
+    assert httpx.get(f"{served.url}/v2/health/ready").status_code == 200
 
 
 def test_the_log_says_it_once_before_ready(served: Server) -> None:
@@ -114,7 +138,7 @@ def test_the_log_says_it_once_before_ready(served: Server) -> None:
     ready = [i for i, line in enumerate(lines) if " ready: " in line]
     assert len(refusals) == 1 and len(ready) == 1
     assert refusals[0] < ready[0]
-    assert "NOT served: tiny[int8]" in lines[ready[0]]
+    assert "NOT served: broken[fp32], tiny[int8]" in lines[ready[0]]
     assert "Traceback" not in served.log.read_text()
 
 
@@ -134,5 +158,9 @@ def test_stoker_models_shows_the_refusal(served: Server, repository: Path) -> No
 
 def test_exit_on_error_keeps_the_old_behaviour(repository: Path, tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="server exited with 1"):
-        start_server(repository, tmp_path / "server.log", {"STOKER_MODELS__EXIT_ON_ERROR": "1"})
+        start_server(
+            repository,
+            tmp_path / "server.log",
+            {"STOKER_MODELS__EXIT_ON_ERROR": "1", "STOKER_MODELS__MODELS": f'["{MODEL}"]'},
+        )
     assert "misses its accuracy budget" in (tmp_path / "server.log").read_text()
