@@ -26,8 +26,8 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines import accuracy, calibration, cpu, variants  # noqa: E402
-from engines import preprocess as imaging  # noqa: E402
+from engines import accuracy, calibration, cpu, variants
+from engines import preprocess as imaging
 
 SOURCE = Path(__file__).resolve().parents[1] / "models" / "efficientnet_lite0" / "model.onnx"
 INPUT = "input"
