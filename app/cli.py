@@ -209,6 +209,14 @@ def build_engines(settings: Settings) -> int:
                 f"{entry.config.name} {precision} ({backend}): {path}"
                 + (f" [{facts}]" if facts else "")
             )
+    if failed and not settings.models.exit_on_error:
+        # As the server does: a refused version answers 503 and the others serve, so an init
+        # container that pre-builds the store must not keep the pod from starting.
+        print(
+            "the refused versions will answer 503 with the reason when served; set "
+            "STOKER_MODELS__EXIT_ON_ERROR=1 to make a refusal fail this command"
+        )
+        return 0
     return 1 if failed else 0
 
 

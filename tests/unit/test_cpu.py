@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnx
+import onnxruntime
 import pytest
 
 from engines import cpu
-from engines.build import Int8Options, int8_recipe
+from engines.build import BuildPlan, Int8Options, int8_recipe, variant_key
+from engines.store import EngineKey
+from tests.conftest import tiny_onnx
 
 AVX2 = {"SSE41": True, "AVX": True, "AVX2": True, "FMA3": True}
 AVX512 = {**AVX2, "AVX512F": True, "AVX512BW": True, "AVX512VL": True}
@@ -70,3 +76,25 @@ def test_recipe_per_backend_and_cpu() -> None:
         "onnxruntime", Int8Options(reduce_range=False, keep_first_and_last=True), saturating
     )
     assert (forced.reduce_range, forced.keep_first_and_last) == (False, True)
+
+
+def test_a_store_moved_to_another_cpu_builds_what_that_cpu_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The variant's key names the kernel class and the recipe: an AVX2 machine never loads
+    a variant made for VNNI; two VNNI machines share one."""
+    source = tmp_path / "model.onnx"
+    onnx.save(tiny_onnx(), str(source))
+    plan = BuildPlan("tiny", source, tmp_path, "x", None, (1, 8, 16))
+
+    def key_on(name: str, saturates: bool, precision: str = "int8") -> EngineKey:
+        monkeypatch.setattr(cpu, "integer_kernels", lambda: cpu.IntegerKernels(name, saturates))
+        return variant_key(plan, precision, "onnxruntime")
+
+    vnni, avx2 = key_on("x86_64-avx512vnni", False), key_on("x86_64-avx2", True)
+    assert vnni.digest() != avx2.digest()
+    assert (vnni.device, avx2.device) == ("cpu-x86_64-avx512vnni", "cpu-x86_64-avx2")
+    assert vnni.options["recipe"]["reduce_range"] is False
+    assert avx2.options["recipe"]["reduce_range"] is True
+    assert key_on("x86_64-avx512vnni", False).digest() == vnni.digest()
+    assert vnni.backend_version == onnxruntime.__version__
