@@ -443,12 +443,16 @@ class DataPlane:
             )
 
         def on_cpu(data: bytes) -> np.ndarray:
-            return preprocess(images.decode(data, limits.max_image_pixels), prep)
+            image = images.decode(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+            return preprocess(image, prep)
 
         async def decode_all() -> np.ndarray:
             """UINT8 rows: JPEGs in batches on the GPU when a decoder is on, the rest (and
             what it gives back) on the CPU; headers are checked first either way."""
-            headers = [images.inspect(data, limits.max_image_pixels) for data in uploads]
+            headers = [
+                images.inspect(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+                for data in uploads
+            ]
             rows: list[np.ndarray | None] = [None] * len(uploads)
             if model.decoder is not None:
                 picked = [i for i, h in enumerate(headers) if h.device_decodable]

@@ -41,7 +41,7 @@ class Header:
         return self.format == "JPEG" and self.mode in DEVICE_MODES
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def _open(data: bytes, max_pixels: int, max_aspect: float | None) -> Image.Image:
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         image = Image.open(io.BytesIO(data))
@@ -49,6 +49,13 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
         if width * height > max_pixels:
             raise PayloadTooLarge(
                 f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}"
+            )
+        if max_aspect is not None and max(width, height) > max_aspect * max(1, min(width, height)):
+            # Its resize to the model's shorter side would scale the longer side past all
+            # proportion before the crop: refused from the header, before any pixel.
+            raise PayloadTooLarge(
+                f"image is {width}x{height}, an aspect ratio over {max_aspect:g}:1 (the limit); "
+                "crop it first"
             )
         return image
 
@@ -72,15 +79,16 @@ def _refusing(data: bytes, fn: Callable[[], Image.Image]) -> Image.Image:
         raise BadRequest(f"cannot decode image: {detail}") from exc
 
 
-def inspect(data: bytes, max_pixels: int) -> Header:
-    """The upload's format and size from its header alone (no pixel is decoded)."""
-    image = _refusing(data, lambda: _open(data, max_pixels))
+def inspect(data: bytes, max_pixels: int, max_aspect: float | None = None) -> Header:
+    """The upload's format and size from its header alone (no pixel is decoded); refuses
+    images over ``max_pixels`` or, where given, longer than ``max_aspect`` times wide."""
+    image = _refusing(data, lambda: _open(data, max_pixels, max_aspect))
     return Header(image.format or "", image.mode, *image.size)
 
 
-def decode(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode JPEG/PNG/... bytes into RGB, refusing decompression bombs before decoding."""
-    return _refusing(data, lambda: _open(data, max_pixels).convert("RGB"))
+def decode(data: bytes, max_pixels: int, max_aspect: float | None = None) -> Image.Image:
+    """Decode JPEG/PNG/... bytes into RGB, refusing what ``inspect`` refuses before decoding."""
+    return _refusing(data, lambda: _open(data, max_pixels, max_aspect).convert("RGB"))
 
 
 BatchDecode = Callable[[list[bytes]], list[np.ndarray | None]]

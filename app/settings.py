@@ -81,6 +81,11 @@ class LimitSettings(BaseModel):
     large binary batches, at the cost of memory per concurrent request."""
     max_image_pixels: int = Field(default=40_000_000, gt=0)
     """Largest decoded image (width x height); protects against decompression bombs."""
+    max_image_aspect_ratio: float = Field(default=32.0, ge=1)
+    """Longest side over shortest side of an uploaded image. Resizing the shorter side to the
+    model's size scales the longer one with it: a 1x8000 PNG of 117 bytes would become
+    256x2,048,000 pixels (2 GB). At 32, a resized image stays under 256 x 8192 x 3 bytes
+    (6 MB); phone panoramas are about 12:1."""
     max_images_per_request: int = Field(default=64, gt=0)
     """Most images in one ``/infer`` upload; each costs a decode on the CPU."""
     default_top_k: int = Field(default=5, gt=0)

@@ -564,6 +564,36 @@ def test_decompression_bombs_and_oversized_images_are_refused(
     assert rss_bytes(hardened.process.pid) - before < 64 * 1024 * 1024
 
 
+def test_an_aspect_ratio_bomb_is_refused_before_any_resize(hardened: Server) -> None:
+    """Four concurrent 1x8000 PNGs of ~100 bytes, each of which the resize to a shorter side
+    would have made 2 GB (4.7 GB peak seen): 413 from the header, at once, and the server's
+    memory does not move."""
+    bomb = png(1, 8000)
+    assert len(bomb) < 1000
+    before = rss_bytes(hardened.process.pid)
+
+    async def four() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=hardened.url, headers=AUTH, timeout=30) as http:
+            return await asyncio.gather(
+                *(
+                    http.post(
+                        "/v2/models/tiny_image/classify",
+                        content=bomb,
+                        headers={"Content-Type": "image/png"},
+                    )
+                    for _ in range(4)
+                )
+            )
+
+    started = time.perf_counter()
+    answers = asyncio.run(four())
+    assert time.perf_counter() - started < 2
+    for answer in answers:
+        assert is_error(answer, 413), answer.text
+        assert "aspect ratio over 32:1" in answer.json()["error"]
+    assert rss_bytes(hardened.process.pid) - before < 32 * 1024 * 1024
+
+
 def test_images_per_upload_follow_the_setting(hardened: Server) -> None:
     image = png(12, 10)
     with client(hardened) as http:

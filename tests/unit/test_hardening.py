@@ -276,3 +276,24 @@ def test_a_body_is_read_into_one_buffer_of_its_declared_length(
     else:
         with pytest.raises(BadRequest, match=problem):
             asyncio.run(read())
+
+
+def png_of(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
+
+
+def test_an_aspect_ratio_bomb_is_refused_from_its_header() -> None:
+    """A 1x8000 PNG is ~100 bytes; resized to a shorter side of 256 it would be 256x2,048,000
+    pixels (1.5 GB of RGB) before the crop."""
+    limit = LimitSettings().max_image_aspect_ratio
+    for size in ((1, 8000), (8000, 1), (10, 400)):
+        data = png_of(*size)
+        assert len(data) < 1000
+        with pytest.raises(PayloadTooLarge, match=r"aspect ratio over 32:1"):
+            images.inspect(data, LimitSettings().max_image_pixels, limit)
+        with pytest.raises(PayloadTooLarge, match=r"aspect ratio"):
+            images.decode(data, LimitSettings().max_image_pixels, limit)
+    # A panorama within the limit decodes.
+    assert images.decode(png_of(3200, 100), 40_000_000, limit).size == (3200, 100)
