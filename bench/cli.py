@@ -313,8 +313,26 @@ def serving(plan: TargetPlan) -> Iterator[str | None]:
         yield url
 
 
+def missing_extra() -> str | None:
+    """What to install when the ``bench`` extra is not (``make serve`` installs only the
+    service); None when it is."""
+    import importlib.util
+
+    missing = [name for name in ("aiohttp", "matplotlib") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return (
+        f"stoker bench needs {' and '.join(missing)} (the bench extra): "
+        f"{Path(sys.executable).parent / 'pip'} install -e '.[bench]' from the project folder"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = missing_extra()
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
     command = ["stoker", "bench", *(sys.argv[2:] if argv is None else argv)]
     try:
         cache = PayloadCache(args)

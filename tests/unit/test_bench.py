@@ -244,3 +244,19 @@ def test_report_writes_table_json_and_plots(tmp_path: Path) -> None:
     assert [p.name for p in written] == ["throughput.png", "latency.png"]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_without_the_bench_extra_it_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import importlib.util
+
+    from bench import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "aiohttp" else real(name)
+    )
+    assert cli.main(["--url", "http://127.0.0.1:9"]) == 2
+    error = capsys.readouterr().err
+    assert "needs aiohttp (the bench extra)" in error and "install -e '.[bench]'" in error
