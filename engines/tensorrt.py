@@ -41,8 +41,8 @@ from engines.tensorrt_build import (
     dims,
     ensure_plan,
     importable,
-    require_tensorrt,
     tensorrt_logger,
+    tensorrt_module,
 )
 
 if TYPE_CHECKING:
@@ -178,8 +178,10 @@ class TensorRTEngine:
         options: EngineOptions,
         trt_options: TensorRTOptions | None = None,
     ) -> None:
-        require_tensorrt()
-        import tensorrt as trt
+        if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+            import tensorrt as trt
+        else:
+            trt = tensorrt_module()
 
         self.spec = spec
         self.options = trt_options or TensorRTOptions()
@@ -285,7 +287,10 @@ class TensorRTRunner:
         return _Slot(tensor, numpy_dtype(tensor.datatype), host, device)
 
     def _set_shape(self, name: str, shape: Shape) -> None:
-        import tensorrt as trt
+        if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+            import tensorrt as trt
+        else:
+            trt = tensorrt_module()
 
         if not self.context.set_input_shape(name, trt.Dims(list(shape))):
             raise ValueError(

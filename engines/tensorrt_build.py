@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 BACKEND = "tensorrt"
 HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 PLAN_SUFFIX = ".plan"
+# The device of a TensorRT for RTX plan: specialised for the GPU only when it loads.
+JIT_DEVICE = "any supported GPU (JIT at load)"
 TIMING_CACHE_SUFFIX = ".cache"
 
 Shape = tuple[int, ...]
@@ -115,6 +117,8 @@ class Target:
     compute_capability: tuple[int, int]
 
     def device_key(self, hardware_compatibility: str = "none") -> str:
+        if self.device_name == JIT_DEVICE:
+            return JIT_DEVICE
         major, minor = self.compute_capability
         if hardware_compatibility == "ampere_plus":
             return "hardware-compatible:ampere_plus"
@@ -123,14 +127,34 @@ class Target:
         return f"{self.device_name} sm_{major}{minor}"
 
 
-def current_target(device: int) -> Target:
-    """The installed TensorRT and the GPU ``device``."""
-    import tensorrt as trt
+def current_target(device: int | None) -> Target:
+    """The TensorRT in use and the GPU ``device``. TensorRT for RTX compiles its plans for
+    the GPU when they load, so its plans are keyed by no GPU and can be built without one
+    (``device`` None); on a GPU it does not run on it refuses, saying why."""
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
+    version = require_tensorrt()
+    if flavour(trt) == TENSORRT_RTX:
+        if device is not None:
+            from engines import cuda
 
+            name, capability = cuda.device_properties(device)
+            if not rtx_runs_on(capability):
+                major, minor = capability
+                raise TensorRTUnavailable(
+                    f"TensorRT for RTX does not run on {name} (compute capability "
+                    f"{major}.{minor}; it runs on 8.0, 8.6, 8.9 and 12.x), and TensorRT proper "
+                    "is not installed"
+                )
+        return Target(version, JIT_DEVICE, (0, 0))
+    if device is None:
+        raise TensorRTUnavailable("TensorRT proper builds for a GPU, and none was given")
     from engines import cuda
 
     name, capability = cuda.device_properties(device)
-    return Target(trt.__version__, name, capability)
+    return Target(version, name, capability)
 
 
 # -- the profile -----------------------------------------------------------------------------
@@ -339,7 +363,10 @@ def tensorrt_logger() -> trt.ILogger:
     """One logger for every builder and runtime of the process, forwarding TensorRT's
     messages to Python logging (it must outlive them all, so it is never freed)."""
     global _logger
-    import tensorrt as trt
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
 
     with _logger_lock:
         if _logger is None:
@@ -357,31 +384,65 @@ def tensorrt_logger() -> trt.ILogger:
         return _logger
 
 
+# The two TensorRTs with one API: TensorRT proper (10+, NVIDIA's container) and TensorRT for
+# RTX (1.x, from PyPI), which builds without a GPU, is always strongly typed and compiles its
+# plans just in time on the GPU at load: compute capability 8.0, 8.6, 8.9 and 12.x only.
+TENSORRT = "tensorrt"
+TENSORRT_RTX = "tensorrt-rtx"
+_MODULES = {TENSORRT: "tensorrt", TENSORRT_RTX: "tensorrt_rtx_bindings"}
+_MINIMUM_MAJOR = {TENSORRT: 10, TENSORRT_RTX: 1}
+RTX_COMPUTE_CAPABILITIES = ((8, 0), (8, 6), (8, 9))
+"""And every 12.x: what TensorRT for RTX runs on (the H200's 9.0 is not among them)."""
+
+
+def rtx_runs_on(capability: tuple[int, int]) -> bool:
+    return capability in RTX_COMPUTE_CAPABILITIES or capability[0] == 12
+
+
+def tensorrt_module() -> Any:
+    """The TensorRT module this process uses: TensorRT proper where it imports, else
+    TensorRT for RTX; ``TensorRTUnavailable`` saying how to get one if neither does."""
+    import importlib
+
+    problems = []
+    for flavour, name in _MODULES.items():
+        try:
+            module = importlib.import_module(name)
+        except Exception as error:  # ImportError, or OSError for a missing library
+            problems.append(f"{name}: {error}")
+            continue
+        version = getattr(module, "__version__", None)
+        if not isinstance(version, str) or not hasattr(module, "Builder"):
+            problems.append(f"the `{name}` module here is not TensorRT (a stubs-only package?)")
+            continue
+        major = version.split(".", 1)[0]
+        if not major.isdigit() or int(major) < _MINIMUM_MAJOR[flavour]:
+            problems.append(f"{flavour} {version} is too old")
+            continue
+        return module
+    raise TensorRTUnavailable(
+        f"TensorRT is not installed ({'; '.join(problems)}); run in NVIDIA's TensorRT "
+        "container (docker build --target gpu), `pip install 'stoker[tensorrt]'` on a machine "
+        "that reaches NVIDIA's index, or `pip install 'stoker[tensorrt-rtx]'` (TensorRT for "
+        "RTX: builds anywhere, runs on compute capability 8.0/8.6/8.9/12.x); or use backend: "
+        "torch or onnxruntime"
+    )
+
+
+def flavour(module: Any) -> str:
+    """``tensorrt`` or ``tensorrt-rtx``: which TensorRT ``module`` is."""
+    return TENSORRT_RTX if module.__name__.startswith("tensorrt_rtx") else TENSORRT
+
+
 def require_tensorrt() -> str:
-    """The installed TensorRT's version; ``TensorRTUnavailable`` saying how to get one if it
-    cannot be imported, is not TensorRT or is older than 10."""
-    try:
-        import tensorrt as trt
-    except Exception as error:  # ImportError, or OSError for a missing libnvinfer
-        raise TensorRTUnavailable(
-            f"TensorRT is not installed ({error}); run in NVIDIA's TensorRT container "
-            "(docker build --target gpu) or `pip install 'stoker[tensorrt]'` on a machine "
-            "that reaches NVIDIA's package index, or use backend: torch or onnxruntime"
-        ) from error
-    version = getattr(trt, "__version__", None)
-    if not isinstance(version, str) or not hasattr(trt, "Builder"):
-        raise TensorRTUnavailable(
-            "the `tensorrt` module here is not TensorRT (a stubs-only package?); "
-            "install TensorRT's Python package"
-        )
-    major = version.split(".", 1)[0]
-    if not major.isdigit() or int(major) < 10:
-        raise TensorRTUnavailable(f"TensorRT {version} is too old: Stoker needs 10 or later")
-    return version
+    """``<flavour> <version>`` of the TensorRT in use (``tensorrt 10.13.0``, ``tensorrt-rtx
+    1.7.1.116``); ``TensorRTUnavailable`` if there is none."""
+    module = tensorrt_module()
+    return f"{flavour(module)} {module.__version__}"
 
 
 def importable() -> bool:
-    """Whether a real TensorRT 10+ imports here."""
+    """Whether a real TensorRT (10+, or TensorRT for RTX) imports here."""
     try:
         require_tensorrt()
     except TensorRTUnavailable:
@@ -395,8 +456,12 @@ def dims(value: Any) -> Shape:
 
 
 def network_flags() -> int:
-    """``create_network`` flags: strongly typed (required on 10.x, the only kind on 11)."""
-    import tensorrt as trt
+    """``create_network`` flags: strongly typed (required on 10.x, the only kind on 11 and on
+    TensorRT for RTX, which still accept the flag)."""
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
 
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
     return 0 if flag is None else 1 << int(flag)
@@ -418,7 +483,10 @@ def parser_errors(parser: trt.OnnxParser) -> list[str]:
 def progress_monitor(label: str, every_s: float = 10.0) -> trt.IProgressMonitor:
     """Build progress in the log: each top-level phase as it starts and ends, and its steps at
     most every ``every_s`` seconds. It never cancels the build."""
-    import tensorrt as trt
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
 
     class Progress(trt.IProgressMonitor):
         def __init__(self) -> None:
@@ -475,13 +543,17 @@ def build_plan(
     spec: ModelSpec,
     shapes: ProfileShapes,
     options: TensorRTOptions,
-    timing_cache: bytes,
+    timing_cache: bytes | None,
     label: str,
 ) -> tuple[bytes, bytes]:
     """Parse the ONNX file into a strongly typed network and build it: (serialized plan,
-    serialized timing cache). ``BuildError`` with the parser's errors, or pointing at
-    TensorRT's logged messages, if it cannot."""
-    import tensorrt as trt
+    serialized timing cache, empty when ``timing_cache`` is None: no cache is used).
+    ``BuildError`` with the parser's errors, or pointing at TensorRT's logged messages, if it
+    cannot."""
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
 
     logger = tensorrt_logger()
     builder = trt.Builder(logger)
@@ -520,13 +592,14 @@ def build_plan(
             profile.set_shape(name, trt.Dims(list(low)), trt.Dims(list(opt)), trt.Dims(list(high)))
         if config.add_optimization_profile(profile) < 0:
             raise BuildError(f"{label}: TensorRT refused the optimization profile {shapes}")
-    _use_timing_cache(config, timing_cache, label)
+    if timing_cache is not None:
+        _use_timing_cache(config, timing_cache, label)
     # TensorRT calls the monitor until the build returns; the local keeps it alive that long.
     monitor = progress_monitor(label)
     config.progress_monitor = monitor
 
     started = time.perf_counter()
-    log.info("%s: building a TensorRT %s plan", label, trt.__version__)
+    log.info("%s: building a %s plan", label, require_tensorrt())
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise BuildError(
@@ -534,6 +607,8 @@ def build_plan(
             f"(logger {__name__})"
         )
     log.info("%s: built in %.1f s", label, time.perf_counter() - started)
+    if timing_cache is None:
+        return bytes(plan), b""
     return bytes(plan), bytes(config.get_timing_cache().serialize())
 
 
@@ -554,17 +629,23 @@ def ensure_plan(
     store = engine_options.store
     if store is None:
         log.info("%s: no engine store, so the plan is built in memory and not kept", label)
-        plan, _ = build_plan(variant, spec, shapes, options, b"", label)
+        fresh_cache = None if target.device_name == JIT_DEVICE else b""
+        plan, _ = build_plan(variant, spec, shapes, options, fresh_cache, label)
         return plan
     key = plan_key(spec, sha256_file(variant), precision, target, rows, shapes, options)
 
+    # Tactics are timed on the GPU; a TensorRT for RTX plan built without one times nothing.
+    timed = options.timing_cache and target.device_name != JIT_DEVICE
+
     def build(path: Path) -> dict[str, Any]:
         generation, cache = (0, b"")
-        if options.timing_cache:
+        if timed:
             generation, cache = load_timing_cache(store, target)
-        plan, new_cache = build_plan(variant, spec, shapes, options, cache, label)
+        plan, new_cache = build_plan(
+            variant, spec, shapes, options, cache if timed else None, label
+        )
         path.write_bytes(plan)
-        if options.timing_cache and new_cache != cache:
+        if timed and new_cache != cache:
             generation += 1
             save_timing_cache(store, target, generation, new_cache)
         return {
@@ -575,3 +656,67 @@ def ensure_plan(
         }
 
     return store.get_or_build(key, build, PLAN_SUFFIX).path.read_bytes()
+
+
+def prebuild_plan(
+    variant: Path, spec: ModelSpec, engine_options: EngineOptions, options: TensorRTOptions
+) -> Target:
+    """Build (or find) the plan of ``variant`` in the store ahead of serving, as ``stoker
+    build`` does in an image or an init container: for the GPU ``options.device`` with
+    TensorRT proper; with TensorRT for RTX for no GPU at all (none is needed: the plan is
+    specialised for the GPU when it loads). Returns what the plan was built for."""
+    rtx = flavour(tensorrt_module()) == TENSORRT_RTX
+    target = current_target(None if rtx else options.device)
+    ensure_plan(variant, spec, engine_options, options, target)
+    return target
+
+
+@dataclass(frozen=True)
+class NetworkSummary:
+    """What TensorRT's parser made of a variant: the network a plan is built from."""
+
+    inputs: tuple[tuple[str, str, Shape], ...]
+    """(name, TensorRT dtype, shape) of each input, -1 for a dynamic dimension."""
+    outputs: tuple[tuple[str, str, Shape], ...]
+    layers: Mapping[str, int]
+    """Layers by type (``CONVOLUTION``, ``QUANTIZE``, ``DEQUANTIZE``...)."""
+    tensor_types: Mapping[str, int]
+    """Layer outputs by dtype (``FLOAT``, ``HALF``, ``INT8``...): the precision it runs in."""
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{n} {t.lower()}" for t, n in sorted(self.layers.items()) if n > 4)
+        types = ", ".join(f"{t} {n}" for t, n in sorted(self.tensor_types.items()))
+        return f"{sum(self.layers.values())} layers ({kinds}); tensors by type: {types}"
+
+
+def describe_network(onnx_path: Path) -> NetworkSummary:
+    """Parse ``onnx_path`` strongly typed, as ``build_plan`` does, and summarise the network;
+    ``BuildError`` naming the nodes the parser refused."""
+    from collections import Counter
+
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
+    logger = tensorrt_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags())
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = parser_errors(parser) or ["no error reported"]
+        raise BuildError(f"TensorRT's ONNX parser refused {onnx_path.name}: {'; '.join(errors)}")
+
+    def io(tensors: Any) -> tuple[tuple[str, str, Shape], ...]:
+        return tuple((t.name, t.dtype.name, dims(t.shape)) for t in tensors)
+
+    layers = [network.get_layer(i) for i in range(network.num_layers)]
+    return NetworkSummary(
+        inputs=io(network.get_input(i) for i in range(network.num_inputs)),
+        outputs=io(network.get_output(i) for i in range(network.num_outputs)),
+        layers=dict(Counter(layer.type.name for layer in layers)),
+        tensor_types=dict(
+            Counter(
+                layer.get_output(j).dtype.name for layer in layers for j in range(layer.num_outputs)
+            )
+        ),
+    )

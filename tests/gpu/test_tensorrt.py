@@ -1,10 +1,13 @@
 """The TensorRT backend for real: FP32, FP16 and INT8 plans of EfficientNet-Lite0 against
 ONNX Runtime on the CPU, and several execution contexts at once.
 
-Skipped where TensorRT cannot be imported, which includes every machine of this project's
-own (TensorRT's libraries cannot be installed on them): these tests have not yet run. Run them
-in the gpu image (NVIDIA's TensorRT container) with `pytest tests/gpu/test_tensorrt.py`. The
-tolerances are first estimates, to be confirmed by the first run.
+Skipped, with the exact reason, where no TensorRT can run a plan: where none imports, where
+there is no GPU, and on a GPU that the TensorRT present does not run on (TensorRT for RTX runs
+on compute capability 8.0, 8.6, 8.9 and 12.x, not on the H200's 9.0). These tests have not yet
+run anywhere. Run them in the gpu image (NVIDIA's TensorRT container) or with TensorRT for RTX
+on an A100 or an RTX card: `pytest tests/gpu/test_tensorrt.py`. The tolerances are first
+estimates, to be confirmed by the first run. The build path without a GPU is tested in
+tests/unit/test_tensorrt_rtx.py.
 """
 
 from __future__ import annotations
@@ -24,10 +27,20 @@ from engines.onnxruntime import read_spec
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec
 from engines.store import EngineStore
-from engines.tensorrt import TensorRTEngine, TensorRTOptions, importable
-from engines.tensorrt_build import BuildError
+from engines.tensorrt import TensorRTEngine, TensorRTOptions
+from engines.tensorrt_build import BuildError, current_target
 
-pytestmark = pytest.mark.skipif(not importable(), reason="TensorRT is not installed")
+
+def why_not_here() -> str | None:
+    """Why no plan can run here, or None where one can."""
+    try:
+        current_target(0)
+    except Exception as why:  # TensorRTUnavailable, or no CUDA device or driver
+        return f"TensorRT cannot run a plan here: {why}"
+    return None
+
+
+pytestmark = pytest.mark.skipif(why_not_here() is not None, reason=why_not_here() or "")
 
 MAX_BATCH = 8
 PROFILE = (1, 4, MAX_BATCH)

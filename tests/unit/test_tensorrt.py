@@ -46,7 +46,7 @@ from engines.tensorrt_build import (
 )
 from tests.conftest import tiny_onnx
 
-TARGET = Target("10.13.0.35", "NVIDIA H200", (9, 0))
+TARGET = Target("tensorrt 10.13.0.35", "NVIDIA H200", (9, 0))
 
 
 def image_spec(max_batch: int = 32, row: tuple[int, ...] = (3, 224, 224)) -> ModelSpec:
@@ -123,7 +123,7 @@ def test_plan_key_holds_everything_the_plan_depends_on_without_tensorrt() -> Non
     options = TensorRTOptions()
     key = plan_key(spec, "hash", "int8", TARGET, rows, shapes, options)
     assert key.backend == "tensorrt"
-    assert key.backend_version == "10.13.0.35"
+    assert key.backend_version == "tensorrt 10.13.0.35"
     assert key.device == "NVIDIA H200 sm_90"
     assert key.profile == rows
     assert key.options["shapes"] == {
@@ -137,7 +137,13 @@ def test_plan_key_holds_everything_the_plan_depends_on_without_tensorrt() -> Non
             spec, "hash", "int8", Target("10.14.1", "NVIDIA H200", (9, 0)), rows, shapes, options
         ),
         plan_key(
-            spec, "hash", "int8", Target("10.13.0.35", "NVIDIA L4", (8, 9)), rows, shapes, options
+            spec,
+            "hash",
+            "int8",
+            Target("tensorrt 10.13.0.35", "NVIDIA L4", (8, 9)),
+            rows,
+            shapes,
+            options,
         ),
         plan_key(spec, "hash", "int8", TARGET, (1, 8, 32), shapes, options),
         plan_key(
@@ -162,7 +168,7 @@ def test_hardware_compatible_plans_are_keyed_by_level_not_gpu_without_tensorrt()
     options = TensorRTOptions(hardware_compatibility="ampere_plus")
     h200 = plan_key(spec, "h", "fp16", TARGET, rows, shapes, options)
     l4 = plan_key(
-        spec, "h", "fp16", Target("10.13.0.35", "NVIDIA L4", (8, 9)), rows, shapes, options
+        spec, "h", "fp16", Target("tensorrt 10.13.0.35", "NVIDIA L4", (8, 9)), rows, shapes, options
     )
     assert h200.device == l4.device == "hardware-compatible:ampere_plus"
     assert h200.digest() == l4.digest()
@@ -179,7 +185,7 @@ def test_timing_cache_generations_in_the_store_without_tensorrt(tmp_path: Path) 
     save_timing_cache(store, TARGET, 2, b"second")
     assert load_timing_cache(store, TARGET) == (2, b"second")
     # Another GPU or TensorRT version has caches of its own.
-    assert load_timing_cache(store, Target("10.13.0.35", "NVIDIA L4", (8, 9))) == (0, b"")
+    assert load_timing_cache(store, Target("tensorrt 10.13.0.35", "NVIDIA L4", (8, 9))) == (0, b"")
     # A generation that does not verify is passed over for the one before.
     newest = store.path_for(tensorrt_build.timing_cache_key(TARGET, 2), ".cache")
     newest.write_bytes(b"corrupted")
@@ -651,7 +657,7 @@ def test_build_asks_tensorrt_for_a_strongly_typed_profiled_plan_with_a_stand_in_
     # Loaded from the store the second time; the timing cache went in as generation 1.
     trt_backend.TensorRTEngine(path, spec, options, trt_options)
     assert len(stand_in.builds()) == 1
-    target = Target("10.13.0.35", "NVIDIA H200", (9, 0))
+    target = Target("tensorrt 10.13.0.35", "NVIDIA H200", (9, 0))
     assert load_timing_cache(store, target) == (1, b"+timings")
 
     # Another plan (another profile) starts from that cache and stores the next generation.
@@ -703,7 +709,7 @@ def test_a_timing_cache_that_does_not_fit_is_replaced_with_a_stand_in_not_tensor
 ) -> None:
     path, spec = tiny
     store = EngineStore(tmp_path / "store")
-    save_timing_cache(store, Target("10.13.0.35", "NVIDIA H200", (9, 0)), 1, b"foreign")
+    save_timing_cache(store, Target("tensorrt 10.13.0.35", "NVIDIA H200", (9, 0)), 1, b"foreign")
     with caplog.at_level(logging.WARNING):
         trt_backend.TensorRTEngine(path, spec, EngineOptions(store=store))
     assert "the stored timing cache does not fit" in caplog.text
@@ -946,9 +952,11 @@ def test_the_backend_says_how_to_get_tensorrt_where_it_is_missing_without_tensor
     tiny: tuple[Path, ModelSpec], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import tensorrt -> ImportError
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", None)  # and TensorRT for RTX
     path, spec = tiny
     with pytest.raises(
         tensorrt_build.TensorRTUnavailable, match="TensorRT is not installed"
     ) as caught:
         backends.loader("tensorrt")(path, spec, EngineOptions())
     assert "NVIDIA's TensorRT container" in str(caught.value)
+    assert "stoker[tensorrt-rtx]" in str(caught.value)
