@@ -538,6 +538,29 @@ def _use_timing_cache(config: trt.IBuilderConfig, data: bytes, label: str) -> No
         config.set_timing_cache(config.create_timing_cache(b""), ignore_mismatch=False)
 
 
+def parse_network(
+    onnx_path: Path, context: str = ""
+) -> tuple[trt.Builder, trt.INetworkDefinition, trt.OnnxParser]:
+    """(builder, network, parser) of ``onnx_path`` parsed strongly typed; the network lives
+    as long as the three do. ``BuildError`` naming each node the parser refused."""
+    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
+        import tensorrt as trt
+    else:
+        trt = tensorrt_module()
+
+    logger = tensorrt_logger()
+    builder = trt.Builder(logger)
+    network = builder.create_network(network_flags())
+    parser = trt.OnnxParser(network, logger)
+    # From the file, not from bytes: weights stored beside the model (external data) load too.
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = parser_errors(parser) or ["no error reported"]
+        raise BuildError(
+            f"{context}TensorRT's ONNX parser refused {onnx_path.name}: {'; '.join(errors)}"
+        )
+    return builder, network, parser
+
+
 def build_plan(
     onnx_path: Path,
     spec: ModelSpec,
@@ -555,16 +578,7 @@ def build_plan(
     else:
         trt = tensorrt_module()
 
-    logger = tensorrt_logger()
-    builder = trt.Builder(logger)
-    network = builder.create_network(network_flags())
-    parser = trt.OnnxParser(network, logger)
-    # From the file, not from bytes: weights stored beside the model (external data) load too.
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = parser_errors(parser) or ["no error reported"]
-        raise BuildError(
-            f"{label}: TensorRT's ONNX parser refused {onnx_path.name}: {'; '.join(errors)}"
-        )
+    builder, network, _parser = parse_network(onnx_path, f"{label}: ")
     outputs = {network.get_output(i).name for i in range(network.num_outputs)}
     missing = [t.name for t in spec.outputs if t.name not in outputs]
     if missing:
@@ -694,17 +708,7 @@ def describe_network(onnx_path: Path) -> NetworkSummary:
     ``BuildError`` naming the nodes the parser refused."""
     from collections import Counter
 
-    if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
-        import tensorrt as trt
-    else:
-        trt = tensorrt_module()
-    logger = tensorrt_logger()
-    builder = trt.Builder(logger)
-    network = builder.create_network(network_flags())
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errors = parser_errors(parser) or ["no error reported"]
-        raise BuildError(f"TensorRT's ONNX parser refused {onnx_path.name}: {'; '.join(errors)}")
+    _builder, network, _parser = parse_network(onnx_path)
 
     def io(tensors: Any) -> tuple[tuple[str, str, Shape], ...]:
         return tuple((t.name, t.dtype.name, dims(t.shape)) for t in tensors)
