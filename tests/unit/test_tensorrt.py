@@ -14,6 +14,7 @@ mypy against TensorRT's stubs (``test_mypy_tensorrt.py``) and, on a TensorRT mac
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import logging
 import sys
@@ -932,13 +933,19 @@ def test_auto_prefers_tensorrt_when_it_imports_and_a_gpu_is_present_without_tens
 def test_a_stubs_only_tensorrt_folder_does_not_count_without_tensorrt(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if tensorrt_build.importable():
-        pytest.skip("a real TensorRT is installed here, and a bare folder cannot shadow it")
+    """A bare ``tensorrt`` folder (type stubs) is not TensorRT proper: it is passed over for
+    TensorRT for RTX where that is installed, and refused where nothing else is."""
+    if "tensorrt" in sys.modules and tensorrt_build.flavour(sys.modules["tensorrt"]) == "tensorrt":
+        pytest.skip("a real TensorRT proper is imported here, and a bare folder cannot shadow it")
     (tmp_path / "tensorrt").mkdir()
     (tmp_path / "tensorrt" / "__init__.pyi").write_text("class Builder: ...\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     saved = sys.modules.pop("tensorrt", None)
     try:
+        rtx = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
+        if rtx:
+            assert tensorrt_build.require_tensorrt().startswith("tensorrt-rtx ")
+        monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", None)
         assert not tensorrt_build.importable()
         with pytest.raises(tensorrt_build.TensorRTUnavailable, match="not TensorRT"):
             tensorrt_build.require_tensorrt()
