@@ -20,6 +20,8 @@ from collections.abc import Iterable
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.errors import client_text
+
 log = logging.getLogger(__name__)
 
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
@@ -57,7 +59,9 @@ class ApiKeys:
             return
         problem = "invalid API key" if key is not None else "missing API key"
         client = scope.get("client")
-        log.warning("401 %s for %s from %s", problem, scope["path"][:100], client and client[0])
+        log.warning(
+            "401 %s for %s from %s", problem, client_text(scope["path"]), client and client[0]
+        )
         await refuse(send, f"{problem}: send Authorization: Bearer <key> or X-API-Key: <key>")
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import zoo
 from app import images
 from app.batcher import Batcher, Tensors
-from app.errors import BadRequest, NotFound, StokerError, Unavailable
+from app.errors import BadRequest, NotFound, StokerError, Unavailable, client_text
 from app.metrics import ModelMetrics, model_unavailable
 from app.pool import RunnerPool
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
@@ -293,7 +293,7 @@ class DataPlane:
     def get(self, name: str, version: str | None = None) -> ServedModel:
         entry = self._entry(name)
         if entry is None:
-            raise NotFound(f"unknown model {name!r}")
+            raise NotFound(f"unknown model '{client_text(name)}'")
         version = version or entry.config.default_precision
         model = self._models.get(name, {}).get(version)
         if model is not None:
@@ -304,7 +304,7 @@ class DataPlane:
         if not self.ready and version in entry.config.precisions:
             raise Unavailable(f"model {name!r} is loading")
         raise NotFound(
-            f"model {name!r} has no version {version!r}; versions: "
+            f"model {name!r} has no version '{client_text(version)}'; versions: "
             f"{', '.join(entry.config.precisions)}"
         )
 

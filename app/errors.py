@@ -49,3 +49,11 @@ class DeadlineExceeded(StokerError):
 class EngineError(StokerError):
     status = 500
     reason = "backend"
+
+
+def client_text(value: str, limit: int = 80) -> str:
+    """A client-controlled string as it may appear in an error body or a log line: at most
+    ``limit`` characters, with newlines, ANSI escapes and every other non-printable or
+    non-ASCII character escaped, so it can neither forge a log line nor echo megabytes."""
+    escaped = value[:limit].encode("unicode_escape").decode("ascii")
+    return escaped + (f"... ({len(value)} characters)" if len(value) > limit else "")

@@ -10,12 +10,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.auth import ApiKeys
 from app.dataplane import DataPlane
-from app.errors import BadRequest, PayloadTooLarge, StokerError
+from app.errors import BadRequest, PayloadTooLarge, StokerError, client_text
 from app.routes import json_response, router
 from app.settings import Settings
 
@@ -77,6 +78,19 @@ async def validation_error(_: Request, exc: Exception) -> Response:
     return json_response({"error": BadRequest(problems).message}, 400)
 
 
+async def client_gone(request: Request, _: Exception) -> Response:
+    # The client closed the connection mid-body: nothing can be answered, nothing is wrong
+    # with the server. One line, not a traceback (a flood of them would fill the disk).
+    client = request.client
+    log.info(
+        "client %s went away mid-request (%s %s)",
+        client.host if client else "?",
+        request.method,
+        client_text(request.url.path),
+    )
+    return Response(status_code=499)
+
+
 async def unexpected_error(_: Request, exc: Exception) -> Response:
     log.error("unhandled %s: %s", type(exc).__name__, exc, exc_info=exc)
     return json_response({"error": "internal server error"}, 500)
@@ -122,6 +136,7 @@ def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -
     app.add_exception_handler(StokerError, stoker_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, unexpected_error)
     app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
     # Added last, so it runs first: an unauthenticated request is refused before its body.

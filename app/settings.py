@@ -121,6 +121,9 @@ class AuthSettings(BaseModel):
             text = value.strip()
             if text.startswith("["):
                 return json.loads(text)
+            if text.startswith(("{", '"')):
+                # JSON, but not a list: taken as a literal key it would lock every client out.
+                raise ValueError("give a JSON list of keys or comma-separated keys")
             return [key for key in text.split(",") if key.strip()]
         return value
 

@@ -495,6 +495,42 @@ def test_a_huge_declared_body_is_refused_without_being_read(hardened: Server) ->
     assert time.perf_counter() - started < 2
 
 
+def test_a_client_gone_mid_body_costs_one_log_line(hardened: Server) -> None:
+    """Twenty clients that declare a body, send a little of it and hang up: one INFO line
+    each, no traceback, and the next client is answered."""
+    host, port = hardened.address.split(":")
+    head = (
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: stoker\r\n"
+        b"X-API-Key: " + KEY_FILE.encode() + b"\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+    )
+    before = hardened.log.read_text()
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(head + b'{"inputs": [' * 10)
+    with client(hardened) as http:
+        assert http.get("/v2/health/ready").status_code == 200
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        added = hardened.log.read_text()[len(before) :]
+        if added.count("went away mid-request") == 20:
+            break
+        time.sleep(0.1)
+    assert added.count("went away mid-request") == 20, added[-2000:]
+    assert "Traceback" not in added and "ERROR" not in added
+    assert len(added.splitlines()) == 20
+
+
+def test_a_long_or_hostile_model_name_is_not_echoed(hardened: Server) -> None:
+    with client(hardened) as http:
+        long = http.get(f"/v2/models/{'m' * 60_000}%0aforged")
+        hostile = http.get("/v2/models/x%0a%1b[31mforged")
+    assert long.status_code == hostile.status_code == 404
+    error = long.json()["error"]
+    assert len(error) < 200 and "60007 characters" in error
+    assert hostile.json() == {"error": "unknown model 'x\\n\\x1b[31mforged'"}
+
+
 def test_a_streamed_body_is_cut_off_at_the_limit(hardened: Server) -> None:
     """Chunked, with no length declared: 413 as soon as the limit is passed; the client is
     told long before it could send its 64 MB (what it sent beyond the limit sat in the

@@ -144,6 +144,15 @@ def test_keys_come_from_the_environment_as_a_list_or_commas(
     assert Settings().auth.keys() == []
 
 
+@pytest.mark.parametrize("value", ['{"a": "x"}', '"x"', "[1, 2", '["a", 3]'])
+def test_a_malformed_key_list_stops_startup(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """JSON that is not a list of strings is never taken as one literal key."""
+    monkeypatch.setenv("STOKER_AUTH__API_KEYS", value)
+    with pytest.raises(ValidationError) as invalid:
+        Settings()
+    assert value not in str(invalid.value)
+
+
 def test_keys_come_from_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     keys = tmp_path / "keys"
     keys.write_text(f"# rotated 2025-01\n{KEYS[0]}\n\n  {KEYS[1]}  \n")
@@ -188,6 +197,17 @@ def test_keys_never_reach_the_log_or_an_error(
     assert response.status_code == 401
     assert KEYS[0] not in caplog.text and KEYS[0] not in response.text
     assert "invalid API key" in caplog.text
+
+
+def test_a_refused_path_cannot_forge_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    middleware, _ = guarded()
+    with caplog.at_level(logging.WARNING):
+        response = call(middleware, "GET", "/v2/models/x%0aERROR%20forged%1b[31m", {})
+    assert response.status_code == 401
+    (record,) = [r for r in caplog.records if "401" in r.getMessage()]
+    line = record.getMessage()
+    assert "\n" not in line and "\x1b" not in line
+    assert "x\\nERROR forged\\x1b[31m" in line
 
 
 def test_refusal_does_not_read_the_body() -> None:
