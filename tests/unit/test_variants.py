@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import calibration, variants
+from engines import calibration, cpu, variants
 from engines.calibration import Ranges
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
@@ -64,8 +64,16 @@ def small_inputs(rows: int = 24, seed: int = 1) -> np.ndarray:
     return np.random.default_rng(seed).uniform(-1, 1, (rows, 3, 16, 16)).astype(np.float32)
 
 
-def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+def run(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray], optimize: bool = True
+) -> list[np.ndarray]:
+    """Every output; ``optimize=False`` runs Q/DQ nodes as written, in float."""
+    options = ort.SessionOptions()
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+    )
     return [np.asarray(v) for v in session.run(None, feeds)]
 
 
@@ -228,15 +236,31 @@ def weight_dequantize(model: onnx.ModelProto, node_name: str) -> onnx.NodeProto:
     return dq
 
 
+@pytest.mark.parametrize(
+    "integer_kernels", [True, False], ids=["fused-integer-kernels", "qdq-in-float"]
+)
 @pytest.mark.parametrize("form", variants.INT8_FORMS)
-def test_int8_runs_close_to_fp32(form: str, small_ranges: Ranges) -> None:
+def test_int8_runs_close_to_fp32(form: str, integer_kernels: bool, small_ranges: Ranges) -> None:
+    """Run as ONNX Runtime serves it (Q/DQ fused into this CPU's integer kernels, with the
+    weights this CPU gets) and as written (Q/DQ in float, what a GPU computes)."""
+    saturates = cpu.integer_kernels().saturates
+    if integer_kernels and form == "s8s8" and saturates:
+        pytest.skip(
+            f"this CPU ({cpu.integer_kernels().name}) has no VNNI: ONNX Runtime's S8S8 kernels "
+            "saturate here, so TensorRT's S8S8 form is judged with Q/DQ in float, as a GPU runs it"
+        )
     model = small_conv_model()
-    quantized = variants.to_int8(model, small_ranges, form=form)  # type: ignore[arg-type]
+    quantized = variants.to_int8(
+        model,
+        small_ranges,
+        form=form,  # type: ignore[arg-type]
+        reduce_range=integer_kernels and saturates,
+    )
     onnx.checker.check_model(quantized, full_check=True)
     assert io_types(quantized) == [TensorProto.FLOAT] * 3
     x = small_inputs(seed=5)
     want_logits, want_probs = run(model, {"input": x})
-    got_logits, got_probs = run(quantized, {"input": x})
+    got_logits, got_probs = run(quantized, {"input": x}, optimize=integer_kernels)
     assert np.abs(got_logits - want_logits).max() < 0.05 * np.abs(want_logits).max()
     np.testing.assert_allclose(got_probs, want_probs, atol=0.03)
 
