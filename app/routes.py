@@ -80,22 +80,31 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
 CLIENT_GONE = Response(status_code=499)
 
 
+# A declared body gets a buffer of at most this up front; beyond it the buffer grows with the
+# bytes that arrive, so a client that declares 64 MiB and sends one byte costs 4 MiB, not 64.
+UPFRONT_BODY_BYTES = 4 * 1024 * 1024
+
+
 async def read_body(request: Request) -> bytes | bytearray:
-    """The whole body. With a declared length, each chunk is copied once into one buffer of
-    that size as it arrives, instead of being kept and joined at the end."""
+    """The whole body. With a declared length, each chunk is copied once into one buffer as it
+    arrives, instead of being kept and joined at the end; the buffer starts at the declared
+    length up to ``UPFRONT_BODY_BYTES`` and at most doubles as bytes arrive, so memory follows
+    what was received, never what was declared."""
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         return await request.body()
-    buffer = bytearray(int(declared))
-    view = memoryview(buffer)
+    length = int(declared)
+    buffer = bytearray(min(length, UPFRONT_BODY_BYTES))
     filled = 0
     async for chunk in request.stream():
         end = filled + len(chunk)
-        if end > len(buffer):
+        if end > length:
             raise BadRequest("request body is longer than its Content-Length")
-        view[filled:end] = chunk
+        if end > len(buffer):
+            buffer.extend(bytes(min(length, max(end, 2 * len(buffer))) - len(buffer)))
+        buffer[filled:end] = chunk
         filled = end
-    if filled != len(buffer):
+    if filled != length:
         raise BadRequest("request body is shorter than its Content-Length")
     return buffer
 

@@ -251,7 +251,7 @@ def test_no_file_is_unpickled_or_yaml_loaded_unsafely() -> None:
         (8, [b"0123"], "shorter than its Content-Length"),
     ],
 )
-def test_a_body_is_read_into_one_buffer_of_its_declared_length(
+def test_a_declared_body_is_read_exactly_or_refused(
     declared: int | None, chunks: list[bytes], problem: str | None
 ) -> None:
     from starlette.requests import Request
@@ -297,3 +297,39 @@ def test_an_aspect_ratio_bomb_is_refused_from_its_header() -> None:
             images.decode(data, LimitSettings().max_image_pixels, limit)
     # A panorama within the limit decodes.
     assert images.decode(png_of(3200, 100), 40_000_000, limit).size == (3200, 100)
+
+
+def test_a_body_buffer_follows_what_arrives_not_what_is_declared() -> None:
+    """A client that declares 64 MiB and sends one byte before it goes away holds at most
+    the up-front buffer (4 MiB); a body that does arrive in full is read exactly, across
+    buffer growths."""
+    import tracemalloc
+
+    from starlette.requests import ClientDisconnect, Request
+
+    from app.routes import UPFRONT_BODY_BYTES, read_body
+
+    def reader(declared: int, messages: list[dict[str, object]]) -> Request:
+        async def receive() -> dict[str, object]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        headers = [(b"content-length", str(declared).encode())]
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ClientDisconnect):
+            request = reader(64 << 20, [{"type": "http.request", "body": b"{", "more_body": True}])
+            asyncio.run(read_body(request))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < UPFRONT_BODY_BYTES + (1 << 20), peak
+
+    body = bytes(range(256)) * (40 << 10)  # 10 MiB: two growths past the up-front buffer
+    chunks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
+    messages: list[dict[str, object]] = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+    assert bytes(asyncio.run(read_body(reader(len(body), messages)))) == body
