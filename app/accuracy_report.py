@@ -163,12 +163,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             continue
         for calibrator in calibrators:
             for weights in recipes:
-                int8 = dataclasses.replace(
-                    plan.int8,
-                    calibrator=calibrator,
-                    reduce_range=RECIPES[weights],
-                    keep_first_and_last=RECIPES[weights],
-                )
+                forced = RECIPES[weights]
+                int8 = dataclasses.replace(plan.int8, calibrator=calibrator)
+                if forced is not None:  # auto: what the server builds (config, else the CPU)
+                    int8 = dataclasses.replace(
+                        int8, reduce_range=forced, keep_first_and_last=forced
+                    )
                 label = f"int8 {calibrator}" + ("" if weights == "auto" else f" {weights}-bit")
                 rows.append((label, dataclasses.replace(plan, int8=int8)))
     results: list[dict[str, Any]] = []

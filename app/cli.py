@@ -201,36 +201,21 @@ def build_engines(settings: Settings) -> int:
         for precision in entry.config.precisions:
             try:
                 path, report = ensure_variant(store, plan, precision, backend)
+                facts = ", ".join(f"{k} {v:.4g}" for k, v in report.items())
+                print(
+                    f"{entry.config.name} {precision} ({backend}): {path}"
+                    + (f" [{facts}]" if facts else "")
+                )
+                if backend == "tensorrt":
+                    options = engine_options(entry, spec, store, plan.profile, precision)
+                    print(prebuild_tensorrt(entry.config.name, precision, path, spec, options))
             except AccuracyBudgetExceeded as exc:
                 print(f"{entry.config.name} {precision}: REFUSED: {exc}")
                 failed = True
-                continue
-            facts = ", ".join(f"{k} {v:.4g}" for k, v in report.items())
-            print(
-                f"{entry.config.name} {precision} ({backend}): {path}"
-                + (f" [{facts}]" if facts else "")
-            )
-            if backend == "tensorrt":
-                from engines.tensorrt_build import (
-                    JIT_DEVICE,
-                    TensorRTOptions,
-                    describe_network,
-                    prebuild_plan,
-                )
-
-                options = engine_options(entry, spec, store, plan.profile, precision)
-                target = prebuild_plan(path, spec, options, TensorRTOptions())
-                where = target.device_key()
-                print(
-                    f"{entry.config.name} {precision}: {target.tensorrt_version} plan for {where}"
-                    + (
-                        "; it is specialised for the GPU when it loads (TensorRT for RTX runs on "
-                        "compute capability 8.0, 8.6, 8.9 and 12.x)"
-                        if where == JIT_DEVICE
-                        else ""
-                    )
-                )
-                print(f"  network: {describe_network(path).describe()}")
+            except Exception as exc:
+                # As the server does with a version that fails to load: say so, go on.
+                print(f"{entry.config.name} {precision}: FAILED: {type(exc).__name__}: {exc}")
+                failed = True
     if failed and not settings.models.exit_on_error:
         # As the server does: a refused version answers 503 and the others serve, so an init
         # container that pre-builds the store must not keep the pod from starting.
@@ -240,6 +225,38 @@ def build_engines(settings: Settings) -> int:
         )
         return 0
     return 1 if failed else 0
+
+
+def prebuild_tensorrt(model: str, precision: str, variant: Path, spec: Any, options: Any) -> str:
+    """Build the TensorRT plan of a variant ahead of serving where this machine can (TensorRT
+    for RTX: anywhere; TensorRT proper: on its GPU), and say what was built or why not."""
+    from engines import cuda
+    from engines.tensorrt_build import (
+        JIT_DEVICE,
+        TensorRTOptions,
+        TensorRTUnavailable,
+        describe_network,
+        prebuild_plan,
+    )
+
+    try:
+        target = prebuild_plan(variant, spec, options, TensorRTOptions())
+    except (TensorRTUnavailable, cuda.CudaUnavailable, cuda.CudaError) as why:
+        return (
+            f"{model} {precision}: no TensorRT plan built here ({why}); the server builds it "
+            "at its first start on the GPU"
+        )
+    where = target.device_key()
+    jit = (
+        "; it is specialised for the GPU when it loads (TensorRT for RTX runs on compute "
+        "capability 8.0, 8.6, 8.9 and 12.x)"
+        if where == JIT_DEVICE
+        else ""
+    )
+    return (
+        f"{model} {precision}: {target.tensorrt_version} plan for {where}{jit}\n"
+        f"  network: {describe_network(variant).describe()}"
+    )
 
 
 def list_models(settings: Settings) -> int:

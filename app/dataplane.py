@@ -28,7 +28,7 @@ from app.protocol import InferRequest, RequestedOutput, classify, decode_request
 from app.repository import ModelEntry, discover
 from app.settings import Settings
 from engines import accuracy, backends
-from engines.base import EngineOptions, pixel_input
+from engines.base import EngineOptions, FatalEngineError, pixel_input
 from engines.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
 from engines.onnxruntime import read_spec
 from engines.preprocess import ImagePreprocess, normalize, preprocess
@@ -67,6 +67,13 @@ class ServedModel:
     def ready(self) -> bool:
         return self.batcher.failed is None
 
+    async def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop its batcher, decoder, runners and engine, in that order."""
+        await self.batcher.close(drain_timeout_s)
+        if self.decoder is not None:
+            await self.decoder.close()
+        await asyncio.to_thread(self.pool.close)
+
 
 class DataPlane:
     def __init__(self, settings: Settings) -> None:
@@ -96,13 +103,19 @@ class DataPlane:
         for entry in self._entries:
             try:
                 await self._load(entry)
+            except FatalEngineError:
+                raise  # the device is broken for every model: liveness must go
             except Exception as error:
                 # What every version needs (the ONNX file, its spec) is missing.
                 for precision in entry.config.precisions:
                     if precision not in self._models.get(entry.config.name, {}):
                         self._refuse(entry.config.name, precision, error)
-        self.ready = True
         refused = [f"{n}[{v}]" for n, versions in self._unavailable.items() for v in versions]
+        if not self.all_served():
+            # Nothing to serve: stop (the orchestrator shows a crash loop) rather than stay
+            # live and never ready.
+            raise RuntimeError(f"no model version could be served: {', '.join(refused)}")
+        self.ready = True
         log.info(
             "ready: %s%s",
             ", ".join(f"{n}{sorted(v)}" for n, v in self._models.items()) or "no model",
@@ -116,7 +129,8 @@ class DataPlane:
             raise error
         accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
         reason = str(error) if accuracy_refusal else f"{type(error).__name__}: {error}"
-        self._unavailable.setdefault(model, {})[version] = reason
+        # Clients get a bounded reason (a backend's message can be long); the log, all of it.
+        self._unavailable.setdefault(model, {})[version] = client_text(reason, 600)
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
             "model %s version %s is NOT served (%s): %s",
@@ -141,13 +155,21 @@ class DataPlane:
         plan = entry.build_plan(spec)
         versions: dict[str, ServedModel] = {}
         labels = entry.labels()
-        for precision in config.precisions:
-            try:
-                versions[precision] = await self._load_version(
-                    entry, spec, plan, precision, backend, labels
-                )
-            except Exception as error:
-                self._refuse(config.name, precision, error)
+        try:
+            for precision in config.precisions:
+                try:
+                    versions[precision] = await self._load_version(
+                        entry, spec, plan, precision, backend, labels
+                    )
+                except FatalEngineError:
+                    raise
+                except Exception as error:
+                    self._refuse(config.name, precision, error)
+        except BaseException:
+            # Cancelled (shutdown mid-load), fatal, or exit_on_error: what loaded is closed.
+            for served in versions.values():
+                await served.close()
+            raise
         self._models[config.name] = versions
 
     async def _load_version(
@@ -164,17 +186,22 @@ class DataPlane:
         variant, _ = await asyncio.to_thread(ensure_variant, self.store, plan, precision, backend)
         options = engine_options(entry, spec, self.store, plan.profile, precision)
         engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
-        pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
+        pool: RunnerPool | None = None
+        decoder: images.DecodeQueue | None = None
         try:
+            pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
             await pool.warm()
+            metrics = ModelMetrics(config.name, precision)
+            decoder = self._decoder(entry, backend, metrics)
+            native = pixel_input(engine)
+            pixels = PixelInput.of(entry, spec, native is not None)
         except BaseException:
-            await asyncio.to_thread(pool.close)
+            if decoder is not None:
+                await decoder.close()
+            await asyncio.to_thread(pool.close if pool is not None else engine.close)
             raise
-        metrics = ModelMetrics(config.name, precision)
         batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
         batcher.start()
-        native = pixel_input(engine)
-        decoder = self._decoder(entry, backend, metrics)
         log.info(
             "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
             "JPEG uploads decoded on the %s; loaded and warmed in %.1f s",
@@ -196,7 +223,7 @@ class DataPlane:
             batcher,
             metrics,
             labels,
-            pixels=PixelInput.of(entry, spec, native is not None),
+            pixels=pixels,
             decoder=decoder,
         )
 
@@ -339,7 +366,9 @@ class DataPlane:
         if name is None:
             if not self._entries:
                 raise Unavailable("no model is loaded yet")
-            name = self._entries[0].config.name
+            # The first model that serves; else the first, whose 503 then says why not.
+            served = [e.config.name for e in self._entries if self._models.get(e.config.name)]
+            name = served[0] if served else self._entries[0].config.name
         return self.get(name)
 
     def all_served(self) -> list[ServedModel]:

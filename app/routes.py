@@ -202,6 +202,8 @@ async def model_config(request: Request, name: str, version: str | None = None) 
 async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
     if version is None:
+        if not plane.versions(name):
+            plane.get(name)  # raises: 404 for an unknown model, 503 while loading or refused
         models = [plane.get(name, v) for v in plane.versions(name)]
     else:
         models = [plane.get(name, version)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import platform
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -126,9 +127,13 @@ def int8_recipe(
 
 
 def backend_identity(backend: str) -> tuple[str, str]:
-    """(backend version, device) for the store key of an ONNX Runtime artefact: the device
-    names the CPU's integer kernels, which decide an INT8 variant's numbers and speed."""
-    return ort.__version__, f"cpu-{cpu.integer_kernels().name}"
+    """(ONNX Runtime's version, device) for a variant's store key. ONNX Runtime's variants
+    name the CPU's integer kernels, which decide an INT8 variant's numbers and speed; the
+    others (a TensorRT variant is gated with its Q/DQ graph in float) only the architecture,
+    so a store built on one x86 CPU serves every other."""
+    if backend == "onnxruntime":
+        return ort.__version__, f"cpu-{cpu.integer_kernels().name}"
+    return ort.__version__, f"cpu-{platform.machine()}"
 
 
 class CalibrationData:
@@ -300,6 +305,8 @@ def calibration_ranges(
                 exclude_nodes=options.exclude_nodes,
                 reduce_range=recipe.reduce_range,
                 keep_first_and_last=recipe.keep_first_and_last,
+                # TensorRT's candidates are scored as a GPU computes them, not by this CPU.
+                integer_kernels=recipe.kernels != "tensorrt",
             )
             extra["auto_mean_kl"] = scores
         else:

@@ -569,13 +569,15 @@ def calibrate_auto(
     per_channel: bool = True,
     reduce_range: bool = False,
     keep_first_and_last: bool = False,
+    integer_kernels: bool = True,
 ) -> tuple[Ranges, dict[str, float]]:
     """Calibrate with each method on the first rows; keep the best on the held-out rest.
 
     Each method's INT8 variant is scored by the mean KL divergence of its softmax from
-    FP32's on the held-out rows; the lowest wins (ties go to the earlier method). The
-    statistics are collected once for all methods. Returns the winner's ranges and every
-    method's KL.
+    FP32's on the held-out rows (run through this CPU's integer kernels, or with
+    ``integer_kernels=False`` as written, in float, as a GPU computes them); the lowest wins
+    (ties go to the earlier method). The statistics are collected once for all methods.
+    Returns the winner's ranges and every method's KL.
     """
     if not 0.0 < held_out_fraction < 1.0:
         raise ValueError(f"held_out_fraction must be between 0 and 1, got {held_out_fraction}")
@@ -609,7 +611,8 @@ def calibrate_auto(
             reduce_range=reduce_range,
             keep_first_and_last=keep_first_and_last,
         )
-        scores[method] = mean_kl(reference, run_onnx(variant, scoring, input_name, threads=threads))
+        got = run_onnx(variant, scoring, input_name, threads=threads, optimize=integer_kernels)
+        scores[method] = mean_kl(reference, got)
         logger.info("calibrator %s: held-out KL %.5f", method, scores[method])
         if best is None or scores[method] < scores[best.method]:
             best = ranges

@@ -9,7 +9,10 @@ advises. VNNI (``vpdpbusd``, AVX-512 VNNI or AVX-VNNI) accumulates in int32 and 
 kernels widen before they add, so those keep full 8-bit weights.
 
 The features are read with CPUID (numpy's dispatcher), not from ``/proc/cpuinfo``, so an
-emulated CPU (``qemu-x86_64 -cpu Haswell``) reports what ONNX Runtime will dispatch on.
+emulated CPU (``qemu-x86_64 -cpu Haswell``) reports what ONNX Runtime will dispatch on. The
+one exception is AVX-VNNI, which numpy does not report: it is read from the kernel's flags,
+so under emulation on a host that has it (Alder Lake, Sapphire Rapids, Zen 5) the host's
+answer wins.
 """
 
 from __future__ import annotations

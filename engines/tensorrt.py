@@ -246,6 +246,8 @@ class TensorRTRunner:
         self._outputs: list[_Slot] = []
         self._graphs: dict[int, cuda.Graph] = {}
         self._use_graphs = engine.options.cuda_graphs
+        # Looked up once: on every batch it would retry a failing ``import tensorrt``.
+        self._trt = tensorrt_module()
         self._stream: cuda.Stream | None = None
         self._done: cuda.Event | None = None
         cuda.set_device(self.device)
@@ -290,7 +292,7 @@ class TensorRTRunner:
         if TYPE_CHECKING:  # the stubs' API, whichever TensorRT runs
             import tensorrt as trt
         else:
-            trt = tensorrt_module()
+            trt = self._trt
 
         if not self.context.set_input_shape(name, trt.Dims(list(shape))):
             raise ValueError(
