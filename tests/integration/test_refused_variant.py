@@ -164,3 +164,19 @@ def test_exit_on_error_keeps_the_old_behaviour(repository: Path, tmp_path: Path)
             {"STOKER_MODELS__EXIT_ON_ERROR": "1", "STOKER_MODELS__MODELS": f'["{MODEL}"]'},
         )
     assert "misses its accuracy budget" in (tmp_path / "server.log").read_text()
+
+
+def test_the_default_model_is_the_first_that_serves(served: Server) -> None:
+    """``broken`` sorts first but serves nothing: ``/infer`` goes to ``tiny`` (which takes no
+    images, so 400 says so), not to a 503 about ``broken``."""
+    answer = httpx.post(f"{served.url}/infer", content=b"x", headers={"Content-Type": "image/png"})
+    assert answer.status_code == 400
+    assert "'tiny' does not take image uploads" in answer.json()["error"]
+    assert httpx.get(f"{served.url}/v2/models/broken/stats").status_code == 503
+    assert httpx.get(f"{served.url}/v2/models/nope/stats").status_code == 404
+
+
+def test_a_server_with_nothing_to_serve_stops(repository: Path, tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="server exited with 1"):
+        start_server(repository, tmp_path / "server.log", {"STOKER_MODELS__MODELS": '["broken"]'})
+    assert "no model version could be served: broken[fp32]" in (tmp_path / "server.log").read_text()
