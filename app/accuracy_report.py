@@ -132,8 +132,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             np.save(calibration_path, rows_of(calibration_files, prep))
         plan = dataclasses.replace(
             plan,
-            int8=dataclasses.replace(
-                plan.int8, calibration=str(calibration_path), samples=len(calibration_files)
+            int8=plan.int8.model_copy(
+                update={"calibration": str(calibration_path), "samples": len(calibration_files)}
             ),
         )
         calibration_note = f"{len(calibration_files)} of the photos (held out of the evaluation)"
@@ -164,11 +164,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         for calibrator in calibrators:
             for weights in recipes:
                 forced = RECIPES[weights]
-                int8 = dataclasses.replace(plan.int8, calibrator=calibrator)
+                update: dict[str, object] = {"calibrator": calibrator}
                 if forced is not None:  # auto: what the server builds (config, else the CPU)
-                    int8 = dataclasses.replace(
-                        int8, reduce_range=forced, keep_first_and_last=forced
-                    )
+                    update |= {"reduce_range": forced, "keep_first_and_last": forced}
+                int8 = plan.int8.model_copy(update=update)
                 label = f"int8 {calibrator}" + ("" if weights == "auto" else f" {weights}-bit")
                 rows.append((label, dataclasses.replace(plan, int8=int8)))
     results: list[dict[str, Any]] = []

@@ -77,64 +77,17 @@ class PreprocessConfig(BaseModel):
         )
 
 
-class Fp16Config(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    keep_fp32_ops: list[str] | None = None
-    """Op types kept in FP32; None keeps the default set (Softmax, LayerNormalization,
-    reductions...). More ops in FP32 cost speed and buy accuracy."""
-    keep_fp32_nodes: list[str] = Field(default_factory=list)
-    """Node names kept in FP32."""
-    keep_first_and_last: bool = False
-    """Keep the first and last weight layers in FP32 (they are often the most sensitive)."""
-
-
-class Int8Config(BaseModel):
-    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
-
-    calibrator: Literal["entropy", "percentile", "minmax", "auto"] = "entropy"
-    """How activation ranges are chosen: entropy (TensorRT's KL threshold), percentile,
-    minmax, or auto (tries each and keeps the lowest KL on a held-out slice: slower)."""
-    percentile: float = Field(default=99.99, gt=50, le=100)
-    """Percentile of |x| kept by the percentile calibrator."""
-    samples: int = Field(default=500, gt=0)
-    """Calibration rows. More rows give steadier ranges and take longer, once: ranges are
-    cached in the engine store."""
-    calibration: str = "builtin"
-    """A folder of images (or .npy/.npz rows), relative to the model folder, run through the
-    model's preprocessing; ``builtin`` uses augmented public-domain photos shipped with
-    scikit-image, which works offline but is less representative than your own data."""
-    exclude_op_types: list[str] = Field(default_factory=list)
-    """Op types left unquantized."""
-    exclude_nodes: list[str] = Field(default_factory=list)
-    """Node names left unquantized (sensitive layers)."""
-    reduce_range: bool | None = None
-    """Quantize weights to 7 bits. None (auto): on x86 CPUs without VNNI, whose integer
-    kernels saturate with 8-bit weights (a few points of top-1 lost there; none elsewhere).
-    7 bits cost a little accuracy where nothing saturates."""
-    keep_first_and_last: bool | None = None
-    """Leave the first and last weight layers in float. None (auto): as ``reduce_range``,
-    where they recover what 7-bit weights lose, for a few percent of speed."""
-
-
-class BudgetConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    min_top1_agreement: float = Field(default=0.98, ge=0, le=1)
-    max_mean_kl: float | None = Field(default=None, ge=0)
-
-
-def _default_budgets() -> dict[str, BudgetConfig]:
+def _default_budgets() -> dict[str, Budget]:
     return {
-        "fp16": BudgetConfig(min_top1_agreement=0.99),
-        "int8": BudgetConfig(min_top1_agreement=0.98),
+        "fp16": Budget(min_top1_agreement=0.99),
+        "int8": Budget(min_top1_agreement=0.98),
     }
 
 
 class AccuracyConfig(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    budgets: dict[str, BudgetConfig] = Field(default_factory=_default_budgets)
+    budgets: dict[str, Budget] = Field(default_factory=_default_budgets)
     """Per precision, the least a variant must agree with FP32 on held-out rows; a variant
     that misses its budget is refused at build time with a message saying by how much."""
     evaluation_samples: int = Field(default=200, gt=0)
@@ -170,9 +123,9 @@ class ModelConfig(BaseModel):
     default_precision: str = "fp32"
     """Precision served by the unversioned path."""
     dynamic_batching: DynamicBatching = Field(default_factory=DynamicBatching)
-    fp16: Fp16Config = Field(default_factory=Fp16Config)
+    fp16: Fp16Options = Field(default_factory=Fp16Options)
     """How the fp16 variant is made."""
-    int8: Int8Config = Field(default_factory=Int8Config)
+    int8: Int8Options = Field(default_factory=Int8Options)
     """How the int8 variant is calibrated and quantized."""
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     """What each variant may cost in accuracy."""
@@ -239,29 +192,9 @@ class ModelEntry(BaseModel):
                 config.preprocess.to_spec(image_input.datatype) if config.preprocess else None
             ),
             profile=(1, max(preferred, default=max_batch), max_batch),
-            fp16=Fp16Options(
-                keep_fp32_ops=(
-                    tuple(config.fp16.keep_fp32_ops)
-                    if config.fp16.keep_fp32_ops is not None
-                    else None
-                ),
-                keep_fp32_nodes=tuple(config.fp16.keep_fp32_nodes),
-                keep_first_and_last=config.fp16.keep_first_and_last,
-            ),
-            int8=Int8Options(
-                calibrator=config.int8.calibrator,
-                percentile=config.int8.percentile,
-                samples=config.int8.samples,
-                calibration=config.int8.calibration,
-                exclude_op_types=tuple(config.int8.exclude_op_types),
-                exclude_nodes=tuple(config.int8.exclude_nodes),
-                reduce_range=config.int8.reduce_range,
-                keep_first_and_last=config.int8.keep_first_and_last,
-            ),
-            budgets={
-                precision: Budget(b.min_top1_agreement, b.max_mean_kl)
-                for precision, b in config.accuracy.budgets.items()
-            },
+            fp16=config.fp16,
+            int8=config.int8,
+            budgets=dict(config.accuracy.budgets),
             evaluation_samples=config.accuracy.evaluation_samples,
             override_accuracy=config.accuracy.override,
         )

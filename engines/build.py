@@ -20,6 +20,7 @@ from typing import Any, Literal
 import numpy as np
 import onnx
 import onnxruntime as ort
+from pydantic import BaseModel, ConfigDict, Field
 
 from engines import accuracy, calibration, cpu, variants
 from engines.preprocess import ImagePreprocess
@@ -41,25 +42,54 @@ RANGES_VERSION = 2
 VARIANTS_VERSION = 3
 
 
-@dataclass(frozen=True)
-class Fp16Options:
+# The precision options are declared once, here, and are also the model config's sections
+# (``fp16:``, ``int8:``, ``accuracy.budgets``): pydantic models the service validates and the
+# engine layer takes as they are.
+_OPTIONS = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+
+class Fp16Options(BaseModel):
+    """How the fp16 variant is made."""
+
+    model_config = _OPTIONS
+
     keep_fp32_ops: tuple[str, ...] | None = None
+    """Op types kept in FP32; None keeps the default set (Softmax, LayerNormalization,
+    reductions...). More ops in FP32 cost speed and buy accuracy."""
     keep_fp32_nodes: tuple[str, ...] = ()
+    """Node names kept in FP32."""
     keep_first_and_last: bool = False
+    """Keep the first and last weight layers in FP32 (they are often the most sensitive)."""
 
 
-@dataclass(frozen=True)
-class Int8Options:
-    calibrator: str = "entropy"
-    percentile: float = 99.99
-    samples: int = 500
+class Int8Options(BaseModel):
+    """How the int8 variant is calibrated and quantized."""
+
+    model_config = _OPTIONS
+
+    calibrator: Literal["entropy", "percentile", "minmax", "auto"] = "entropy"
+    """How activation ranges are chosen: entropy (TensorRT's KL threshold), percentile,
+    minmax, or auto (tries each and keeps the lowest KL on a held-out slice: slower)."""
+    percentile: float = Field(default=99.99, gt=50, le=100)
+    """Percentile of |x| kept by the percentile calibrator."""
+    samples: int = Field(default=500, gt=0)
+    """Calibration rows. More rows give steadier ranges and take longer, once: ranges are
+    cached in the engine store."""
     calibration: str = BUILTIN_CALIBRATION
+    """A folder of images (or .npy/.npz rows), relative to the model folder, run through the
+    model's preprocessing; ``builtin`` uses augmented public-domain photos shipped with
+    scikit-image, which works offline but is less representative than your own data."""
     exclude_op_types: tuple[str, ...] = ()
+    """Op types left unquantized."""
     exclude_nodes: tuple[str, ...] = ()
+    """Node names left unquantized (sensitive layers)."""
     reduce_range: bool | None = None
-    """7-bit weights; None: where the CPU's integer kernels saturate (``engines.cpu``)."""
+    """Quantize weights to 7 bits. None (auto): on x86 CPUs without VNNI, whose integer
+    kernels saturate with 8-bit weights (``engines.cpu``; a few points of top-1 lost there,
+    none elsewhere). 7 bits cost a little accuracy where nothing saturates."""
     keep_first_and_last: bool | None = None
-    """The first and last weight layers in float; None: as for ``reduce_range``."""
+    """Leave the first and last weight layers in float. None (auto): as ``reduce_range``,
+    where they recover what 7-bit weights lose, for a few percent of speed."""
 
 
 @dataclass(frozen=True)
@@ -74,12 +104,15 @@ class Int8Recipe:
     backend's name for a GPU)."""
 
 
-@dataclass(frozen=True)
-class Budget:
+class Budget(BaseModel):
     """The least a variant must keep of FP32's answers on the evaluation set."""
 
-    min_top1_agreement: float = 0.98
-    max_mean_kl: float | None = None
+    model_config = _OPTIONS
+
+    min_top1_agreement: float = Field(default=0.98, ge=0, le=1)
+    """Top-1 agreement with FP32 on the held-out rows."""
+    max_mean_kl: float | None = Field(default=None, ge=0)
+    """Mean KL divergence of the softmax from FP32's; None: not checked."""
 
 
 @dataclass(frozen=True)
@@ -374,9 +407,9 @@ def variant_key(plan: BuildPlan, precision: str, backend: str) -> EngineKey:
         "data": CalibrationData(plan).fingerprint(),
     }
     if precision == "fp16":
-        options["fp16"] = asdict(plan.fp16)
+        options["fp16"] = plan.fp16.model_dump(mode="json")
     elif precision == "int8":
-        options["int8"] = asdict(plan.int8)
+        options["int8"] = plan.int8.model_dump(mode="json")
         options["recipe"] = asdict(recipe)
     return EngineKey(
         model=plan.model,

@@ -68,7 +68,9 @@ def test_variants_are_built_once_and_calibration_is_cached(
     assert ensure_variant(store, plan, "int8", "onnxruntime") == (int8, int8_report)
     assert calls == ["calibrated"]
     # A new evaluation budget is a new artefact, but the cached ranges are reused.
-    stricter = dataclasses.replace(plan, budgets={"int8": Budget(0.4)}, evaluation_samples=24)
+    stricter = dataclasses.replace(
+        plan, budgets={"int8": Budget(min_top1_agreement=0.4)}, evaluation_samples=24
+    )
     rebuilt, _ = ensure_variant(
         store, dataclasses.replace(stricter, profile=(1, 2, 3)), "int8", "onnxruntime"
     )
@@ -125,7 +127,7 @@ def test_calibration_folder_is_part_of_the_key(tmp_path: Path, efficientnet_dir:
     photos.mkdir()
     shutil.copy(ROOT / "README.md", photos / "a.txt")
     builtin = build.CalibrationData(plan).fingerprint()
-    mine = dataclasses.replace(plan, int8=dataclasses.replace(plan.int8, calibration=str(photos)))
+    mine = dataclasses.replace(plan, int8=plan.int8.model_copy(update={"calibration": str(photos)}))
     first = build.CalibrationData(mine).fingerprint()
     (photos / "b.txt").write_text("another file")
     assert len({builtin, first, build.CalibrationData(mine).fingerprint()}) == 3
