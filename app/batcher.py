@@ -42,7 +42,12 @@ class Pending:
     level: int
     enqueued: float
     future: asyncio.Future[Tensors]
+    deadline: float | None = None
+    """``time.monotonic()`` past which it is answered 504 and must not reach a runner."""
     dispatched: bool = False
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now >= self.deadline
 
 
 @dataclass
@@ -171,6 +176,7 @@ class Batcher:
             level=self.level_of(priority),
             enqueued=time.monotonic(),
             future=asyncio.get_running_loop().create_future(),
+            deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         )
         self._levels[pending.level].append(pending)
         self._queued += 1
@@ -216,8 +222,10 @@ class Batcher:
 
     def _select(self) -> tuple[Batch, bool]:
         """The oldest highest-priority request and those that can join it, in queue order;
-        and whether the batch is full."""
-        first = next((p for level in self._levels for p in level), None)
+        and whether the batch is full. A request past its deadline is passed over: its own
+        timeout answers it 504 on the loop's next turn, and no runner spends time on it."""
+        now = time.monotonic()
+        first = next((p for level in self._levels for p in level if not p.expired(now)), None)
         batch = Batch()
         if first is None:
             return batch, False
@@ -227,7 +235,7 @@ class Batcher:
         rows = 0
         for level in self._levels:
             for pending in level:
-                if pending.key != first.key:
+                if pending.key != first.key or pending.expired(now):
                     continue
                 if rows + pending.rows > self._max_rows:
                     return batch, True

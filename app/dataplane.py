@@ -21,7 +21,14 @@ import numpy as np
 import zoo
 from app import images
 from app.batcher import Batcher, Tensors
-from app.errors import BadRequest, NotFound, StokerError, Unavailable, client_text
+from app.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    NotFound,
+    StokerError,
+    Unavailable,
+    client_text,
+)
 from app.metrics import ModelMetrics, model_unavailable
 from app.pool import RunnerPool
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
@@ -408,6 +415,7 @@ class DataPlane:
         """Decode a V2 request, validate it against the model, batch it, shape the answer."""
 
         async def work() -> tuple[str | None, list[tuple[RequestedOutput, np.ndarray]]]:
+            arrived = time.monotonic()
             # Under overload most requests are refused: refuse before decoding, not after.
             model.batcher.admit()
             depth = self.settings.limits.max_json_depth
@@ -428,7 +436,7 @@ class DataPlane:
                 raise BadRequest(
                     f"priority {request.priority} exceeds the model's {levels} level(s)"
                 )
-            timeout = self._timeout_s(model, request.timeout_us)
+            timeout = self._time_left(self._timeout_s(model, request.timeout_us), arrived)
             outputs = await model.batcher.infer(inputs, rows, key, timeout, request.priority)
             return request.id, [(out, self._shape_output(model, out, outputs)) for out in wanted]
 
@@ -441,6 +449,17 @@ class DataPlane:
         if out.classification:
             return classify(value, out.classification, model.labels)
         return value
+
+    @staticmethod
+    def _time_left(timeout_s: float | None, arrived: float) -> float | None:
+        """What is left of a request's deadline after decoding it; 504 if nothing is (it
+        never reaches the queue, let alone a runner)."""
+        if timeout_s is None:
+            return None
+        left = timeout_s - (time.monotonic() - arrived)
+        if left <= 0:
+            raise DeadlineExceeded(f"deadline of {timeout_s * 1000:g} ms passed while decoding")
+        return left
 
     @staticmethod
     def _timeout_s(model: ServedModel, timeout_us: int | None) -> float | None:
@@ -498,12 +517,13 @@ class DataPlane:
             return np.stack([row for row in rows if row is not None])
 
         async def work() -> list[list[dict[str, Any]]]:
+            arrived = time.monotonic()
             model.batcher.admit()
             batch = await decode_all()
             on_device = model.pixels is not None and model.pixels.on_device
             if image_input.datatype != "UINT8" and not on_device:
                 batch = normalize(batch, prep, image_input.dtype)
-            timeout = self._timeout_s(model, None)
+            timeout = self._time_left(self._timeout_s(model, None), arrived)
             step = model.spec.max_batch_size or 1
             chunks = [batch[i : i + step] for i in range(0, len(batch), step)]
             key = batch_key(model.spec, {image_input.name: batch})

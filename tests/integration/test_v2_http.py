@@ -373,3 +373,28 @@ def test_every_precision_is_a_version_with_its_own_metrics(
     client.close()
     labels = (("model", "efficientnet_lite0"), ("version", version))
     assert metric_samples(server)[("stoker_inference_count_total", labels)] >= 1
+
+
+def test_the_deadline_counts_from_arrival_so_decoding_spends_it(server: Server) -> None:
+    """A 150,000-value JSON tensor with a 100 us deadline: its decoding alone outlasts the
+    deadline, so it is answered 504 before it is queued, and no batch runs for it."""
+    body = {
+        "inputs": [
+            {
+                "name": "input",
+                "datatype": "FP32",
+                "shape": [1, 3, 224, 224],
+                "data": np.zeros(3 * 224 * 224, dtype=np.float32).tolist(),
+            }
+        ],
+        "parameters": {"timeout": 100},
+    }
+    key = (
+        "stoker_inference_exec_count_total",
+        (("model", "efficientnet_lite0"), ("version", "fp32")),
+    )
+    before = metric_samples(server).get(key, 0.0)
+    answer = httpx.post(f"{server.url}/v2/models/efficientnet_lite0/infer", json=body, timeout=30)
+    assert answer.status_code == 504
+    assert answer.json() == {"error": "deadline of 0.1 ms passed while decoding"}
+    assert metric_samples(server).get(key, 0.0) == before

@@ -298,3 +298,20 @@ def test_closed_batcher_refuses_new_requests() -> None:
             await infer(batcher, rows(1))
 
     run(scenario)
+
+
+def test_a_request_past_its_deadline_never_reaches_a_runner() -> None:
+    """A free runner's dispatcher wakes as soon as a request arrives, before the request's
+    own timeout can fire: a request whose deadline has passed by then (here 1 us, as a
+    request that spent its time being decoded) must be passed over. It gets 504; the runner
+    sees only the request after it."""
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        for _ in range(5):
+            with pytest.raises(DeadlineExceeded):
+                await infer(batcher, rows(1, 7), timeout_s=1e-6)
+        np.testing.assert_array_equal(await infer(batcher, rows(1, 9)), rows(1, 9) * 2)
+
+    # No queue delay: the dispatcher takes what has arrived at once (the default CPU config).
+    engine = run(scenario, max_queue_delay_us=0)
+    assert np.concatenate(engine.batches).ravel().tolist() == [9.0]
