@@ -27,6 +27,10 @@ from app.errors import BadRequest, PayloadTooLarge
 log = logging.getLogger(__name__)
 # Colour modes nvJPEG turns into RGB as Pillow does; CMYK and the like go to Pillow.
 DEVICE_MODES = frozenset({"RGB", "L"})
+# The formats an upload may be, and the only Pillow plugins ever tried on one: photos and
+# screenshots. Pillow reads 40-odd more, some through external programs (EPS runs
+# Ghostscript) or rarely exercised parsers; none of them is a photo a client sends.
+UPLOAD_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Header:
 def _open(data: bytes, max_pixels: int, max_aspect: float | None) -> Image.Image:
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)
         width, height = image.size
         if width * height > max_pixels:
             raise PayloadTooLarge(
@@ -72,7 +76,7 @@ def _refusing(data: bytes, fn: Callable[[], Image.Image]) -> Image.Image:
         # Pillow's own message names its file object (<_io.BytesIO object at 0x...>).
         raise BadRequest(
             f"cannot decode image: {len(data)} bytes that are not an image format this server "
-            "reads (send a JPEG or PNG)"
+            f"reads ({', '.join(UPLOAD_FORMATS)})"
         ) from exc
     except Exception as exc:
         detail = f"{type(exc).__name__}: {exc}"[:200]

@@ -187,7 +187,7 @@ def test_decoded_uploads_are_counted_by_device(
     assert not_image.status_code == 400
     assert not_image.json() == {
         "error": "cannot decode image: 110 bytes that are not an image format this server "
-        "reads (send a JPEG or PNG)"
+        "reads (JPEG, PNG, WEBP, BMP, GIF)"
     }
     after = metric_samples(server)
     assert after[key("cpu")] - before.get(key("cpu"), 0.0) == 2

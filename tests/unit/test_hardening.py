@@ -333,3 +333,15 @@ def test_a_body_buffer_follows_what_arrives_not_what_is_declared() -> None:
         for i, c in enumerate(chunks)
     ]
     assert bytes(asyncio.run(read_body(reader(len(body), messages)))) == body
+
+
+def test_only_photo_formats_are_decoded() -> None:
+    """An EPS upload (which Pillow would render through Ghostscript) is refused from its
+    first bytes; the listed formats decode."""
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    with pytest.raises(BadRequest, match=r"not an image format this server reads \(JPEG, PNG"):
+        images.decode(eps, 1_000_000)
+    for fmt in images.UPLOAD_FORMATS:
+        buffer = io.BytesIO()
+        Image.new("RGB", (8, 6), (1, 2, 3)).save(buffer, format=fmt)
+        assert images.decode(buffer.getvalue(), 1_000_000).size == (8, 6), fmt
