@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from app.repository import ModelEntry, discover
 from app.settings import Settings
 from engines import accuracy, backends
 from engines.base import EngineOptions, FatalEngineError, pixel_input
-from engines.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
+from engines.build import AccuracyBudgetExceeded, BuildCancelled, BuildPlan, ensure_variant
 from engines.onnxruntime import read_spec
 from engines.preprocess import ImagePreprocess, normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
@@ -93,6 +94,9 @@ class DataPlane:
         self.ready = False
         self.failed: BaseException | None = None
         self.draining = False
+        # Set with the drain: a build running in a worker thread stops at its next check
+        # instead of holding the process up until it ends.
+        self._stopping = threading.Event()
         self._drain_deadline = 0.0
         # Requests inside the data plane (decoding, queued, executing): what a drain waits for.
         self._active = 0
@@ -110,6 +114,9 @@ class DataPlane:
         for entry in self._entries:
             try:
                 await self._load(entry)
+            except BuildCancelled as stopped:
+                log.info("loading stopped, the server is shutting down: %s", stopped)
+                return
             except FatalEngineError:
                 raise  # the device is broken for every model: liveness must go
             except Exception as error:
@@ -168,7 +175,7 @@ class DataPlane:
                     versions[precision] = await self._load_version(
                         entry, spec, plan, precision, backend, labels
                     )
-                except FatalEngineError:
+                except (FatalEngineError, BuildCancelled):
                     raise
                 except Exception as error:
                     self._refuse(config.name, precision, error)
@@ -190,7 +197,9 @@ class DataPlane:
     ) -> ServedModel:
         config = entry.config
         started = time.perf_counter()
-        variant, _ = await asyncio.to_thread(ensure_variant, self.store, plan, precision, backend)
+        variant, _ = await asyncio.to_thread(
+            ensure_variant, self.store, plan, precision, backend, self._stopping.is_set
+        )
         options = engine_options(entry, spec, self.store, plan.profile, precision)
         engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
         pool: RunnerPool | None = None
@@ -265,6 +274,7 @@ class DataPlane:
         timeout starts. Sets plain attributes only, so a signal handler may call it."""
         if not self.draining:
             self.draining = True
+            self._stopping.set()
             self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
 
     def drain_time_left(self) -> float:

@@ -12,7 +12,7 @@ import hashlib
 import logging
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -134,6 +134,17 @@ class BuildPlan:
 
 class AccuracyBudgetExceeded(Exception):
     """A variant lost more of FP32's answers than the model's budget allows."""
+
+
+class BuildCancelled(Exception):
+    """A build stopped because its caller asked (a server shutting down): nothing is stored."""
+
+
+Cancelled = Callable[[], bool]
+
+
+def never() -> bool:
+    return False
 
 
 def int8_recipe(
@@ -295,6 +306,7 @@ def calibration_ranges(
     model_hash: str,
     recipe: Int8Recipe,
     data: CalibrationData,
+    cancelled: Cancelled = never,
 ) -> calibration.Ranges:
     """The activation ranges for the INT8 variant, cached in the store so a rebuild (another
     backend, a bumped runtime) does not recalibrate."""
@@ -325,6 +337,11 @@ def calibration_ranges(
         started = time.perf_counter()
 
         def progress(done: int, total: int) -> None:
+            if cancelled():
+                log.info(
+                    "%s: calibration stopped at %d/%d rows (shutting down)", plan.model, done, total
+                )
+                raise BuildCancelled(f"{plan.model}: calibration stopped at {done}/{total} rows")
             log.info("%s: calibrating (%s) %d/%d rows", plan.model, options.calibrator, done, total)
 
         extra: dict[str, Any] = {}
@@ -340,6 +357,7 @@ def calibration_ranges(
                 keep_first_and_last=recipe.keep_first_and_last,
                 # TensorRT's candidates are scored as a GPU computes them, not by this CPU.
                 integer_kernels=recipe.kernels != "tensorrt",
+                progress=progress,
             )
             extra["auto_mean_kl"] = scores
         else:
@@ -368,6 +386,7 @@ def make_variant(
     recipe: Int8Recipe,
     model_hash: str,
     data: CalibrationData,
+    cancelled: Cancelled = never,
 ) -> onnx.ModelProto:
     model = onnx.load(str(plan.source))
     if precision == "fp16":
@@ -381,7 +400,7 @@ def make_variant(
             keep_first_and_last=fp16.keep_first_and_last,
         )
     if precision == "int8":
-        ranges = calibration_ranges(store, plan, model_hash, recipe, data)
+        ranges = calibration_ranges(store, plan, model_hash, recipe, data, cancelled)
         return variants.to_int8(
             model,
             ranges,
@@ -428,11 +447,14 @@ def ensure_variant(
     plan: BuildPlan,
     precision: str,
     backend: str,
+    cancelled: Cancelled = never,
 ) -> tuple[Path, dict[str, Any]]:
     """The ONNX file that serves ``precision`` on ``backend`` and its accuracy report: the
     source for fp32, else a stored variant, built (calibrated, measured, gated) if missing.
 
-    Raises ``AccuracyBudgetExceeded`` for a variant that misses its budget."""
+    Raises ``AccuracyBudgetExceeded`` for a variant that misses its budget, and
+    ``BuildCancelled`` as soon as ``cancelled()`` turns true during a calibration (checked
+    every few rows; the store keeps nothing of it)."""
     if precision == "fp32":
         return plan.source, {}
     key = variant_key(plan, precision, backend)
@@ -449,7 +471,9 @@ def ensure_variant(
                 f", for {recipe.kernels})"
             )
         log.info("%s: building the %s variant for %s%s", plan.model, precision, backend, how)
-        variant = make_variant(store, plan, precision, recipe, key.model_hash, data)
+        variant = make_variant(store, plan, precision, recipe, key.model_hash, data, cancelled)
+        if cancelled():
+            raise BuildCancelled(f"{plan.model}: the {precision} build stopped")
         onnx.save(variant, str(path))
         reference = onnx.load(str(plan.source))
         # A TensorRT variant is judged by what a GPU computes, not by this CPU's kernels.

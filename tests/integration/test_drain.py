@@ -11,7 +11,11 @@ their different shape keeps them out of the blocker's batch.
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,7 +26,8 @@ import onnx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import slow_onnx
+from bench.launch import free_port
+from tests.conftest import configure, slow_onnx
 from tests.integration.conftest import Server, start_server
 
 WIDTH = 512
@@ -215,3 +220,58 @@ def test_drain_timeout_answers_what_is_left_with_503_and_exits_0(drained: Draine
     assert outcome.exit_code == 0, drained.server.log.read_text()[-3000:]
     assert outcome.exited_at - outcome.signalled_at < BLOCKER_SECONDS + 5
     assert "drain timeout" in drained.server.log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_during_an_int8_build_stops_it_and_leaves_the_store_clean(
+    tmp_path: Path, efficientnet_dir: Path
+) -> None:
+    """A first start calibrating 480 rows (a minute of work on two cores) gets SIGTERM a few
+    strides in: the process exits 0 within seconds, not when calibration would have ended,
+    and the store holds no variant, no ranges and no half-written file."""
+    repository = tmp_path / "repository"
+    shutil.copytree(efficientnet_dir, repository / "efficientnet_lite0")
+    configure(
+        repository / "efficientnet_lite0",
+        {"int8": {"samples": 480}, "accuracy": {"evaluation_samples": 16}},
+    )
+    store = tmp_path / "store"
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app",
+                "serve",
+                "--repository",
+                str(repository),
+                "--port",
+                str(free_port()),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "STOKER_STORE__PATH": str(store)},
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "calibrating (percentile) 32/480" not in log.read_text():
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "calibration never started"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        code = process.wait(timeout=60)
+        took = time.monotonic() - signalled
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert took < 15, f"exited {took:.1f} s after SIGTERM"
+    assert "calibration stopped at" in text and "(shutting down)" in text
+    assert "calibrating (percentile) 96/480" not in text
+    assert "Traceback" not in text
+    leftovers = [p.name for p in store.rglob("*") if p.is_file() and not p.name.endswith(".lock")]
+    assert leftovers == [], leftovers
