@@ -30,7 +30,8 @@ class Server:
         return self.url.removeprefix("http://")
 
 
-def start_server(repository: Path, log: Path, env: dict[str, str] | None = None) -> Server:
+def launch_server(repository: Path, log: Path, env: dict[str, str] | None = None) -> Server:
+    """``stoker serve`` on a free port, not waited for."""
     port = free_port()
     # Tests never touch the user's engine store: each server gets one beside its log.
     environment = {**os.environ, "STOKER_STORE__PATH": str(log.parent / "store"), **(env or {})}
@@ -50,7 +51,13 @@ def start_server(repository: Path, log: Path, env: dict[str, str] | None = None)
             stderr=subprocess.STDOUT,
             env=environment,
         )
-    server = Server(f"http://127.0.0.1:{port}", process, log)
+    return Server(f"http://127.0.0.1:{port}", process, log)
+
+
+def start_server(repository: Path, log: Path, env: dict[str, str] | None = None) -> Server:
+    """``stoker serve`` on a free port, once it reports ready."""
+    server = launch_server(repository, log, env)
+    process = server.process
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if process.poll() is not None:

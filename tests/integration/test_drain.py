@@ -11,11 +11,8 @@ their different shape keeps them out of the blocker's batch.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +23,8 @@ import onnx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.launch import free_port
 from tests.conftest import configure, slow_onnx
-from tests.integration.conftest import Server, start_server
+from tests.integration.conftest import Server, launch_server, start_server
 
 WIDTH = 512
 LAYERS = 16
@@ -235,24 +231,9 @@ def test_sigterm_during_an_int8_build_stops_it_and_leaves_the_store_clean(
         repository / "efficientnet_lite0",
         {"int8": {"samples": 480}, "accuracy": {"evaluation_samples": 16}},
     )
-    store = tmp_path / "store"
+    store = tmp_path / "store"  # launch_server's store, beside its log
     log = tmp_path / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app",
-                "serve",
-                "--repository",
-                str(repository),
-                "--port",
-                str(free_port()),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "STOKER_STORE__PATH": str(store)},
-        )
+    process = launch_server(repository, log).process
     try:
         deadline = time.monotonic() + 120
         while "calibrating (percentile) 32/480" not in log.read_text():
