@@ -203,9 +203,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     header = (
         f"# {entry.config.name}: precision against FP32\n\n"
         f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
-        f"calibration: {calibration_note}; INT8 for this CPU ({chosen.kernels}): {chosen.form}, "
-        f"{7 if chosen.reduce_range else 8}-bit weights"
-        f"{', first and last layers in float' if chosen.keep_first_and_last else ''}; backend "
+        f"calibration: {calibration_note}; INT8 recipe {chosen.describe()}; backend "
         f"{backend}; {os.cpu_count()} CPU threads; img/s are medians of 5 interleaved "
         f"rounds; {time.strftime('%Y-%m-%d')}.\n\n"
     )

@@ -232,7 +232,7 @@ def prebuild_tensorrt(model: str, precision: str, variant: Path, spec: Any, opti
     for RTX: anywhere; TensorRT proper: on its GPU), and say what was built or why not."""
     from engines import cuda
     from engines.tensorrt_build import (
-        JIT_DEVICE,
+        RTX_RUNS_ON,
         TensorRTOptions,
         TensorRTUnavailable,
         describe_network,
@@ -246,15 +246,13 @@ def prebuild_tensorrt(model: str, precision: str, variant: Path, spec: Any, opti
             f"{model} {precision}: no TensorRT plan built here ({why}); the server builds it "
             "at its first start on the GPU"
         )
-    where = target.device_key()
     jit = (
-        "; it is specialised for the GPU when it loads (TensorRT for RTX runs on compute "
-        "capability 8.0, 8.6, 8.9 and 12.x)"
-        if where == JIT_DEVICE
+        f"; it is specialised for the GPU when it loads (TensorRT for RTX runs on {RTX_RUNS_ON})"
+        if target.jit
         else ""
     )
     return (
-        f"{model} {precision}: {target.tensorrt_version} plan for {where}{jit}\n"
+        f"{model} {precision}: {target.tensorrt_version} plan for {target.device_key()}{jit}\n"
         f"  network: {describe_network(variant).describe()}"
     )
 

@@ -120,10 +120,10 @@ class DataPlane:
             except FatalEngineError:
                 raise  # the device is broken for every model: liveness must go
             except Exception as error:
-                # What every version needs (the ONNX file, its spec) is missing.
+                # What every version needs (the ONNX file, its spec) is missing; _load
+                # registers a model's versions only once all of them were tried.
                 for precision in entry.config.precisions:
-                    if precision not in self._models.get(entry.config.name, {}):
-                        self._refuse(entry.config.name, precision, error)
+                    self._refuse(entry.config.name, precision, error)
         refused = [f"{n}[{v}]" for n, versions in self._unavailable.items() for v in versions]
         if not self.all_served():
             # Nothing to serve: stop (the orchestrator shows a crash loop) rather than stay
@@ -304,9 +304,7 @@ class DataPlane:
         self.begin_drain()
         await self._close_batchers()
         for model in reversed(self.all_served()):
-            if model.decoder is not None:
-                await model.decoder.close()
-            await asyncio.to_thread(model.pool.close)
+            await model.close()  # its batcher is closed already: the rest goes
         self._models.clear()
 
     # -- lookup -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ against FP32 when it is built; one that misses its accuracy budget is refused, n
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import platform
@@ -102,6 +103,15 @@ class Int8Recipe:
     kernels: str
     """The integer kernels the recipe was chosen for (``cpu.IntegerKernels.name``, or the
     backend's name for a GPU)."""
+    gate_fused: bool
+    """Judge the variant as ONNX Runtime serves it, Q/DQ fused into this CPU's integer
+    kernels; False (TensorRT): with its Q/DQ graph run in float, as a GPU computes it, which
+    no CPU's int16 saturation can distort."""
+
+    def describe(self) -> str:
+        edges = ", first and last layers in float" if self.keep_first_and_last else ""
+        bits = 7 if self.reduce_range else 8
+        return f"{self.form}, {bits}-bit weights{edges}, for {self.kernels}"
 
 
 class Budget(BaseModel):
@@ -167,6 +177,7 @@ def int8_recipe(
         reduce_range=choose(options.reduce_range),
         keep_first_and_last=choose(options.keep_first_and_last),
         kernels=name,
+        gate_fused=backend != "tensorrt",
     )
 
 
@@ -196,8 +207,10 @@ class CalibrationData:
         path = Path(source)
         return path if path.is_absolute() else self._plan.folder / path
 
+    @functools.cached_property
     def fingerprint(self) -> str:
-        """Identifies the calibration data for cache keys without reading it all."""
+        """Identifies the calibration data for cache keys without reading it all (the
+        folder's names, sizes and times, listed once per build)."""
         path = self.source_path()
         if path is None:
             return BUILTIN_VERSION
@@ -324,7 +337,7 @@ def calibration_ranges(
             "percentile": options.percentile,
             "samples": options.samples,
             "evaluation_samples": plan.evaluation_samples,
-            "data": data.fingerprint(),
+            "data": data.fingerprint,
             # Ranges do not depend on the INT8 recipe, except when auto scores candidates in it.
             "recipe": asdict(recipe) if options.calibrator == "auto" else "any",
         },
@@ -355,8 +368,7 @@ def calibration_ranges(
                 exclude_nodes=options.exclude_nodes,
                 reduce_range=recipe.reduce_range,
                 keep_first_and_last=recipe.keep_first_and_last,
-                # TensorRT's candidates are scored as a GPU computes them, not by this CPU.
-                integer_kernels=recipe.kernels != "tensorrt",
+                integer_kernels=recipe.gate_fused,
                 progress=progress,
             )
             extra["auto_mean_kl"] = scores
@@ -413,17 +425,26 @@ def make_variant(
     raise ValueError(f"no ONNX variant for precision {precision!r}")
 
 
-def variant_key(plan: BuildPlan, precision: str, backend: str) -> EngineKey:
+def variant_key(
+    plan: BuildPlan,
+    precision: str,
+    backend: str,
+    recipe: Int8Recipe | None = None,
+    data: CalibrationData | None = None,
+) -> EngineKey:
     """The store key of a precision variant: everything that changes its numbers or speed
     (the model, the build options and calibration data, the recipe and the CPU's integer
-    kernels it was chosen for, ONNX Runtime's version, this code's ``VARIANTS_VERSION``)."""
-    recipe = int8_recipe(backend, plan.int8)
+    kernels it was chosen for, ONNX Runtime's version, this code's ``VARIANTS_VERSION``).
+    ``recipe`` and ``data`` where the caller has them already (the data's fingerprint reads
+    every file of a calibration folder)."""
+    recipe = recipe or int8_recipe(backend, plan.int8)
+    data = data or CalibrationData(plan)
     backend_version, device = backend_identity(backend)
     options: dict[str, Any] = {
         "variants_version": VARIANTS_VERSION,
         "form": recipe.form,
         "evaluation_samples": plan.evaluation_samples,
-        "data": CalibrationData(plan).fingerprint(),
+        "data": data.fingerprint,
     }
     if precision == "fp16":
         options["fp16"] = plan.fp16.model_dump(mode="json")
@@ -457,28 +478,21 @@ def ensure_variant(
     every few rows; the store keeps nothing of it)."""
     if precision == "fp32":
         return plan.source, {}
-    key = variant_key(plan, precision, backend)
     recipe = int8_recipe(backend, plan.int8)
     data = CalibrationData(plan)
+    key = variant_key(plan, precision, backend, recipe, data)
 
     def build(path: Path) -> dict[str, Any]:
         started = time.perf_counter()
-        how = ""
-        if precision == "int8":
-            how = (
-                f" ({recipe.form}, {7 if recipe.reduce_range else 8}-bit weights"
-                f"{', first and last layers in float' if recipe.keep_first_and_last else ''}"
-                f", for {recipe.kernels})"
-            )
+        how = f" ({recipe.describe()})" if precision == "int8" else ""
         log.info("%s: building the %s variant for %s%s", plan.model, precision, backend, how)
         variant = make_variant(store, plan, precision, recipe, key.model_hash, data, cancelled)
         if cancelled():
             raise BuildCancelled(f"{plan.model}: the {precision} build stopped")
         onnx.save(variant, str(path))
         reference = onnx.load(str(plan.source))
-        # A TensorRT variant is judged by what a GPU computes, not by this CPU's kernels.
         report = evaluate(
-            plan, reference, variant, data.split()[1], integer_kernels=backend != "tensorrt"
+            plan, reference, variant, data.split()[1], integer_kernels=recipe.gate_fused
         )
         log.info(
             "%s %s: top-1 agreement %.4f, mean KL %.5f on %d rows (built in %.1f s)",

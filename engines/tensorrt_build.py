@@ -46,6 +46,8 @@ HARDWARE_COMPATIBILITY = ("none", "ampere_plus", "same_compute_capability")
 PLAN_SUFFIX = ".plan"
 # The device of a TensorRT for RTX plan: specialised for the GPU only when it loads.
 JIT_DEVICE = "any supported GPU (JIT at load)"
+RTX_RUNS_ON = "compute capability 8.0, 8.6, 8.9 and 12.x"
+"""What TensorRT for RTX runs plans on (A100, RTX 30/40/50, RTX PRO; not the H200's 9.0)."""
 TIMING_CACHE_SUFFIX = ".cache"
 
 Shape = tuple[int, ...]
@@ -116,8 +118,14 @@ class Target:
     device_name: str
     compute_capability: tuple[int, int]
 
+    @property
+    def jit(self) -> bool:
+        """A TensorRT for RTX plan: built for no GPU, specialised on the one it loads on, and
+        with no tactic timings (nothing to time them on)."""
+        return self.device_name == JIT_DEVICE
+
     def device_key(self, hardware_compatibility: str = "none") -> str:
-        if self.device_name == JIT_DEVICE:
+        if self.jit:
             return JIT_DEVICE
         major, minor = self.compute_capability
         if hardware_compatibility == "ampere_plus":
@@ -145,8 +153,8 @@ def current_target(device: int | None) -> Target:
                 major, minor = capability
                 raise TensorRTUnavailable(
                     f"TensorRT for RTX does not run on {name} (compute capability "
-                    f"{major}.{minor}; it runs on 8.0, 8.6, 8.9 and 12.x), and TensorRT proper "
-                    "is not installed"
+                    f"{major}.{minor}; it runs on {RTX_RUNS_ON}), and TensorRT proper is not "
+                    "installed"
                 )
         return Target(version, JIT_DEVICE, (0, 0))
     if device is None:
@@ -424,8 +432,7 @@ def tensorrt_module() -> Any:
         f"TensorRT is not installed ({'; '.join(problems)}); run in NVIDIA's TensorRT "
         "container (docker build --target gpu), `pip install 'stoker[tensorrt]'` on a machine "
         "that reaches NVIDIA's index, or `pip install 'stoker[tensorrt-rtx]'` (TensorRT for "
-        "RTX: builds anywhere, runs on compute capability 8.0/8.6/8.9/12.x); or use backend: "
-        "torch or onnxruntime"
+        f"RTX: builds anywhere, runs on {RTX_RUNS_ON}); or use backend: torch or onnxruntime"
     )
 
 
@@ -643,13 +650,13 @@ def ensure_plan(
     store = engine_options.store
     if store is None:
         log.info("%s: no engine store, so the plan is built in memory and not kept", label)
-        fresh_cache = None if target.device_name == JIT_DEVICE else b""
+        fresh_cache = None if target.jit else b""
         plan, _ = build_plan(variant, spec, shapes, options, fresh_cache, label)
         return plan
     key = plan_key(spec, sha256_file(variant), precision, target, rows, shapes, options)
 
     # Tactics are timed on the GPU; a TensorRT for RTX plan built without one times nothing.
-    timed = options.timing_cache and target.device_name != JIT_DEVICE
+    timed = options.timing_cache and not target.jit
 
     def build(path: Path) -> dict[str, Any]:
         generation, cache = (0, b"")

@@ -3,14 +3,15 @@
 Calibrates once (percentile 99.99 on 200 photos, as the model's config does), builds each
 recipe with the project's own ``to_int8``, and measures every recipe on the held-out photos
 with the integer kernels this CPU dispatches: top-1 agreement with FP32, top-1 against the
-labels, mean KL, and img/s at batch 8 with 2 threads. To see what an AVX2-only CPU computes
-from a VNNI machine, run the ``evaluate`` step under ``qemu-x86_64 -cpu Haswell`` (its img/s
-are then emulated and mean nothing; its accuracy is the AVX2 kernels').
+labels, mean KL, and img/s at batch 8 with 2 threads (medians of interleaved rounds). To
+see what an AVX2-only CPU computes from a VNNI machine, run the ``evaluate`` step under
+``qemu-x86_64 -cpu Haswell`` (its img/s are then emulated and mean nothing; its accuracy is
+the AVX2 kernels').
 
     python scripts/int8_recipes.py build --photos ../shared/data/imagenet-sample --out /tmp/r
     python scripts/int8_recipes.py evaluate --out /tmp/r --tag native
     qemu-x86_64 -cpu Haswell .venv/bin/python scripts/int8_recipes.py evaluate --out /tmp/r \
-        --tag haswell --only u8s8-8bit,u8s8-7bit-edges-float
+        --tag haswell --only u8s8-8bit,u8s8-7bit-edges-float --rounds 1
 """
 
 from __future__ import annotations
@@ -74,44 +75,64 @@ def build(args: argparse.Namespace) -> None:
         print(f"built {name}", flush=True)
 
 
-def speed(model: Path, batch: np.ndarray, rounds: int = 5) -> float:
-    session = accuracy.session(model, threads=2)
-    session.run(None, {INPUT: batch})
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
+def speeds(
+    models: dict[str, Path], batch: np.ndarray, rounds: int, per_round: int = 10
+) -> dict[str, tuple[float, float]]:
+    """Name -> (median img/s, median ratio to fp32 within a round), timed in interleaved
+    rounds of ``per_round`` batches each, so a machine that drifts drifts for all alike."""
+    sessions = {name: accuracy.session(path, threads=2) for name, path in models.items()}
+    for session in sessions.values():
         session.run(None, {INPUT: batch})
-        times.append(time.perf_counter() - started)
-    return len(batch) / float(np.median(times))
+    samples: dict[str, list[float]] = {name: [] for name in sessions}
+    for _ in range(rounds):
+        for name, session in sessions.items():
+            started = time.perf_counter()
+            for _ in range(per_round):
+                session.run(None, {INPUT: batch})
+            samples[name].append(per_round * len(batch) / (time.perf_counter() - started))
+    fp32 = samples["fp32"]
+    return {
+        name: (
+            float(np.median(values)),
+            float(np.median([v / f for v, f in zip(values, fp32, strict=True)])),
+        )
+        for name, values in samples.items()
+    }
 
 
 def evaluate(args: argparse.Namespace) -> None:
     with np.load(args.out / "rows.npz") as saved:
         data, labels = saved["evaluation"], saved["labels"]
     reference = accuracy.run_onnx(SOURCE, data, INPUT, batch=8, threads=2)
-    fp32_speed = speed(SOURCE, data[:8])
     kernels = cpu.integer_kernels().name
-    results: dict[str, dict[str, float]] = {
-        "fp32": {"top1": float((reference.argmax(1) == labels).mean()), "img_s": fp32_speed}
-    }
-    print(f"{len(data)} held-out photos, integer kernels {kernels}")
-    print(f"{'variant':24} {'agree':>6} {'top1':>6} {'KL':>8} {'img/s@8':>8} {'x fp32':>7}")
-    print(f"{'fp32':24} {1:6.3f} {results['fp32']['top1']:6.3f} {0:8.5f} {fp32_speed:8.1f}")
     only = set(args.only.split(",")) if args.only else set(RECIPES)
-    for name in (n for n in RECIPES if n in only):
-        path = args.out / f"{name}.onnx"
-        logits = accuracy.run_onnx(path, data, INPUT, batch=8, threads=2)
-        result = {
+    names = [n for n in RECIPES if n in only]
+    results: dict[str, dict[str, float]] = {
+        "fp32": {
+            "agreement": 1.0,
+            "top1": float((reference.argmax(1) == labels).mean()),
+            "mean_kl": 0.0,
+        }
+    }
+    for name in names:
+        logits = accuracy.run_onnx(args.out / f"{name}.onnx", data, INPUT, batch=8, threads=2)
+        results[name] = {
             "agreement": accuracy.top1_agreement(reference, logits),
             "top1": float((logits.argmax(1) == labels).mean()),
             "mean_kl": accuracy.mean_kl(reference, logits),
-            "img_s": speed(path, data[:8]),
         }
-        results[name] = result
+    models = {"fp32": SOURCE, **{name: args.out / f"{name}.onnx" for name in names}}
+    for name, (img_s, ratio) in speeds(models, data[:8], args.rounds).items():
+        results[name] |= {"img_s": img_s, "x_fp32": ratio}
+    print(
+        f"{len(data)} held-out photos, integer kernels {kernels}; img/s at batch 8, 2 "
+        f"threads: medians of {args.rounds} interleaved rounds"
+    )
+    print(f"{'variant':24} {'agree':>6} {'top1':>6} {'KL':>8} {'img/s@8':>8} {'x fp32':>7}")
+    for name, r in results.items():
         print(
-            f"{name:24} {result['agreement']:6.3f} {result['top1']:6.3f} "
-            f"{result['mean_kl']:8.5f} {result['img_s']:8.1f} {result['img_s'] / fp32_speed:7.2f}",
-            flush=True,
+            f"{name:24} {r['agreement']:6.3f} {r['top1']:6.3f} {r['mean_kl']:8.5f} "
+            f"{r['img_s']:8.1f} {r['x_fp32']:7.2f}"
         )
     (args.out / f"results-{args.tag}.json").write_text(
         json.dumps({"kernels": kernels, "results": results}, indent=1)
@@ -130,6 +151,7 @@ def main() -> None:
     evaluating.add_argument("--out", type=Path, required=True)
     evaluating.add_argument("--tag", default="native")
     evaluating.add_argument("--only", help="comma-separated recipes (default: all)")
+    evaluating.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds")
     args = parser.parse_args()
     build(args) if args.step == "build" else evaluate(args)
 

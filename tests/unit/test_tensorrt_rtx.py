@@ -153,3 +153,30 @@ def test_parser_errors_name_the_node(tmp_path: Path) -> None:
     onnx.save(model, str(path))
     with pytest.raises(tensorrt_build.BuildError, match=r"node 1 \(Unique 'no_such_layer_in"):
         tensorrt_build.describe_network(path)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "capability", "runs"),
+    [
+        ("NVIDIA H200", (9, 0), False),
+        ("NVIDIA GeForce RTX 3070", (8, 6), True),
+        ("NVIDIA A100", (8, 0), True),
+        ("NVIDIA RTX PRO 6000", (12, 0), True),
+        ("Tesla T4", (7, 5), False),
+    ],
+)
+def test_tensorrt_for_rtx_serves_only_the_gpus_it_runs_on(
+    gpu: str, capability: tuple[int, int], runs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ``auto`` asks before it picks TensorRT: a plan for no GPU where RTX runs, else a
+    refusal that says which GPU and why."""
+    from engines import cuda
+
+    monkeypatch.setattr(cuda, "device_properties", lambda device: (gpu, capability))
+    if runs:
+        target = tensorrt_build.current_target(0)
+        assert target.jit and target.device_key() == tensorrt_build.JIT_DEVICE
+    else:
+        with pytest.raises(tensorrt_build.TensorRTUnavailable, match=f"does not run on {gpu}"):
+            tensorrt_build.current_target(0)
+    assert tensorrt_build.current_target(None).jit  # building needs no GPU at all
