@@ -22,7 +22,6 @@ rebuild does not recalibrate.
 """
 
 from __future__ import annotations
-
 import json
 import logging
 import math
@@ -30,36 +29,44 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-
 import numpy as np
 import onnx
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 from PIL import Image, ImageEnhance, UnidentifiedImageError
-
 from engines import preprocess as imaging
 from engines.accuracy import mean_kl, run_onnx, session
 from engines.preprocess import ImagePreprocess
 from engines.variants import to_int8
 
+
+
 logger = logging.getLogger(__name__)
 
+
 CALIBRATORS = ("minmax", "percentile", "entropy")
+
+
 Progress = Callable[[int, int], None]
+
 
 # The op types ONNX Runtime's static quantizer handles by default: their float inputs and
 # outputs are the tensors it needs a range for.
 QUANTIZABLE_OPS = frozenset(QDQRegistry) | frozenset(QLinearOpsRegistry)
+
+
 _FLOAT_TYPES = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
-_ARRAY_SUFFIXES = (".npy", ".npz")
+
+
 # TensorRT's entropy calibrator: 128 quantized levels for the positive half of INT8.
 _LEVELS = 128
+
+
 # Counts given to an empty bin of the entropy search's Q where P has mass (MXNet's epsilon).
 _SMOOTHING = 1e-4
+
+
 # Histograms are collected this many times finer than the entropy calibrator's bins.
 _REFINE = 8
-# The bundled scikit-image photos that are photographs of scenes, in the public domain or CC0
-# (the others are microscopy, synthetic or of unclear licence).
-BUILTIN_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field")
 
 
 @dataclass(frozen=True)
@@ -102,139 +109,6 @@ class Ranges:
             {k: (lo * factor, hi * factor) for k, (lo, hi) in self.tensors.items()},
             self.channel_means,
         )
-
-
-# Calibration sets -----------------------------------------------------------------------------
-
-
-def _sample_indices(count: int, samples: int, seed: int) -> np.ndarray:
-    """The indices to keep of ``count``: all, or ``samples`` chosen by ``seed``, in order."""
-    if samples < 1:
-        raise ValueError(f"samples must be positive, got {samples}")
-    if count <= samples:
-        return np.arange(count)
-    return np.sort(np.random.default_rng(seed).choice(count, size=samples, replace=False))
-
-
-def _array_rows(path: Path, row_ndim: int) -> list[np.ndarray]:
-    """The rows in a .npy file or in each array of a .npz file (a lone row is one row)."""
-    if path.suffix == ".npz":
-        with np.load(path) as archive:
-            arrays = [archive[name] for name in archive.files]
-    else:
-        arrays = [np.load(path)]
-    rows: list[np.ndarray] = []
-    for array in arrays:
-        rows.extend([array] if array.ndim == row_ndim else list(array))
-    return rows
-
-
-def load_calibration_set(
-    source: Path,
-    preprocess: ImagePreprocess,
-    samples: int = 500,
-    seed: int = 0,
-    *,
-    progress: Progress | None = None,
-) -> np.ndarray:
-    """Preprocessed rows ``[n, ...]`` from a folder of images or of ``.npy``/``.npz`` rows.
-
-    Images (anything PIL reads; other files are skipped) are listed in sorted order and, when
-    there are more than ``samples``, a ``seed``-determined subset is kept before any is decoded.
-    Array files hold rows already preprocessed; the same sampling applies to their rows.
-    ``source`` may also be a single ``.npy``/``.npz`` file.
-    """
-    source = Path(source)
-    if not source.exists():
-        raise FileNotFoundError(f"calibration set {source} does not exist")
-    files = [source] if source.is_file() else sorted(p for p in source.iterdir() if p.is_file())
-    files = [p for p in files if not p.name.startswith(".")]
-    dtype = np.uint8 if preprocess.datatype == "UINT8" else np.float32
-    row_shape = preprocess.row_shape()
-
-    arrays = [p for p in files if p.suffix.lower() in _ARRAY_SUFFIXES]
-    images = [p for p in files if p.suffix.lower() not in _ARRAY_SUFFIXES]
-    rows: list[np.ndarray] = []
-    for path in arrays:
-        rows.extend(_array_rows(path, len(row_shape)))
-    if rows:
-        rows = [rows[i] for i in _sample_indices(len(rows), samples, seed)]
-
-    chosen = [images[i] for i in _sample_indices(len(images), samples, seed)] if images else []
-    skipped = 0
-    for done, path in enumerate(chosen, start=1):
-        try:
-            rows.append(imaging.preprocess(imaging.load_image(path), preprocess))
-        except (UnidentifiedImageError, OSError):
-            skipped += 1
-        if progress is not None:
-            progress(done, len(chosen))
-        if done % 100 == 0 or done == len(chosen):
-            logger.info("calibration set %s: %d/%d images", source, done, len(chosen))
-    if skipped:
-        logger.warning("calibration set %s: skipped %d files that are not images", source, skipped)
-    if not rows:
-        raise ValueError(f"calibration set {source} has no images or .npy/.npz rows")
-    if rows[0].shape != row_shape:
-        logger.warning(
-            "calibration rows are %s, the preprocessing makes %s", rows[0].shape, row_shape
-        )
-    try:
-        stacked = np.stack(rows)
-    except ValueError as error:
-        raise ValueError(f"calibration set {source}: rows differ in shape ({error})") from error
-    return stacked[: max(samples, 0)].astype(dtype, copy=False)
-
-
-def _augment(image: Image.Image, rng: np.random.Generator) -> Image.Image:
-    """A random resized crop, flip, rotation and colour jitter of a photo."""
-    width, height = image.size
-    if rng.random() < 0.5:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    if rng.random() < 0.5:
-        angle = float(rng.uniform(-20.0, 20.0))
-        image = image.rotate(angle, resample=Image.Resampling.BILINEAR, expand=False)
-    # Crop away what a rotation leaves black and a random share of the scene, as in training.
-    area = width * height * float(rng.uniform(0.25, 0.85))
-    aspect = math.exp(float(rng.uniform(math.log(3 / 4), math.log(4 / 3))))
-    crop_w = min(width, round(math.sqrt(area * aspect)))
-    crop_h = min(height, round(math.sqrt(area / aspect)))
-    left = int(rng.integers(0, width - crop_w + 1))
-    top = int(rng.integers(0, height - crop_h + 1))
-    image = image.crop((left, top, left + crop_w, top + crop_h))
-    for enhancer in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
-        image = enhancer(image).enhance(float(rng.uniform(0.7, 1.3)))
-    return image
-
-
-def augmented_builtin_set(
-    preprocess: ImagePreprocess, samples: int = 500, seed: int = 0
-) -> np.ndarray:
-    """A calibration set that needs no download: scikit-image's bundled photos, augmented.
-
-    The photos (``BUILTIN_PHOTOS``) come first as they are, then random crops, flips,
-    rotations and colour jitter of them, up to ``samples`` rows. Good enough to calibrate a
-    model trained on natural photos when no real data is at hand; real data is better.
-    """
-    try:
-        from skimage import data as skimage_data
-    except ImportError as error:
-        raise RuntimeError(
-            "the built-in calibration set needs scikit-image "
-            "(pip install 'stoker[default-model]'), or give a folder of images"
-        ) from error
-    photos = [
-        Image.fromarray(getattr(skimage_data, name)()).convert("RGB") for name in BUILTIN_PHOTOS
-    ]
-    rng = np.random.default_rng(seed)
-    rows = [imaging.preprocess(photo, preprocess) for photo in photos[:samples]]
-    while len(rows) < samples:
-        photo = photos[int(rng.integers(len(photos)))]
-        rows.append(imaging.preprocess(_augment(photo, rng), preprocess))
-    return np.stack(rows)
-
-
-# Collecting activations -----------------------------------------------------------------------
 
 
 def calibration_tensors(model: onnx.ModelProto) -> list[str]:
@@ -415,9 +289,6 @@ def collect_statistics(
     return stats
 
 
-# Calibrators ----------------------------------------------------------------------------------
-
-
 def percentile_threshold(entry: TensorStatistics, percentile: float) -> float:
     """The |x| below which ``percentile`` % of the non-zero magnitudes lie (a bin's upper edge)."""
     if entry.histogram is None:
@@ -550,72 +421,3 @@ def collect_ranges(
     )
     return ranges_from_statistics(stats, method, percentile=percentile, bins=bins)
 
-
-def calibrate_auto(
-    model: onnx.ModelProto,
-    data: np.ndarray,
-    input_name: str,
-    form: Literal["u8s8", "s8s8"],
-    *,
-    held_out_fraction: float = 0.2,
-    methods: Sequence[str] = CALIBRATORS,
-    percentile: float = 99.99,
-    stride: int = 16,
-    bins: int = 2048,
-    threads: int = 0,
-    progress: Progress | None = None,
-    exclude_op_types: Collection[str] = (),
-    exclude_nodes: Collection[str] = (),
-    per_channel: bool = True,
-    reduce_range: bool = False,
-    keep_first_and_last: bool = False,
-    integer_kernels: bool = True,
-) -> tuple[Ranges, dict[str, float]]:
-    """Calibrate with each method on the first rows; keep the best on the held-out rest.
-
-    Each method's INT8 variant is scored by the mean KL divergence of its softmax from
-    FP32's on the held-out rows (run through this CPU's integer kernels, or with
-    ``integer_kernels=False`` as written, in float, as a GPU computes them); the lowest wins
-    (ties go to the earlier method). The statistics are collected once for all methods.
-    Returns the winner's ranges and every method's KL.
-    """
-    if not 0.0 < held_out_fraction < 1.0:
-        raise ValueError(f"held_out_fraction must be between 0 and 1, got {held_out_fraction}")
-    held = max(1, round(len(data) * held_out_fraction))
-    if held >= len(data):
-        raise ValueError(f"{len(data)} rows are too few to hold {held} out for scoring")
-    calibration, scoring = data[:-held], data[-held:]
-    needs_histograms = any(method != "minmax" for method in methods)
-    stats = collect_statistics(
-        model,
-        calibration,
-        input_name,
-        histograms=needs_histograms,
-        bins=bins,
-        stride=stride,
-        threads=threads,
-        progress=progress,
-    )
-    reference = run_onnx(model, scoring, input_name, threads=threads)
-    scores: dict[str, float] = {}
-    best: Ranges | None = None
-    for method in methods:
-        ranges = ranges_from_statistics(stats, method, percentile=percentile, bins=bins)
-        variant = to_int8(
-            model,
-            ranges,
-            form=form,
-            exclude_op_types=exclude_op_types,
-            exclude_nodes=exclude_nodes,
-            per_channel=per_channel,
-            reduce_range=reduce_range,
-            keep_first_and_last=keep_first_and_last,
-        )
-        got = run_onnx(variant, scoring, input_name, threads=threads, optimize=integer_kernels)
-        scores[method] = mean_kl(reference, got)
-        logger.info("calibrator %s: held-out KL %.5f", method, scores[method])
-        if best is None or scores[method] < scores[best.method]:
-            best = ranges
-    if best is None:
-        raise ValueError("no calibrator to try")
-    return best, scores

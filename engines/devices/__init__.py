@@ -1,0 +1,2 @@
+"""The hardware under the engines: the CPU's integer kernels, CUDA streams and buffers, NVML
+gauges."""
