@@ -21,8 +21,10 @@ import numpy as np
 from app.dataplane import model_spec, prepare
 from app.repository import discover
 from app.settings import Settings
-from engines import accuracy, backends
-from engines.build import BuildPlan, budget_problems, ensure_variant, int8_recipe
+from engines import backends
+from engines.precision import accuracy
+from engines.precision.build import BuildPlan, budget_problems, ensure_variant
+from engines.precision.options import int8_recipe
 from engines.preprocess import ImagePreprocess, load_image, preprocess
 from engines.store import EngineStore
 

@@ -187,7 +187,7 @@ def build_engines(settings: Settings) -> int:
     from app.dataplane import engine_options, model_spec
     from app.repository import discover
     from engines import backends
-    from engines.build import AccuracyBudgetExceeded, ensure_variant
+    from engines.precision.build import AccuracyBudgetExceeded, ensure_variant
     from engines.store import EngineStore
 
     if prepare(settings) != 0:
@@ -230,14 +230,9 @@ def build_engines(settings: Settings) -> int:
 def prebuild_tensorrt(model: str, precision: str, variant: Path, spec: Any, options: Any) -> str:
     """Build the TensorRT plan of a variant ahead of serving where this machine can (TensorRT
     for RTX: anywhere; TensorRT proper: on its GPU), and say what was built or why not."""
-    from engines import cuda
-    from engines.tensorrt_build import (
-        RTX_RUNS_ON,
-        TensorRTOptions,
-        TensorRTUnavailable,
-        describe_network,
-        prebuild_plan,
-    )
+    from engines.backends.tensorrt.build import TensorRTOptions, describe_network, prebuild_plan
+    from engines.backends.tensorrt.runtime import RTX_RUNS_ON, TensorRTUnavailable
+    from engines.devices import cuda
 
     try:
         target = prebuild_plan(variant, spec, options, TensorRTOptions())
@@ -263,7 +258,7 @@ def list_models(settings: Settings) -> int:
     from app.dataplane import model_spec
     from app.repository import discover
     from engines import backends
-    from engines.build import variant_state
+    from engines.precision.build import variant_state
     from engines.store import EngineStore
 
     store = EngineStore(settings.store.path)

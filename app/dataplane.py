@@ -35,10 +35,16 @@ from app.pool import RunnerPool
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
 from app.repository import ModelEntry, discover
 from app.settings import Settings
-from engines import accuracy, backends
+from engines import backends
+from engines.backends.onnxruntime import read_spec
 from engines.base import EngineOptions, FatalEngineError, pixel_input
-from engines.build import AccuracyBudgetExceeded, BuildCancelled, BuildPlan, ensure_variant
-from engines.onnxruntime import read_spec
+from engines.precision import accuracy
+from engines.precision.build import (
+    AccuracyBudgetExceeded,
+    BuildCancelled,
+    BuildPlan,
+    ensure_variant,
+)
 from engines.preprocess import ImagePreprocess, normalize, preprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 from engines.store import EngineStore
@@ -256,7 +262,7 @@ class DataPlane:
             return None
         if not available:
             raise RuntimeError("image_decode is gpu, but torchvision with CUDA is not available")
-        from engines import torch_images
+        from engines.backends.torch import images as torch_images
 
         device = f"cuda:{config.gpus[0] if config.gpus else 0}"
         decoder = torch_images.TorchImageDecoder(config.preprocess.to_spec("UINT8"), device)

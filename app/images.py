@@ -2,7 +2,7 @@
 
 Every upload's header is read on the CPU first (format, size: a decompression bomb is
 refused before any pixel is decoded). JPEGs can then be decoded in batches by a device
-decoder (``DecodeQueue`` around ``engines.torch_images``); the rest, and any JPEG the
+decoder (``DecodeQueue`` around ``engines.backends.torch.images``); the rest, and any JPEG the
 device decoder gives back, are decoded here with Pillow. The model-defined preprocessing
 lives in ``engines.preprocess``.
 """

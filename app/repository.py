@@ -12,7 +12,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.build import Budget, BuildPlan, Fp16Options, Int8Options
+from engines.precision.build import BuildPlan
+from engines.precision.options import Budget, Fp16Options, Int8Options
 from engines.preprocess import ImagePreprocess
 from engines.spec import V2_TO_NUMPY, ModelSpec
 

@@ -265,7 +265,7 @@ class InProcessClient:
         from app.settings import Settings
         from engines import backends
         from engines.base import pixel_input
-        from engines.build import ensure_variant
+        from engines.precision.build import ensure_variant
         from engines.store import EngineStore
 
         entry = discover(target.repository, [target.model])[0]

@@ -37,8 +37,9 @@ from app.errors import BadRequest, NotFound, StokerError
 from app.protocol import classify, decode_request, encode_response
 from app.repository import ModelEntry, discover
 from app.routes import header_length, json_response, uploaded_images
-from engines import accuracy, backends
+from engines import backends
 from engines.base import Runner, pixel_input
+from engines.precision import accuracy
 from engines.preprocess import preprocess
 from engines.spec import ModelSpec
 

@@ -28,11 +28,11 @@ import torch
 
 import zoo
 from bench import payloads
-from engines import cuda
+from engines.backends.onnxruntime import read_spec
+from engines.backends.torch.engine import TorchEngine, TorchOptions, TorchRunner
 from engines.base import EngineOptions
-from engines.onnxruntime import read_spec
+from engines.devices import cuda
 from engines.preprocess import ImagePreprocess
-from engines.torch_backend import TorchEngine, TorchOptions, TorchRunner
 
 BATCHES = (1, 8, 32, 128, 256)
 # The measured ceilings on this H200 (ResNet-50, 224², channels last, CUDA graph).
@@ -340,7 +340,7 @@ def bench_copies() -> None:
             done.record(stream)
             done.synchronize()
             times.append(time.perf_counter() - t0)
-        record(Row("-", "-", f"H2D copy, {label} (engines.cuda)", 0,
+        record(Row("-", "-", f"H2D copy, {label} (engines.devices.cuda)", 0,
                    nbytes / statistics.median(times[1:]) / 1e9, "GB/s"))  # fmt: skip
     for resource in (pinned, device, done, stream):
         resource.close()

@@ -27,8 +27,9 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engines import accuracy, calibration, cpu, variants
 from engines import preprocess as imaging
+from engines.devices import cpu
+from engines.precision import accuracy, calibration, int8
 
 SOURCE = Path(__file__).resolve().parents[1] / "models" / "efficientnet_lite0" / "model.onnx"
 INPUT = "input"
@@ -64,7 +65,7 @@ def build(args: argparse.Namespace) -> None:
     ranges = calibration.collect_ranges(model, data["calibration"], INPUT, "percentile")
     for name, options in RECIPES.items():
         form = options.get("form", "u8s8")
-        variant = variants.to_int8(
+        variant = int8.to_int8(
             model,
             ranges,
             form=form,  # type: ignore[arg-type]

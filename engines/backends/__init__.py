@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from engines import onnxruntime
+from engines.backends import onnxruntime
 from engines.base import Engine, EngineOptions, Loader
 from engines.spec import ModelSpec
 
@@ -16,15 +16,15 @@ log = logging.getLogger(__name__)
 
 def _load_torch(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
     # Imported on use: torch takes seconds to import, and only its models should pay that.
-    from engines import torch_backend
+    from engines.backends.torch import engine as torch_engine
 
-    return torch_backend.load(path, spec, options)
+    return torch_engine.load(path, spec, options)
 
 
 def _load_tensorrt(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
-    from engines import tensorrt
+    from engines.backends.tensorrt import engine as tensorrt_engine
 
-    return tensorrt.load(path, spec, options)
+    return tensorrt_engine.load(path, spec, options)
 
 
 LOADERS: dict[str, Loader] = {
@@ -56,15 +56,17 @@ def tensorrt_available() -> bool:
     8.6, 8.9, 12.x). ``auto`` says in the log why it passed TensorRT over."""
     if not os.path.exists("/dev/nvidiactl"):
         return False
-    from engines import cuda, tensorrt, tensorrt_build
+    from engines.backends.tensorrt import engine as tensorrt_engine
+    from engines.backends.tensorrt import runtime as tensorrt_runtime
+    from engines.devices import cuda
 
-    if not tensorrt.importable():
+    if not tensorrt_engine.importable():
         return False
     try:
         if cuda.device_count() == 0:
             return False
-        target = tensorrt_build.current_target(0)
-    except (cuda.CudaUnavailable, tensorrt_build.TensorRTUnavailable) as why:
+        target = tensorrt_runtime.current_target(0)
+    except (cuda.CudaUnavailable, tensorrt_runtime.TensorRTUnavailable) as why:
         log.info("backend auto: not tensorrt: %s", why)
         return False
     log.info("backend auto: %s on %s", target.tensorrt_version, target.device_key())

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from engines.onnxruntime import cpu_session
+from engines.backends.onnxruntime import cpu_session
 
 _WNID = re.compile(r"^(n\d{8})(?:[_.\-]|$)")
 

@@ -7,6 +7,7 @@ against FP32 when it is built; one that misses its accuracy budget is refused, n
 """
 
 from __future__ import annotations
+
 import functools
 import hashlib
 import logging
@@ -15,24 +16,26 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
+
 import numpy as np
 import onnx
 import onnxruntime as ort
-from pydantic import BaseModel, ConfigDict, Field
-from engines import accuracy, calibration, cpu, variants
+
+from engines.devices import cpu
+from engines.precision import accuracy, calibration, calibration_sets, fp16, int8
+from engines.precision.options import (
+    BUILTIN_CALIBRATION,
+    Budget,
+    Fp16Options,
+    Int8Options,
+    Int8Recipe,
+    int8_recipe,
+)
 from engines.preprocess import ImagePreprocess
 from engines.store import EngineKey, EngineStore, StoredEngine, sha256_file
 
-
-
 log = logging.getLogger(__name__)
-
-
-Int8Form = Literal["u8s8", "s8s8"]
-
-
-BUILTIN_CALIBRATION = "builtin"
 
 
 # Bumped when the builtin augmented set changes, so cached ranges are recalibrated.
@@ -134,9 +137,11 @@ class CalibrationData:
             path = self.source_path()
             started = time.perf_counter()
             if path is None:
-                rows = calibration.augmented_builtin_set(preprocess, samples=total, seed=0)
+                rows = calibration_sets.augmented_builtin_set(preprocess, samples=total, seed=0)
             else:
-                rows = calibration.load_calibration_set(path, preprocess, samples=total, seed=0)
+                rows = calibration_sets.load_calibration_set(
+                    path, preprocess, samples=total, seed=0
+                )
             log.info(
                 "%s: %d calibration and evaluation rows from %s in %.1f s",
                 plan.model,
@@ -260,7 +265,7 @@ def calibration_ranges(
 
         extra: dict[str, Any] = {}
         if options.calibrator == "auto":
-            ranges, scores = calibration.calibrate_auto(
+            ranges, scores = int8.calibrate_auto(
                 model,
                 rows,
                 plan.input_name,
@@ -303,18 +308,18 @@ def make_variant(
 ) -> onnx.ModelProto:
     model = onnx.load(str(plan.source))
     if precision == "fp16":
-        fp16 = plan.fp16
-        return variants.to_fp16(
+        options = plan.fp16
+        return fp16.to_fp16(
             model,
             keep_fp32_ops=(
-                variants.DEFAULT_FP32_OPS if fp16.keep_fp32_ops is None else fp16.keep_fp32_ops
+                fp16.DEFAULT_FP32_OPS if options.keep_fp32_ops is None else options.keep_fp32_ops
             ),
-            keep_fp32_nodes=fp16.keep_fp32_nodes,
-            keep_first_and_last=fp16.keep_first_and_last,
+            keep_fp32_nodes=options.keep_fp32_nodes,
+            keep_first_and_last=options.keep_first_and_last,
         )
     if precision == "int8":
         ranges = calibration_ranges(store, plan, model_hash, recipe, data, cancelled)
-        return variants.to_int8(
+        return int8.to_int8(
             model,
             ranges,
             form=recipe.form,
@@ -431,4 +436,3 @@ def variant_state(store: EngineStore, plan: BuildPlan, precision: str, backend: 
     except AccuracyBudgetExceeded as refusal:
         return f"refused: {refusal}"
     return "built"
-

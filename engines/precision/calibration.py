@@ -22,23 +22,18 @@ rebuild does not recalibrate.
 """
 
 from __future__ import annotations
+
 import json
 import logging
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Literal
+
 import numpy as np
 import onnx
 from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
-from PIL import Image, ImageEnhance, UnidentifiedImageError
-from engines import preprocess as imaging
-from engines.accuracy import mean_kl, run_onnx, session
-from engines.preprocess import ImagePreprocess
-from engines.variants import to_int8
 
-
+from engines.precision.accuracy import session
 
 logger = logging.getLogger(__name__)
 
@@ -420,4 +415,3 @@ def collect_ranges(
         progress=progress,
     )
     return ranges_from_statistics(stats, method, percentile=percentile, bins=bins)
-

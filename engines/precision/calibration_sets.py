@@ -6,23 +6,19 @@ scikit-image's public-domain photos.
 """
 
 from __future__ import annotations
-import json
+
 import logging
 import math
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+
 import numpy as np
-import onnx
-from onnxruntime.quantization.registry import QDQRegistry, QLinearOpsRegistry
 from PIL import Image, ImageEnhance, UnidentifiedImageError
+
 from engines import preprocess as imaging
-from engines.accuracy import mean_kl, run_onnx, session
+from engines.precision.calibration import Progress
 from engines.preprocess import ImagePreprocess
-from engines.variants import to_int8
 
-
+logger = logging.getLogger(__name__)
 
 _ARRAY_SUFFIXES = (".npy", ".npz")
 
@@ -157,4 +153,3 @@ def augmented_builtin_set(
         photo = photos[int(rng.integers(len(photos)))]
         rows.append(imaging.preprocess(_augment(photo, rng), preprocess))
     return np.stack(rows)
-

@@ -7,16 +7,20 @@ variant is testable without a GPU.
 """
 
 from __future__ import annotations
-from collections.abc import Collection, Mapping
+
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
-if TYPE_CHECKING:
-    from engines.calibration import Ranges
 
-
+from engines.precision.graph import (
+    copy_message,
+    drop_unused_initializers,
+    has_subgraph,
+    weight_nodes,
+)
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -151,7 +155,7 @@ def to_fp16(
     ONNX Runtime's CPU provider has few float16 kernels on x86 and inserts Casts of its own
     around the rest, so this variant runs there but is not faster there; it is meant for GPUs.
     """
-    if any(_has_subgraph(node) for node in model.graph.node):
+    if any(has_subgraph(node) for node in model.graph.node):
         raise ValueError("to_fp16 does not convert models with control flow (If, Loop, Scan)")
     source = onnx.ModelProto()
     source.CopyFrom(model)
@@ -275,8 +279,8 @@ def to_fp16(
             )
 
     # Copies: the messages still belong to the lists about to be cleared.
-    new_nodes = [_copy(node) for node in rewrite.nodes]
-    new_initializers = [_copy(init) for init in initializers]
+    new_nodes = [copy_message(node) for node in rewrite.nodes]
+    new_initializers = [copy_message(init) for init in initializers]
     del graph.node[:]
     graph.node.extend(new_nodes)
     del graph.initializer[:]
@@ -284,7 +288,6 @@ def to_fp16(
     for value in graph.value_info:
         if rewrite.current.get(value.name) == TensorProto.FLOAT16:
             value.type.tensor_type.elem_type = TensorProto.FLOAT16
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     onnx.checker.check_model(source)
     return source
-

@@ -3,16 +3,10 @@ weight layers, dropping initializers nothing reads.
 """
 
 from __future__ import annotations
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-import numpy as np
+
+from typing import TypeVar
+
 import onnx
-from onnx import TensorProto, helper, numpy_helper
-if TYPE_CHECKING:
-    from engines.calibration import Ranges
-
-
 
 _Message = TypeVar("_Message", onnx.NodeProto, onnx.TensorProto)
 
@@ -20,13 +14,13 @@ _Message = TypeVar("_Message", onnx.NodeProto, onnx.TensorProto)
 WEIGHT_OPS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 
 
-def _copy(message: _Message) -> _Message:
+def copy_message(message: _Message) -> _Message:
     copied = type(message)()
     copied.CopyFrom(message)
     return copied
 
 
-def _has_subgraph(node: onnx.NodeProto) -> bool:
+def has_subgraph(node: onnx.NodeProto) -> bool:
     return any(
         a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
     )
@@ -44,10 +38,9 @@ def weight_nodes(model: onnx.ModelProto) -> list[int]:
     ]
 
 
-def _drop_unused_initializers(graph: onnx.GraphProto) -> None:
+def drop_unused_initializers(graph: onnx.GraphProto) -> None:
     used = {name for node in graph.node for name in node.input}
     used |= {value.name for value in graph.output}
-    kept = [_copy(init) for init in graph.initializer if init.name in used]
+    kept = [copy_message(init) for init in graph.initializer if init.name in used]
     del graph.initializer[:]
     graph.initializer.extend(kept)
-

@@ -8,15 +8,28 @@ the one whose variant agrees best with FP32 on held-out rows.
 """
 
 from __future__ import annotations
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Literal
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
-if TYPE_CHECKING:
-    from engines.calibration import Ranges
+from onnx import helper, numpy_helper
 
+from engines.precision.accuracy import mean_kl, run_onnx
+from engines.precision.calibration import (
+    CALIBRATORS,
+    QUANTIZABLE_OPS,
+    Progress,
+    Ranges,
+    calibration_tensors,
+    collect_statistics,
+    ranges_from_statistics,
+)
+from engines.precision.graph import copy_message, drop_unused_initializers, weight_nodes
+
+logger = logging.getLogger(__name__)
 
 
 INT8_FORMS = ("u8s8", "s8s8")
@@ -62,10 +75,10 @@ def _unquantize_outputs(model: onnx.ModelProto) -> None:
         source.output[list(source.output).index(original)] = value.name
         removed += [q, dq]
     gone = {id(node) for node in removed}
-    kept = [_copy(node) for node in nodes if id(node) not in gone]
+    kept = [copy_message(node) for node in nodes if id(node) not in gone]
     del graph.node[:]
     graph.node.extend(kept)
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
 
 
 def _dequantized_weights(quantized: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -173,7 +186,7 @@ def correct_biases(
         else:
             node.input.append(name)
     graph.initializer.extend(added)
-    _drop_unused_initializers(graph)
+    drop_unused_initializers(graph)
     return corrected
 
 
@@ -200,7 +213,7 @@ def to_int8(
     Q/DQ pairs per consumer and float biases as TensorRT's parser expects. Nodes of
     ``exclude_op_types``, named in ``exclude_nodes`` and, with ``keep_first_and_last``, the
     first and last weight nodes (``weight_nodes``) stay in float. ``reduce_range`` quantizes
-    weights to 7 bits, which x86 CPUs without VNNI need (``engines.cpu``). With
+    weights to 7 bits, which x86 CPUs without VNNI need (``engines.devices.cpu``). With
     ``bias_correction`` and the input means that calibration records, biases absorb the mean
     error of the rounded weights
     (``correct_biases``). Graph outputs are left unquantized unless ``quantize_outputs``.
@@ -225,8 +238,6 @@ def to_int8(
             exclude_nodes=exclude_nodes,
             options=options,
         )
-
-    from engines.calibration import calibration_tensors
 
     missing = [name for name in calibration_tensors(model) if name not in ranges.tensors]
     if missing:
@@ -266,8 +277,6 @@ def _quantize_qdq(
     from onnxruntime.quantization.calibrate import CalibrationMethod, TensorData, TensorsData
     from onnxruntime.quantization.qdq_quantizer import QDQQuantizer
 
-    from engines.calibration import QUANTIZABLE_OPS
-
     tensors_range = TensorsData(
         CalibrationMethod.MinMax,
         {
@@ -298,7 +307,6 @@ def _quantize_qdq(
     quantizer.model.topological_sort()
     quantized: onnx.ModelProto = quantizer.model.model
     return quantized
-
 
 
 def calibrate_auto(
@@ -369,4 +377,3 @@ def calibrate_auto(
     if best is None:
         raise ValueError("no calibrator to try")
     return best, scores
-

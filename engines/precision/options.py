@@ -7,23 +7,16 @@ integer kernels.
 """
 
 from __future__ import annotations
-import functools
-import hashlib
-import logging
-import platform
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Literal
-import numpy as np
-import onnx
-import onnxruntime as ort
-from pydantic import BaseModel, ConfigDict, Field
-from engines import accuracy, calibration, cpu, variants
-from engines.preprocess import ImagePreprocess
-from engines.store import EngineKey, EngineStore, StoredEngine, sha256_file
 
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engines.devices import cpu
+
+Int8Form = Literal["u8s8", "s8s8"]
+BUILTIN_CALIBRATION = "builtin"
 
 
 # The precision options are declared once, here, and are also the model config's sections
@@ -69,7 +62,7 @@ class Int8Options(BaseModel):
     """Node names left unquantized (sensitive layers)."""
     reduce_range: bool | None = None
     """Quantize weights to 7 bits. None (auto): on x86 CPUs without VNNI, whose integer
-    kernels saturate with 8-bit weights (``engines.cpu``; a few points of top-1 lost there,
+    kernels saturate with 8-bit weights (``engines.devices.cpu``; a few points of top-1 lost there,
     none elsewhere). 7 bits cost a little accuracy where nothing saturates."""
     keep_first_and_last: bool | None = None
     """Leave the first and last weight layers in float. None (auto): as ``reduce_range``,
@@ -130,4 +123,3 @@ def int8_recipe(
         kernels=name,
         gate_fused=backend != "tensorrt",
     )
-

@@ -1,4 +1,4 @@
-"""engines.cuda on a real GPU: copies through pinned memory, events, errors, the GIL."""
+"""engines.devices.cuda on a real GPU: copies through pinned memory, events, errors, the GIL."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ cuda_bindings = pytest.importorskip("cuda.bindings", reason="needs cuda-python")
 
 from cuda.bindings import driver, runtime  # noqa: E402
 
-from engines import cuda  # noqa: E402
+from engines.devices import cuda  # noqa: E402
 
 
 def test_round_trip_through_pinned_and_device_memory() -> None:

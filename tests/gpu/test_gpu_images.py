@@ -27,7 +27,7 @@ from tests.integration.conftest import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from engines.torch_images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder
 
 ESPRESSO = 967
 JPEG = {"Content-Type": "image/jpeg"}
@@ -35,7 +35,7 @@ JPEG = {"Content-Type": "image/jpeg"}
 
 def decoder(spec: ImagePreprocess) -> TorchImageDecoder:
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
-    from engines.torch_images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder
 
     return TorchImageDecoder(spec, "cuda:0")
 
@@ -133,9 +133,9 @@ def test_runners_are_spread_over_two_gpus(efficientnet_dir: Path) -> None:
         pytest.skip("needs two GPUs (run on nvidia-h200-x2)")
     import onnxruntime as ort
 
+    from engines.backends.onnxruntime import read_spec
+    from engines.backends.torch.engine import load
     from engines.base import EngineOptions
-    from engines.onnxruntime import read_spec
-    from engines.torch_backend import load
 
     path = efficientnet_dir / "model.onnx"
     spec = read_spec(path, "efficientnet_lite0", 8)

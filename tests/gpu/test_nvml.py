@@ -8,7 +8,7 @@ from prometheus_client import generate_latest
 pytest.importorskip("pynvml", reason="nvidia-ml-py (pynvml) is not installed")
 
 from app import metrics  # registers the GPU collector
-from engines import nvml
+from engines.devices import nvml
 
 
 def test_every_gpu_is_sampled() -> None:

@@ -21,14 +21,15 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from engines import accuracy, calibration, variants
+from engines.backends.onnxruntime import read_spec
+from engines.backends.tensorrt.build import BuildError
+from engines.backends.tensorrt.engine import TensorRTEngine, TensorRTOptions
+from engines.backends.tensorrt.runtime import current_target
 from engines.base import EngineOptions
-from engines.onnxruntime import read_spec
+from engines.precision import accuracy, calibration, calibration_sets, fp16, int8
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec
 from engines.store import EngineStore
-from engines.tensorrt import TensorRTEngine, TensorRTOptions
-from engines.tensorrt_build import BuildError, current_target
 
 
 def why_not_here() -> str | None:
@@ -50,7 +51,7 @@ PROFILE = (1, 4, MAX_BATCH)
 def photos() -> np.ndarray:
     """Preprocessed photos (scikit-image's, augmented): real inputs, so that top-1 means
     something; held apart from the calibration rows by their seed."""
-    return calibration.augmented_builtin_set(ImagePreprocess(), samples=24, seed=1)
+    return calibration_sets.augmented_builtin_set(ImagePreprocess(), samples=24, seed=1)
 
 
 @pytest.fixture(scope="module")
@@ -60,11 +61,11 @@ def model(efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     folder = tmp_path_factory.mktemp("variants")
     fp32 = onnx.load(str(source))
     input_name = fp32.graph.input[0].name
-    rows = calibration.augmented_builtin_set(ImagePreprocess(), samples=64, seed=0)
+    rows = calibration_sets.augmented_builtin_set(ImagePreprocess(), samples=64, seed=0)
     ranges = calibration.collect_ranges(fp32, rows, input_name, "entropy")
     paths = {"fp32": source, "fp16": folder / "fp16.onnx", "int8": folder / "int8.onnx"}
-    onnx.save(variants.to_fp16(fp32, keep_fp32_ops=variants.DEFAULT_FP32_OPS), str(paths["fp16"]))
-    onnx.save(variants.to_int8(fp32, ranges, form="s8s8"), str(paths["int8"]))
+    onnx.save(fp16.to_fp16(fp32, keep_fp32_ops=fp16.DEFAULT_FP32_OPS), str(paths["fp16"]))
+    onnx.save(int8.to_int8(fp32, ranges, form="s8s8"), str(paths["int8"]))
     return paths
 
 

@@ -11,10 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the GPU tests need torch")
 
+from engines.backends.onnxruntime import read_spec  # noqa: E402
+from engines.backends.torch.convert import UnsupportedModel  # noqa: E402
+from engines.backends.torch.engine import TorchEngine, TorchOptions, buckets  # noqa: E402
 from engines.base import EngineOptions  # noqa: E402
-from engines.onnxruntime import read_spec  # noqa: E402
 from engines.preprocess import ImagePreprocess  # noqa: E402
-from engines.torch_backend import TorchEngine, TorchOptions, UnsupportedModel, buckets  # noqa: E402
 
 MAX_BATCH = 8
 

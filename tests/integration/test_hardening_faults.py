@@ -22,7 +22,8 @@ import pytest
 
 from app.server import create_app
 from app.settings import ModelRepositorySettings, Settings, StoreSettings
-from engines import backends, onnxruntime
+from engines import backends
+from engines.backends import onnxruntime
 from engines.base import EngineOptions, FatalEngineError
 from engines.spec import ModelSpec
 from tests.conftest import TINY_CONFIG, tiny_onnx

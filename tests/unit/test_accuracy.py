@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engines import accuracy
+from engines.precision import accuracy
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
 

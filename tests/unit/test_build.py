@@ -11,8 +11,9 @@ import pytest
 from app.cli import main
 from app.dataplane import model_spec
 from app.repository import ModelEntry, load_config
-from engines import build, calibration
-from engines.build import AccuracyBudgetExceeded, Budget, BuildPlan, ensure_variant
+from engines.precision import build, calibration
+from engines.precision.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
+from engines.precision.options import Budget
 from engines.store import EngineStore
 from tests.conftest import ROOT, configure
 

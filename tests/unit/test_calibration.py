@@ -11,8 +11,9 @@ import pytest
 from PIL import Image
 
 import zoo
-from engines import accuracy, calibration, cpu, variants
-from engines.calibration import Ranges, TensorStatistics
+from engines.devices import cpu
+from engines.precision import accuracy, calibration, calibration_sets, int8
+from engines.precision.calibration import Ranges, TensorStatistics
 from engines.preprocess import ImagePreprocess
 from tests.unit.test_variants import small_conv_model, small_inputs
 
@@ -149,7 +150,7 @@ def test_collect_ranges_of_a_small_model() -> None:
 
 def test_calibrate_auto_scores_every_calibrator() -> None:
     model = small_conv_model()
-    ranges, scores = calibration.calibrate_auto(
+    ranges, scores = int8.calibrate_auto(
         model, small_inputs(rows=30), "input", "u8s8", held_out_fraction=0.3
     )
     assert set(scores) == set(calibration.CALIBRATORS)
@@ -174,19 +175,19 @@ def write_images(folder: Path, count: int) -> list[Path]:
 def test_load_calibration_set_from_images(tmp_path: Path) -> None:
     write_images(tmp_path, 6)
     (tmp_path / "notes.txt").write_text("not an image")
-    rows = calibration.load_calibration_set(tmp_path, SMALL)
+    rows = calibration_sets.load_calibration_set(tmp_path, SMALL)
     assert rows.shape == (6, 3, 32, 32) and rows.dtype == np.float32
     from engines.preprocess import load_image, preprocess
 
     np.testing.assert_array_equal(rows[0], preprocess(load_image(tmp_path / "image_00.jpg"), SMALL))
 
-    sampled = calibration.load_calibration_set(tmp_path, SMALL, samples=3, seed=1)
+    sampled = calibration_sets.load_calibration_set(tmp_path, SMALL, samples=3, seed=1)
     assert sampled.shape[0] == 3
     np.testing.assert_array_equal(
-        sampled, calibration.load_calibration_set(tmp_path, SMALL, samples=3, seed=1)
+        sampled, calibration_sets.load_calibration_set(tmp_path, SMALL, samples=3, seed=1)
     )
     assert not np.array_equal(
-        sampled, calibration.load_calibration_set(tmp_path, SMALL, samples=3, seed=2)
+        sampled, calibration_sets.load_calibration_set(tmp_path, SMALL, samples=3, seed=2)
     )
 
 
@@ -197,27 +198,27 @@ def test_load_calibration_set_from_arrays(tmp_path: Path) -> None:
     np.save(tmp_path / "a.npy", stacked)
     np.save(tmp_path / "b.npy", single)
     np.savez(tmp_path / "c.npz", first=stacked[:2], second=single)
-    rows = calibration.load_calibration_set(tmp_path, SMALL)
+    rows = calibration_sets.load_calibration_set(tmp_path, SMALL)
     assert rows.shape == (4 + 1 + 2 + 1, 3, 32, 32) and rows.dtype == np.float32
     np.testing.assert_allclose(rows[4], single, rtol=1e-6)
-    assert calibration.load_calibration_set(tmp_path / "a.npy", SMALL, samples=2).shape[0] == 2
+    assert calibration_sets.load_calibration_set(tmp_path / "a.npy", SMALL, samples=2).shape[0] == 2
 
 
 def test_load_calibration_set_refuses_what_it_cannot_use(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
-        calibration.load_calibration_set(tmp_path / "missing", SMALL)
+        calibration_sets.load_calibration_set(tmp_path / "missing", SMALL)
     (tmp_path / "readme.txt").write_text("no images here")
     with pytest.raises(ValueError, match="no images"):
-        calibration.load_calibration_set(tmp_path, SMALL)
+        calibration_sets.load_calibration_set(tmp_path, SMALL)
 
 
 def test_augmented_builtin_set() -> None:
-    rows = calibration.augmented_builtin_set(SMALL, samples=12, seed=0)
+    rows = calibration_sets.augmented_builtin_set(SMALL, samples=12, seed=0)
     assert rows.shape == (12, 3, 32, 32) and rows.dtype == np.float32
     assert len({row.tobytes() for row in rows}) == 12
-    np.testing.assert_array_equal(rows, calibration.augmented_builtin_set(SMALL, 12, seed=0))
-    other = calibration.augmented_builtin_set(SMALL, 12, seed=1)
-    count = len(calibration.BUILTIN_PHOTOS)
+    np.testing.assert_array_equal(rows, calibration_sets.augmented_builtin_set(SMALL, 12, seed=0))
+    other = calibration_sets.augmented_builtin_set(SMALL, 12, seed=1)
+    count = len(calibration_sets.BUILTIN_PHOTOS)
     # The photos as they are come first; the augmented rows depend on the seed.
     np.testing.assert_array_equal(rows[:count], other[:count])
     assert not np.array_equal(rows[count:], other[count:])
@@ -235,7 +236,7 @@ def efficientnet(tmp_path_factory: pytest.TempPathFactory) -> onnx.ModelProto:
 
 @pytest.fixture(scope="module")
 def photos() -> np.ndarray:
-    return calibration.augmented_builtin_set(ImagePreprocess(), samples=40, seed=0)
+    return calibration_sets.augmented_builtin_set(ImagePreprocess(), samples=40, seed=0)
 
 
 @pytest.mark.parametrize(
@@ -257,7 +258,7 @@ def test_calibrated_int8_agrees_with_fp32_and_an_over_quantized_one_does_not(
     reference = accuracy.run_onnx(efficientnet, evaluate, "input")
 
     def agreement(ranges: Ranges) -> float:
-        quantized = variants.to_int8(
+        quantized = int8.to_int8(
             efficientnet,
             ranges,
             form="u8s8",

@@ -8,8 +8,9 @@ import onnx
 import onnxruntime
 import pytest
 
-from engines import cpu
-from engines.build import BuildPlan, Int8Options, int8_recipe, variant_key
+from engines.devices import cpu
+from engines.precision.build import BuildPlan, variant_key
+from engines.precision.options import Int8Options, int8_recipe
 from engines.store import EngineKey
 from tests.conftest import tiny_onnx
 

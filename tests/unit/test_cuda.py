@@ -1,11 +1,11 @@
-"""engines.cuda's error checking, without a GPU: every non-success code raises, naming the
+"""engines.devices.cuda's error checking, without a GPU: every non-success code raises, naming the
 call; both APIs' success codes pass; anything else is refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from engines import cuda
+from engines.devices import cuda
 
 bindings = pytest.importorskip("cuda.bindings", reason="cuda-bindings is not installed")
 

@@ -138,10 +138,16 @@ def test_default_model_is_prepared_at_build_time() -> None:
     }
 
 
+def installed_packages() -> list[str]:
+    """The top-level packages pyproject.toml installs (``app*`` includes ``app`` and below)."""
+    with (ROOT / "pyproject.toml").open("rb") as file:
+        found = tomllib.load(file)["tool"]["setuptools"]["packages"]["find"]
+    return [pattern.removesuffix("*") for pattern in found["include"]]
+
+
 @pytest.mark.parametrize("stage", ["cpu-build", "gpu-build"])
 def test_build_stages_copy_every_package_the_project_installs(stage: str) -> None:
-    with (ROOT / "pyproject.toml").open("rb") as file:
-        packages = tomllib.load(file)["tool"]["setuptools"]["packages"]
+    packages = installed_packages()
     copied = {
         shlex.split(rest)[0] for keyword, rest in dockerfile_stages()[stage] if keyword == "COPY"
     }
@@ -156,8 +162,7 @@ def test_dockerignore_is_an_allow_list() -> None:
         if line and not line.startswith("#")
     ]
     assert rules[0] == "*"
-    with (ROOT / "pyproject.toml").open("rb") as file:
-        packages = tomllib.load(file)["tool"]["setuptools"]["packages"]
+    packages = installed_packages()
     for needed in ("pyproject.toml", "README.md", "models/", *(f"{p}/" for p in packages)):
         assert f"!{needed}" in rules
 

@@ -238,7 +238,7 @@ def pil_decode(data: object, device: object) -> object:
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_torch_resize_and_crop_match_pillow_within_one_level(layout: str) -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
-    from engines.torch_images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder
 
     spec = ImagePreprocess(layout=layout, datatype="UINT8")
     uploads = sample_jpegs()
@@ -252,7 +252,7 @@ def test_torch_resize_and_crop_match_pillow_within_one_level(layout: str) -> Non
 
 def test_one_image_the_device_refuses_costs_only_itself() -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
-    from engines.torch_images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder
 
     good = sample_jpegs()[:2]
     rows = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode).decode(
@@ -263,7 +263,7 @@ def test_one_image_the_device_refuses_costs_only_itself() -> None:
 
 def test_images_of_one_size_resized_together_give_what_each_alone_gives() -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
-    from engines import torch_images
+    from engines.backends.torch import images as torch_images
 
     a, b, c = sample_jpegs()[:3]
     decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)

@@ -5,7 +5,7 @@ Plain functions (profile derivation, store keys, I/O mapping, buffer sizing) are
 directly. The build and the runner are driven through a stand-in ``tensorrt`` module put in
 ``sys.modules``: it records what the backend asks of TensorRT and, to "run" a plan, runs the
 ONNX file with ONNX Runtime through the runner's own buffers and addresses (with stand-ins for
-``engines.cuda`` that copy host memory). It checks the wiring (which calls, in which order,
+``engines.devices.cuda`` that copy host memory). It checks the wiring (which calls, in which order,
 with which shapes, through which buffers); whether TensorRT accepts the calls is checked by
 mypy against TensorRT's stubs (``test_mypy_tensorrt.py``) and, on a TensorRT machine, by
 ``tests/gpu/test_tensorrt.py``.
@@ -29,15 +29,12 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from engines import backends, cuda, tensorrt_build
-from engines import tensorrt as trt_backend
-from engines.base import EngineOptions, FatalEngineError
-from engines.spec import ModelSpec, TensorSpec
-from engines.store import EngineStore
-from engines.tensorrt import IoTensor, buffer_bytes, describe_io, match_io, max_input_shape
-from engines.tensorrt_build import (
+from engines import backends
+from engines.backends.tensorrt import build as tensorrt_build
+from engines.backends.tensorrt import engine as trt_backend
+from engines.backends.tensorrt import runtime as tensorrt_runtime
+from engines.backends.tensorrt.build import (
     BuildError,
-    Target,
     TensorRTOptions,
     batch_profile,
     load_timing_cache,
@@ -45,6 +42,18 @@ from engines.tensorrt_build import (
     profile_shapes,
     save_timing_cache,
 )
+from engines.backends.tensorrt.engine import (
+    IoTensor,
+    buffer_bytes,
+    describe_io,
+    match_io,
+    max_input_shape,
+)
+from engines.backends.tensorrt.runtime import Target
+from engines.base import EngineOptions, FatalEngineError
+from engines.devices import cuda
+from engines.spec import ModelSpec, TensorSpec
+from engines.store import EngineStore
 from tests.conftest import tiny_onnx
 
 TARGET = Target("tensorrt 10.13.0.35", "NVIDIA H200", (9, 0))
@@ -585,7 +594,7 @@ def _copy(dst: int, src: int, nbytes: int, stream: object) -> None:
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[StandIn]:
     fake = StandIn()
     monkeypatch.setitem(sys.modules, "tensorrt", fake.module)
-    monkeypatch.setattr(tensorrt_build, "_logger", None)
+    monkeypatch.setattr(tensorrt_runtime, "_logger", None)
     monkeypatch.setattr(cuda, "device_properties", lambda device: ("NVIDIA H200", (9, 0)))
     monkeypatch.setattr(cuda, "set_device", lambda device: None)
     monkeypatch.setattr(cuda, "HostBuffer", FakeHost)
@@ -635,7 +644,7 @@ def test_build_asks_tensorrt_for_a_strongly_typed_profiled_plan_with_a_stand_in_
         version_compatible=True,
         hardware_compatibility="ampere_plus",
     )
-    with caplog.at_level(logging.INFO, logger="engines.tensorrt_build"):
+    with caplog.at_level(logging.INFO, logger="engines.backends.tensorrt.build"):
         engine = trt_backend.TensorRTEngine(path, spec, options, trt_options)
     [build] = stand_in.builds()
     assert build == {
@@ -935,7 +944,10 @@ def test_a_stubs_only_tensorrt_folder_does_not_count_without_tensorrt(
 ) -> None:
     """A bare ``tensorrt`` folder (type stubs) is not TensorRT proper: it is passed over for
     TensorRT for RTX where that is installed, and refused where nothing else is."""
-    if "tensorrt" in sys.modules and tensorrt_build.flavour(sys.modules["tensorrt"]) == "tensorrt":
+    if (
+        "tensorrt" in sys.modules
+        and tensorrt_runtime.flavour(sys.modules["tensorrt"]) == "tensorrt"
+    ):
         pytest.skip("a real TensorRT proper is imported here, and a bare folder cannot shadow it")
     (tmp_path / "tensorrt").mkdir()
     (tmp_path / "tensorrt" / "__init__.pyi").write_text("class Builder: ...\n")
@@ -944,11 +956,11 @@ def test_a_stubs_only_tensorrt_folder_does_not_count_without_tensorrt(
     try:
         rtx = importlib.util.find_spec("tensorrt_rtx_bindings") is not None
         if rtx:
-            assert tensorrt_build.require_tensorrt().startswith("tensorrt-rtx ")
+            assert tensorrt_runtime.require_tensorrt().startswith("tensorrt-rtx ")
         monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", None)
-        assert not tensorrt_build.importable()
-        with pytest.raises(tensorrt_build.TensorRTUnavailable, match="not TensorRT"):
-            tensorrt_build.require_tensorrt()
+        assert not tensorrt_runtime.importable()
+        with pytest.raises(tensorrt_runtime.TensorRTUnavailable, match="not TensorRT"):
+            tensorrt_runtime.require_tensorrt()
     finally:
         sys.modules.pop("tensorrt", None)
         if saved is not None:
@@ -962,7 +974,7 @@ def test_the_backend_says_how_to_get_tensorrt_where_it_is_missing_without_tensor
     monkeypatch.setitem(sys.modules, "tensorrt_rtx_bindings", None)  # and TensorRT for RTX
     path, spec = tiny
     with pytest.raises(
-        tensorrt_build.TensorRTUnavailable, match="TensorRT is not installed"
+        tensorrt_runtime.TensorRTUnavailable, match="TensorRT is not installed"
     ) as caught:
         backends.loader("tensorrt")(path, spec, EngineOptions())
     assert "NVIDIA's TensorRT container" in str(caught.value)

@@ -21,7 +21,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from app.cli import main
-from engines import tensorrt_build
+from engines.backends.tensorrt import build as tensorrt_build
+from engines.backends.tensorrt import runtime as tensorrt_runtime
 from tests.conftest import configure
 
 rtx = pytest.importorskip(
@@ -29,7 +30,7 @@ rtx = pytest.importorskip(
     reason="TensorRT for RTX is not installed (pip install -e '.[tensorrt-rtx]'; make test does)",
 )
 pytestmark = pytest.mark.skipif(
-    tensorrt_build.flavour(tensorrt_build.tensorrt_module()) != tensorrt_build.TENSORRT_RTX,
+    tensorrt_runtime.flavour(tensorrt_runtime.tensorrt_module()) != tensorrt_runtime.TENSORRT_RTX,
     reason="TensorRT proper is installed and takes precedence; these tests are for RTX",
 )
 
@@ -76,7 +77,7 @@ def test_every_precision_is_built_into_a_stored_plan(built: tuple[Path, Path, st
     for precision, manifest in plans.items():
         key = manifest["key"]
         assert key["backend"] == "tensorrt" and key["backend_version"] == version
-        assert key["device"] == tensorrt_build.JIT_DEVICE
+        assert key["device"] == tensorrt_runtime.JIT_DEVICE
         assert key["options"]["strongly_typed"] is True
         # The optimisation profile from the batching config: 1 / the largest preferred size
         # (32) / the max batch size (32).
@@ -170,13 +171,13 @@ def test_tensorrt_for_rtx_serves_only_the_gpus_it_runs_on(
 ) -> None:
     """What ``auto`` asks before it picks TensorRT: a plan for no GPU where RTX runs, else a
     refusal that says which GPU and why."""
-    from engines import cuda
+    from engines.devices import cuda
 
     monkeypatch.setattr(cuda, "device_properties", lambda device: (gpu, capability))
     if runs:
-        target = tensorrt_build.current_target(0)
-        assert target.jit and target.device_key() == tensorrt_build.JIT_DEVICE
+        target = tensorrt_runtime.current_target(0)
+        assert target.jit and target.device_key() == tensorrt_runtime.JIT_DEVICE
     else:
-        with pytest.raises(tensorrt_build.TensorRTUnavailable, match=f"does not run on {gpu}"):
-            tensorrt_build.current_target(0)
-    assert tensorrt_build.current_target(None).jit  # building needs no GPU at all
+        with pytest.raises(tensorrt_runtime.TensorRTUnavailable, match=f"does not run on {gpu}"):
+            tensorrt_runtime.current_target(0)
+    assert tensorrt_runtime.current_target(None).jit  # building needs no GPU at all

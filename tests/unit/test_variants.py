@@ -9,8 +9,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines import calibration, cpu, variants
-from engines.calibration import Ranges
+from engines.devices import cpu
+from engines.precision import calibration, fp16, graph, int8
+from engines.precision.calibration import Ranges
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
 CLASSES = 10
@@ -100,7 +101,7 @@ def io_types(model: onnx.ModelProto) -> list[int]:
 
 def test_fp16_runs_close_to_fp32_and_keeps_fp32_io() -> None:
     model = small_conv_model()
-    half = variants.to_fp16(model)
+    half = fp16.to_fp16(model)
     onnx.checker.check_model(half, full_check=True)
     assert io_types(half) == [TensorProto.FLOAT] * 3
     x = small_inputs()
@@ -112,7 +113,7 @@ def test_fp16_runs_close_to_fp32_and_keeps_fp32_io() -> None:
 
 
 def test_fp16_converts_weights_and_keeps_sensitive_ops_in_fp32() -> None:
-    half = variants.to_fp16(small_conv_model())
+    half = fp16.to_fp16(small_conv_model())
     types = types_of(half)
     conv, fc, softmax = node(half, "conv"), node(half, "fc"), node(half, "softmax")
     # Weight-bearing nodes compute in float16 on float16 weights; the input is cast once.
@@ -120,7 +121,7 @@ def test_fp16_converts_weights_and_keeps_sensitive_ops_in_fp32() -> None:
     assert all(types[name] == TensorProto.FLOAT16 for name in fc.input)
     assert types["conv.weight"] == types["fc.weight"] == TensorProto.FLOAT16
     # Softmax, in DEFAULT_FP32_OPS, reads and writes float32 between Casts.
-    assert "Softmax" in variants.DEFAULT_FP32_OPS
+    assert "Softmax" in fp16.DEFAULT_FP32_OPS
     assert types[softmax.input[0]] == types[softmax.output[0]] == TensorProto.FLOAT
     # The Constant feeding a float16 Mul became float16 too.
     constant = next(n for n in half.graph.node if n.op_type == "Constant")
@@ -129,14 +130,14 @@ def test_fp16_converts_weights_and_keeps_sensitive_ops_in_fp32() -> None:
 
 def test_fp16_keep_first_and_last_and_named_nodes() -> None:
     model = small_conv_model()
-    kept = variants.to_fp16(model, keep_first_and_last=True)
+    kept = fp16.to_fp16(model, keep_first_and_last=True)
     types = types_of(kept)
     for name in ("conv", "fc"):
         assert all(types[t] == TensorProto.FLOAT for t in (*node(kept, name).input,))
     assert types["conv.weight"] == types["fc.weight"] == TensorProto.FLOAT
     assert types[node(kept, "scale").output[0]] == TensorProto.FLOAT16
 
-    by_name = variants.to_fp16(model, keep_fp32_nodes=["scale"])
+    by_name = fp16.to_fp16(model, keep_fp32_nodes=["scale"])
     types = types_of(by_name)
     scale = node(by_name, "scale")
     assert all(types[t] == TensorProto.FLOAT for t in (*scale.input, *scale.output))
@@ -150,7 +151,7 @@ def test_fp16_keep_first_and_last_and_named_nodes() -> None:
 def test_fp16_of_tiny_model_shares_inputs_between_precisions() -> None:
     """tiny_onnx: MatMul runs in float16 while ReduceSum keeps reading the FP32 input."""
     model = tiny_onnx()
-    half = variants.to_fp16(model)
+    half = fp16.to_fp16(model)
     onnx.checker.check_model(half, full_check=True)
     types = types_of(half)
     reduce_sum = next(n for n in half.graph.node if n.op_type == "ReduceSum")
@@ -181,7 +182,7 @@ def test_fp16_clamps_weights_to_the_float16_range_and_converts_shared_weights_tw
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
-    half = variants.to_fp16(model)
+    half = fp16.to_fp16(model)
     onnx.checker.check_model(half, full_check=True)
     weights = {init.name: numpy_helper.to_array(init) for init in half.graph.initializer}
     assert weights["W"].dtype == np.float32
@@ -206,7 +207,7 @@ def test_fp16_refuses_control_flow() -> None:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
     )
     with pytest.raises(ValueError, match="control flow"):
-        variants.to_fp16(helper.make_model(graph))
+        fp16.to_fp16(helper.make_model(graph))
 
 
 # INT8 -----------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ def weight_dequantize(model: onnx.ModelProto, node_name: str) -> onnx.NodeProto:
 @pytest.mark.parametrize(
     "integer_kernels", [True, False], ids=["fused-integer-kernels", "qdq-in-float"]
 )
-@pytest.mark.parametrize("form", variants.INT8_FORMS)
+@pytest.mark.parametrize("form", int8.INT8_FORMS)
 def test_int8_runs_close_to_fp32(form: str, integer_kernels: bool, small_ranges: Ranges) -> None:
     """Run as ONNX Runtime serves it (Q/DQ fused into this CPU's integer kernels, with the
     weights this CPU gets) and as written (Q/DQ in float, what a GPU computes)."""
@@ -250,7 +251,7 @@ def test_int8_runs_close_to_fp32(form: str, integer_kernels: bool, small_ranges:
             "saturate here, so TensorRT's S8S8 form is judged with Q/DQ in float, as a GPU runs it"
         )
     model = small_conv_model()
-    quantized = variants.to_int8(
+    quantized = int8.to_int8(
         model,
         small_ranges,
         form=form,  # type: ignore[arg-type]
@@ -266,7 +267,7 @@ def test_int8_runs_close_to_fp32(form: str, integer_kernels: bool, small_ranges:
 
 
 def test_int8_weights_are_symmetric_per_channel(small_ranges: Ranges) -> None:
-    quantized = variants.to_int8(small_conv_model(), small_ranges, form="u8s8")
+    quantized = int8.to_int8(small_conv_model(), small_ranges, form="u8s8")
     for name, channels in (("conv", CHANNELS), ("fc", CLASSES)):
         dq = weight_dequantize(quantized, name)
         assert initializer(quantized, dq.input[0]).dtype == np.int8
@@ -275,7 +276,7 @@ def test_int8_weights_are_symmetric_per_channel(small_ranges: Ranges) -> None:
         assert not initializer(quantized, dq.input[2]).any()
         assert {a.name: a.i for a in dq.attribute}["axis"] == 0
 
-    per_tensor = variants.to_int8(small_conv_model(), small_ranges, form="u8s8", per_channel=False)
+    per_tensor = int8.to_int8(small_conv_model(), small_ranges, form="u8s8", per_channel=False)
     dq = weight_dequantize(per_tensor, "conv")
     assert initializer(per_tensor, dq.input[1]).size == 1
 
@@ -283,14 +284,14 @@ def test_int8_weights_are_symmetric_per_channel(small_ranges: Ranges) -> None:
 def test_int8_activation_zero_points_per_form(small_ranges: Ranges) -> None:
     """s8s8 (TensorRT): every QuantizeLinear zero point is int8 and exactly 0.
     u8s8 (ONNX Runtime CPU): activations are uint8."""
-    symmetric = variants.to_int8(small_conv_model(), small_ranges, form="s8s8")
+    symmetric = int8.to_int8(small_conv_model(), small_ranges, form="s8s8")
     quantizers = ops(symmetric, "QuantizeLinear")
     assert quantizers
     for q in quantizers:
         zero = initializer(symmetric, q.input[2])
         assert zero.dtype == np.int8 and not zero.any()
 
-    cpu = variants.to_int8(small_conv_model(), small_ranges, form="u8s8")
+    cpu = int8.to_int8(small_conv_model(), small_ranges, form="u8s8")
     assert ops(cpu, "QuantizeLinear")
     for q in ops(cpu, "QuantizeLinear"):
         assert initializer(cpu, q.input[2]).dtype == np.uint8
@@ -298,22 +299,22 @@ def test_int8_activation_zero_points_per_form(small_ranges: Ranges) -> None:
 
 def test_int8_honours_exclusions_and_leaves_outputs_unquantized(small_ranges: Ranges) -> None:
     model = small_conv_model()
-    by_type = variants.to_int8(model, small_ranges, form="u8s8", exclude_op_types={"Gemm"})
+    by_type = int8.to_int8(model, small_ranges, form="u8s8", exclude_op_types={"Gemm"})
     assert node(by_type, "fc").input[1] == "fc.weight"
     assert initializer(by_type, "fc.weight").dtype == np.float32
     weight_dequantize(by_type, "conv")
 
-    by_name = variants.to_int8(model, small_ranges, form="s8s8", exclude_nodes=["conv"])
+    by_name = int8.to_int8(model, small_ranges, form="s8s8", exclude_nodes=["conv"])
     conv = node(by_name, "conv")
     assert conv.input[0] == "input" and conv.input[1] == "conv.weight"
     weight_dequantize(by_name, "fc")
 
-    default = variants.to_int8(model, small_ranges, form="u8s8")
+    default = int8.to_int8(model, small_ranges, form="u8s8")
     assert {producer(default, o.name).op_type for o in default.graph.output} == {  # type: ignore[union-attr]
         "Gemm",
         "Softmax",
     }
-    quantized_outputs = variants.to_int8(model, small_ranges, form="u8s8", quantize_outputs=True)
+    quantized_outputs = int8.to_int8(model, small_ranges, form="u8s8", quantize_outputs=True)
     assert producer(quantized_outputs, "probabilities").op_type == "DequantizeLinear"  # type: ignore[union-attr]
 
 
@@ -322,7 +323,7 @@ def test_int8_of_tiny_model() -> None:
     x = np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32)
     ranges = calibration.collect_ranges(model, x, "x", "minmax")
     assert "x" in ranges.tensors and "y" in ranges.tensors
-    quantized = variants.to_int8(model, ranges, form="s8s8")
+    quantized = int8.to_int8(model, ranges, form="s8s8")
     y, s = run(quantized, {"x": x})
     np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, atol=0.1)
     # ReduceSum is not quantized, but it reads the same (quantized) input as the MatMul.
@@ -362,7 +363,7 @@ def quantized_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """Weight node name -> its INT8 weight, for every weight node fed by a DequantizeLinear."""
     found = {}
     for weight in model.graph.node:
-        if weight.op_type not in variants.WEIGHT_OPS:
+        if weight.op_type not in graph.WEIGHT_OPS:
             continue
         dq = producer(model, weight.input[1])
         if dq is not None and dq.op_type == "DequantizeLinear":
@@ -377,8 +378,8 @@ def test_seven_bit_weights_cannot_saturate_int16() -> None:
     model = three_layer_model()
     rows = np.random.default_rng(2).standard_normal((32, 8)).astype(np.float32)
     ranges = calibration.collect_ranges(model, rows, "x", "minmax")
-    reduced = quantized_weights(variants.to_int8(model, ranges, form="u8s8", reduce_range=True))
-    full = quantized_weights(variants.to_int8(model, ranges, form="u8s8"))
+    reduced = quantized_weights(int8.to_int8(model, ranges, form="u8s8", reduce_range=True))
+    full = quantized_weights(int8.to_int8(model, ranges, form="u8s8"))
     assert set(reduced) == set(full) == {"fc0", "fc1", "fc2"}
     worst = max(int(np.abs(w.astype(np.int32)).max()) for w in reduced.values())
     assert 2 * 255 * worst <= np.iinfo(np.int16).max
@@ -389,7 +390,7 @@ def test_keep_first_and_last_leaves_the_edge_weight_layers_in_float() -> None:
     model = three_layer_model()
     rows = np.random.default_rng(2).standard_normal((32, 8)).astype(np.float32)
     ranges = calibration.collect_ranges(model, rows, "x", "minmax")
-    kept = variants.to_int8(model, ranges, form="u8s8", keep_first_and_last=True)
+    kept = int8.to_int8(model, ranges, form="u8s8", keep_first_and_last=True)
     assert set(quantized_weights(kept)) == {"fc1"}
     assert initializer(kept, "w0").dtype == initializer(kept, "w2").dtype == np.float32
     want = run(model, {"x": rows})[0]
@@ -399,9 +400,9 @@ def test_keep_first_and_last_leaves_the_edge_weight_layers_in_float() -> None:
 
 def test_wrong_ranges_or_form_are_refused(small_ranges: Ranges) -> None:
     with pytest.raises(ValueError, match="form"):
-        variants.to_int8(small_conv_model(), small_ranges, form="u8u8")  # type: ignore[arg-type]
+        int8.to_int8(small_conv_model(), small_ranges, form="u8u8")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="calibrated on this model"):
-        variants.to_int8(small_conv_model(), Ranges("minmax", {}), form="u8s8")
+        int8.to_int8(small_conv_model(), Ranges("minmax", {}), form="u8s8")
 
 
 def test_bias_correction_subtracts_the_mean_weight_error() -> None:
@@ -425,7 +426,7 @@ def test_bias_correction_subtracts_the_mean_weight_error() -> None:
             [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")],
         )
         delta = rng.standard_normal(weight.shape) * 0.01
-        fixed = variants.correct_biases(
+        fixed = int8.correct_biases(
             helper.make_model(graph), {"n": weight + delta}, {"x": tuple(mean)}
         )
         return bias - initializer(fixed, node(fixed, "n").input[2]), delta

@@ -21,6 +21,7 @@ and error formatting are plain Python, unit-tested on machines without TensorRT.
 """
 
 from __future__ import annotations
+
 import logging
 import threading
 import time
@@ -28,13 +29,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
 import onnx
+
+from engines.backends.tensorrt.runtime import (
+    TENSORRT_RTX,
+    Shape,
+    Target,
+    current_target,
+    dims,
+    flavour,
+    network_flags,
+    parser_errors,
+    require_tensorrt,
+    tensorrt_logger,
+    tensorrt_module,
+)
 from engines.base import EngineOptions
 from engines.spec import ModelSpec
 from engines.store import EngineKey, EngineStore, sha256_file
+
 if TYPE_CHECKING:
     import tensorrt as trt
-
 
 
 log = logging.getLogger(__name__)
@@ -539,4 +555,3 @@ def describe_network(onnx_path: Path) -> NetworkSummary:
             )
         ),
     )
-

@@ -4,7 +4,7 @@ CUDA streams.
 The engine deserializes the plan (built or loaded by ``engines.tensorrt_build``) once per
 model and precision. A runner is one execution context with its own non-blocking CUDA stream,
 device buffers sized for the max batch and pinned host staging buffers, all through
-``engines.cuda``. Per batch it sets every input's shape (``set_input_shape``) and every I/O
+``engines.devices.cuda``. Per batch it sets every input's shape (``set_input_shape``) and every I/O
 tensor's address (``set_tensor_address``, names from ``num_io_tensors`` /
 ``get_tensor_name`` / ``get_tensor_mode``), enqueues the host-to-device copies,
 ``execute_async_v3`` and the device-to-host copies on its stream, records an event and waits
@@ -30,20 +30,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engines import cuda
-from engines.base import EngineOptions
-from engines.spec import ModelSpec, numpy_dtype
-from engines.tensorrt_build import (
-    BACKEND,
+from engines.backends.tensorrt.build import BACKEND, TensorRTOptions, ensure_plan
+from engines.backends.tensorrt.runtime import (
     Shape,
-    TensorRTOptions,
     current_target,
     dims,
-    ensure_plan,
     importable,
     tensorrt_logger,
     tensorrt_module,
 )
+from engines.base import EngineOptions
+from engines.devices import cuda
+from engines.spec import ModelSpec, numpy_dtype
 
 if TYPE_CHECKING:
     import tensorrt as trt

@@ -8,20 +8,16 @@ logger, dims and parser errors are the small pieces every caller of TensorRT nee
 """
 
 from __future__ import annotations
+
 import logging
 import threading
-import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
-import onnx
-from engines.base import EngineOptions
-from engines.spec import ModelSpec
-from engines.store import EngineKey, EngineStore, sha256_file
+
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     import tensorrt as trt
-
 
 
 # The device of a TensorRT for RTX plan: specialised for the GPU only when it loads.
@@ -74,7 +70,7 @@ def current_target(device: int | None) -> Target:
     version = require_tensorrt()
     if flavour(trt) == TENSORRT_RTX:
         if device is not None:
-            from engines import cuda
+            from engines.devices import cuda
 
             name, capability = cuda.device_properties(device)
             if not rtx_runs_on(capability):
@@ -87,7 +83,7 @@ def current_target(device: int | None) -> Target:
         return Target(version, JIT_DEVICE, (0, 0))
     if device is None:
         raise TensorRTUnavailable("TensorRT proper builds for a GPU, and none was given")
-    from engines import cuda
+    from engines.devices import cuda
 
     name, capability = cuda.device_properties(device)
     return Target(version, name, capability)
@@ -234,4 +230,3 @@ def parser_errors(parser: trt.OnnxParser) -> list[str]:
             where = f"node {node} ({error.node_operator()} {error.node_name()!r}): "
         messages.append(where + error.desc())
     return messages
-

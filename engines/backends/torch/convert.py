@@ -6,28 +6,18 @@ name (``UnsupportedModel``). Pure torch: it runs, and is tested, on the CPU.
 """
 
 from __future__ import annotations
-import contextlib
-import itertools
-import logging
-import os
-import threading
+
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 import numpy as np
 import onnx
 import torch
 import torch.nn.functional as F
 from onnx import TensorProto, numpy_helper
-from engines import cuda
-from engines.base import EngineOptions
-from engines.preprocess import ImagePreprocess
-from engines.spec import ModelSpec, TensorSpec
-
-
 
 _ONNX_DTYPES: dict[int, torch.dtype] = {
     TensorProto.FLOAT: torch.float32,
@@ -324,4 +314,3 @@ class OnnxModule(torch.nn.Module):
 def convert(path: Path) -> OnnxModule:
     """The ONNX file as a module on the CPU, in the graph's own dtypes."""
     return OnnxModule(onnx.load(str(path))).eval()
-

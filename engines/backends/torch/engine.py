@@ -9,7 +9,7 @@ The model is the ONNX file itself, converted op by op into a ``torch.nn.Module``
   cast back to the output's declared type. (The ONNX ``fp16`` variant, with its FP32 islands,
   also loads: it is converted as it is, Casts included.)
 
-A runner is one execution lane: its own CUDA stream (``engines.cuda``), pinned host buffers
+A runner is one execution lane: its own CUDA stream (``engines.devices.cuda``), pinned host buffers
 and static device buffers sized for the max batch, and one CUDA graph per batch bucket (the
 preferred sizes, the powers of two and the max batch). A batch is padded up to its bucket;
 the padding rows are computed and dropped, never returned. Tensors are channels-last, which
@@ -20,28 +20,28 @@ released, so other runners and the event loop run meanwhile.
 """
 
 from __future__ import annotations
+
 import contextlib
 import itertools
 import logging
 import os
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
 import numpy as np
 import onnx
 import torch
-import torch.nn.functional as F
-from onnx import TensorProto, numpy_helper
-from engines import cuda
+from onnx import TensorProto
+
+from engines.backends.torch.convert import OnnxModule, UnsupportedModel, convert
 from engines.base import EngineOptions
+from engines.devices import cuda
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
-
-
 
 BACKEND = "torch"
 
@@ -445,4 +445,3 @@ def load(path: Path, spec: ModelSpec, options: EngineOptions) -> TorchEngine:
             preferred_batch_sizes=options.preferred_batch_sizes,
         ),
     )
-
