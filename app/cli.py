@@ -15,8 +15,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from app import accuracy_report
 from app.settings import Settings
+from bench import accuracy_report
 
 log = logging.getLogger("stoker")
 
@@ -165,7 +165,7 @@ def serve(settings: Settings) -> int:
 
 
 def prepare(settings: Settings) -> int:
-    from app.dataplane import prepare as prepare_model
+    from app.models import prepare as prepare_model
     from app.repository import discover
 
     for entry in discover(settings.models.repository, settings.models.models):
@@ -184,10 +184,10 @@ def prepare(settings: Settings) -> int:
 def build_engines(settings: Settings) -> int:
     """What startup does before serving, ahead of time: every precision of every model is
     built (or found) in the engine store, with progress in the log."""
-    from app.dataplane import engine_options, model_spec
+    from app import models
     from app.repository import discover
     from engines import backends
-    from engines.precision.build import AccuracyBudgetExceeded, ensure_variant
+    from engines.precision.build import AccuracyBudgetExceeded
     from engines.store import EngineStore
 
     if prepare(settings) != 0:
@@ -196,19 +196,17 @@ def build_engines(settings: Settings) -> int:
     failed = False
     for entry in discover(settings.models.repository, settings.models.models):
         backend = backends.resolve(settings.models.backend or entry.config.backend)
-        spec = model_spec(entry)
-        plan = entry.build_plan(spec)
+        model = models.source(entry)
         for precision in entry.config.precisions:
             try:
-                path, report = ensure_variant(store, plan, precision, backend)
+                path, report, _ = models.build(model, precision, backend, store)
                 facts = ", ".join(f"{k} {v:.4g}" for k, v in report.items())
                 print(
                     f"{entry.config.name} {precision} ({backend}): {path}"
                     + (f" [{facts}]" if facts else "")
                 )
                 if backend == "tensorrt":
-                    options = engine_options(entry, spec, store, plan.profile, precision)
-                    print(prebuild_tensorrt(entry.config.name, precision, path, spec, options))
+                    print(models.prebuild_tensorrt(model, precision, path, store))
             except AccuracyBudgetExceeded as exc:
                 print(f"{entry.config.name} {precision}: REFUSED: {exc}")
                 failed = True
@@ -227,35 +225,10 @@ def build_engines(settings: Settings) -> int:
     return 1 if failed else 0
 
 
-def prebuild_tensorrt(model: str, precision: str, variant: Path, spec: Any, options: Any) -> str:
-    """Build the TensorRT plan of a variant ahead of serving where this machine can (TensorRT
-    for RTX: anywhere; TensorRT proper: on its GPU), and say what was built or why not."""
-    from engines.backends.tensorrt.build import TensorRTOptions, describe_network, prebuild_plan
-    from engines.backends.tensorrt.runtime import RTX_RUNS_ON, TensorRTUnavailable
-    from engines.devices import cuda
-
-    try:
-        target = prebuild_plan(variant, spec, options, TensorRTOptions())
-    except (TensorRTUnavailable, cuda.CudaUnavailable, cuda.CudaError) as why:
-        return (
-            f"{model} {precision}: no TensorRT plan built here ({why}); the server builds it "
-            "at its first start on the GPU"
-        )
-    jit = (
-        f"; it is specialised for the GPU when it loads (TensorRT for RTX runs on {RTX_RUNS_ON})"
-        if target.jit
-        else ""
-    )
-    return (
-        f"{model} {precision}: {target.tensorrt_version} plan for {target.device_key()}{jit}\n"
-        f"  network: {describe_network(variant).describe()}"
-    )
-
-
 def list_models(settings: Settings) -> int:
     """The repository's models, and per precision what the engine store holds for this CPU:
     built, refused (and why: such a version answers 503 when served) or not built yet."""
-    from app.dataplane import model_spec
+    from app.models import model_spec
     from app.repository import discover
     from engines import backends
     from engines.precision.build import variant_state

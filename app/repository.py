@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from engines.precision.build import BuildPlan
 from engines.precision.options import Budget, Fp16Options, Int8Options
 from engines.preprocess import ImagePreprocess
-from engines.spec import V2_TO_NUMPY, ModelSpec
+from engines.spec import ModelSpec, TensorSpec
 
 PRECISIONS = ("fp32", "fp16", "int8")
 
@@ -41,41 +41,6 @@ class DynamicBatching(BaseModel):
     """Number of priority levels (1 is the highest); requests pick one with ``priority``."""
     default_priority_level: int = Field(default=0, ge=0)
     """Level of a request that sets no priority; 0 means the lowest level."""
-
-
-class TensorConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    datatype: str
-    shape: list[int]
-    """Shape of one row (without the batch dimension); -1 for a dynamic dimension."""
-
-    @model_validator(mode="after")
-    def _known_datatype(self) -> TensorConfig:
-        if self.datatype not in V2_TO_NUMPY:
-            raise ValueError(f"unknown datatype {self.datatype!r}")
-        return self
-
-
-class PreprocessConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    resize_shorter: int = Field(default=256, gt=0)
-    crop: int = Field(default=224, gt=0)
-    mean: tuple[float, float, float] = (127.0, 127.0, 127.0)
-    std: tuple[float, float, float] = (128.0, 128.0, 128.0)
-    layout: Literal["NCHW", "NHWC"] = "NCHW"
-
-    def to_spec(self, datatype: str) -> ImagePreprocess:
-        return ImagePreprocess(
-            resize_shorter=self.resize_shorter,
-            crop=self.crop,
-            mean=self.mean,
-            std=self.std,
-            layout=self.layout,
-            datatype=datatype,
-        )
 
 
 def _default_budgets() -> dict[str, Budget]:
@@ -130,16 +95,22 @@ class ModelConfig(BaseModel):
     """How the int8 variant is calibrated and quantized."""
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     """What each variant may cost in accuracy."""
-    inputs: list[TensorConfig] | None = None
-    """Overrides the inputs read from the ONNX file."""
-    outputs: list[TensorConfig] | None = None
+    inputs: list[TensorSpec] | None = None
+    """Overrides the inputs read from the ONNX file: name, datatype and the shape of one row
+    (without the batch dimension; -1 for a dynamic dimension)."""
+    outputs: list[TensorSpec] | None = None
     """Overrides the outputs read from the ONNX file."""
     labels: str | None = None
     """A text file with one class label per line, relative to the model folder."""
-    preprocess: PreprocessConfig | None = None
-    """How ``/infer`` turns an uploaded image into one input row; None: no image uploads."""
+    preprocess: ImagePreprocess | None = None
+    """How ``/infer`` turns an uploaded image into one input row; None: no image uploads.
+    Also what INT8 calibration runs its images through."""
     postprocess: Literal["softmax", "none"] = "softmax"
-    """How ``/infer`` turns the first output into probabilities."""
+    """How the image classifier turns the first output into probabilities."""
+    handler: str | None = None
+    """What ``POST /infer`` does with uploads (``app.handlers``): ``image-classifier``,
+    ``none`` (V2 tensors only) or ``package.module:Class``; unset: the image classifier when
+    ``preprocess`` is given, else none."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -190,7 +161,7 @@ class ModelEntry(BaseModel):
             folder=self.folder,
             input_name=image_input.name,
             preprocess=(
-                config.preprocess.to_spec(image_input.datatype) if config.preprocess else None
+                config.preprocess.with_datatype(image_input.datatype) if config.preprocess else None
             ),
             profile=(1, max(preferred, default=max_batch), max_batch),
             fp16=config.fp16,

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.dataplane import DataPlane, ServedModel
+from app.dataplane import DataPlane
 from app.errors import BadRequest
 from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA, encode_response
 
@@ -131,83 +131,32 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v2/models/stats")
 async def all_stats(request: Request) -> Response:
-    models = plane_of(request).all_served()
-    return json_response({"model_stats": [m.metrics.statistics() for m in models]})
+    return json_response({"model_stats": plane_of(request).statistics()})
 
 
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    plane = plane_of(request)
-    model = plane.get(name, version)
-    metadata = model.spec.metadata(plane.versions(name), f"{model.backend}_onnx")
-    unavailable = plane.unavailable(name)
-    if unavailable:
-        # Not in the V2 schema (clients ignore extra fields): why a configured version is absent.
-        metadata["unavailable_versions"] = [
-            {"version": v, "reason": reason} for v, reason in unavailable.items()
-        ]
-    return json_response(metadata)
+    return json_response(plane_of(request).metadata(name, version))
 
 
 @router.get("/v2/models/{name}/ready")
 @router.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    model = plane_of(request).get(name, version)
-    return json_response(
-        {"name": model.name, "version": model.version, "ready": model.ready},
-        200 if model.ready else 503,
-    )
+    answer = plane_of(request).version_ready(name, version)
+    return json_response(answer, 200 if answer["ready"] else 503)
 
 
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
-    plane = plane_of(request)
-    model = plane.get(name, version)
-    config = model.entry.config
-    batching = config.dynamic_batching
-    spec = model.spec
-
-    def tensor(t: Any) -> dict[str, Any]:
-        return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
-
-    return json_response(
-        {
-            "name": spec.name,
-            "platform": f"{model.backend}_onnx",
-            "backend": model.backend,
-            "max_batch_size": spec.max_batch_size,
-            "input": [tensor(t) for t in spec.inputs],
-            "output": [tensor(t) for t in spec.outputs],
-            "dynamic_batching": {
-                "preferred_batch_size": batching.preferred_batch_size,
-                "max_queue_delay_microseconds": batching.max_queue_delay_us,
-                "priority_levels": batching.priority_levels,
-                "default_queue_policy": {
-                    "max_queue_size": batching.max_queue_size,
-                    "default_timeout_microseconds": batching.default_timeout_us,
-                },
-            },
-            "instance_group": [{"count": config.runners, "kind": model.backend}],
-            "version_policy": {"specific": {"versions": plane.versions(name)}},
-            "default_version": config.default_precision,
-            "labels": config.labels,
-        }
-    )
+    return json_response(plane_of(request).model_config(name, version))
 
 
 @router.get("/v2/models/{name}/stats")
 @router.get("/v2/models/{name}/versions/{version}/stats")
 async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
-    plane = plane_of(request)
-    if version is None:
-        if not plane.versions(name):
-            plane.get(name)  # raises: 404 for an unknown model, 503 while loading or refused
-        models = [plane.get(name, v) for v in plane.versions(name)]
-    else:
-        models = [plane.get(name, version)]
-    return json_response({"model_stats": [m.metrics.statistics() for m in models]})
+    return json_response({"model_stats": plane_of(request).statistics(name, version)})
 
 
 @router.post("/v2/repository/index")
@@ -270,15 +219,16 @@ INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
 )
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
-    model = plane.get(name, version)
+    plane.check(name, version)  # 404 or 503 before the body is read
     body = await read_body(request)
     length = header_length(request)
 
-    result = await unless_disconnected(request, plane.infer(model, body, length))
-    if result is None:
+    answer = await unless_disconnected(request, plane.infer(name, version, body, length))
+    if answer is None:
         return CLIENT_GONE
-    request_id, outputs = result
-    content, headers = encode_response(model.name, model.version, request_id, outputs)
+    content, headers = encode_response(
+        answer.model, answer.version, answer.request_id, answer.outputs
+    )
     return Response(content, headers=headers)
 
 
@@ -334,22 +284,20 @@ async def classify_upload(
     request: Request, name: str | None = None, version: str | None = None, k: int | None = None
 ) -> Response:
     plane = plane_of(request)
-    model: ServedModel = plane.default_model() if name is None else plane.get(name, version)
-    limits = plane.settings.limits
-    uploads, form_k = await uploaded_images(request, limits.max_images_per_request)
+    if name is not None:
+        plane.check(name, version)  # 404 or 503 before the uploads are read
+    uploads, form_k = await uploaded_images(request, plane.max_images)
     if form_k is not None:
         try:
             k = int(form_k)
         except ValueError:
             raise BadRequest("k must be an integer") from None
-    top = k if k is not None else limits.default_top_k
-    if top < 1:
-        raise BadRequest("k must be at least 1")
-    predictions = await unless_disconnected(request, plane.classify_images(model, uploads, top))
-    if predictions is None:
+    answer = await unless_disconnected(request, plane.classify_images(name, version, uploads, k))
+    if answer is None:
         return CLIENT_GONE
+    model, answered_version, predictions = answer
     return json_response(
-        {"model_name": model.name, "model_version": model.version, "predictions": predictions}
+        {"model_name": model, "model_version": answered_version, "predictions": predictions}
     )
 
 

@@ -168,17 +168,14 @@ def configured_preprocess(repository: Path, model: str, datatype: str) -> ImageP
         config = load_config(folder).config
     except ConfigError:
         return None
-    return config.preprocess.to_spec(datatype) if config.preprocess else None
+    return config.preprocess.with_datatype(datatype) if config.preprocess else None
 
 
 def in_process_inputs(repository: Path, model: str) -> ModelInputs:
-    from app.dataplane import model_spec, prepare
+    from app import models
     from app.repository import discover
 
-    entry = discover(repository, [model])[0]
-    if not entry.onnx_path.exists():
-        prepare(entry)
-    spec = model_spec(entry)
+    spec = models.source(discover(repository, [model])[0]).spec
     return ModelInputs(spec.name, spec.inputs, spec.batched)
 
 

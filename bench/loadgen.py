@@ -32,8 +32,7 @@ from bench.payloads import Payload
 from bench.scrape import ServerStats, step_stats
 
 if TYPE_CHECKING:
-    from app.batcher import Batcher
-    from app.pool import RunnerPool
+    from app.models import LoadedModel
 
 Mode = Literal["closed", "open"]
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p99.9": 99.9}
@@ -235,75 +234,50 @@ class InProcessClient:
 
     def __init__(
         self,
-        batcher: Batcher,
-        pool: RunnerPool,
+        model: LoadedModel,
         timeout_s: float | None,
         keys: dict[int, tuple[Any, dict[str, np.ndarray]]],
     ) -> None:
         """``keys``: per payload (by id), its batch key and its tensors as the engine takes
         them."""
-        self._batcher = batcher
-        self._pool = pool
+        self._model = model
         self._timeout_s = timeout_s
         self._keys = keys
 
     @classmethod
     async def load(cls, target: InProcessTarget, payloads: list[Payload]) -> InProcessClient:
-        from app.batcher import Batcher
-        from app.dataplane import (
-            PixelInput,
-            batch_key,
-            engine_options,
-            model_spec,
-            pixels_for_engine,
-            prepare,
-            validate_inputs,
-        )
-        from app.metrics import ModelMetrics
-        from app.pool import RunnerPool
+        from app import models
+        from app.dataplane import batch_key, validate_inputs
         from app.repository import discover
         from app.settings import Settings
         from engines import backends
-        from engines.base import pixel_input
-        from engines.precision.build import ensure_variant
         from engines.store import EngineStore
 
         entry = discover(target.repository, [target.model])[0]
         config = entry.config
-        if not entry.onnx_path.exists():
-            await asyncio.to_thread(prepare, entry)
-        spec = await asyncio.to_thread(model_spec, entry)
+        settings = Settings()
+        model = await asyncio.to_thread(models.source, entry)
         backend = backends.resolve(target.backend or config.backend)
         precision = target.precision or config.default_precision
-        store = EngineStore(Settings().store.path)
-        plan = entry.build_plan(spec)
-        variant, _ = await asyncio.to_thread(ensure_variant, store, plan, precision, backend)
-        options = engine_options(entry, spec, store, plan.profile, precision)
-        engine = await asyncio.to_thread(backends.loader(backend), variant, spec, options)
-        pixels = PixelInput.of(entry, spec, pixel_input(engine) is not None)
-        name = pixels.name if pixels else None
-        pool = await RunnerPool.create(engine, config.runners, f"bench-{config.name}")
-        await pool.warm()
-        metrics = ModelMetrics(config.name, precision)
-        batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
-        batcher.start()
+        store = EngineStore(settings.store.path)
+        loaded = await models.load(model, precision, backend, store, settings)
         keys = {}
         for payload in payloads:
             if payload.tensors is None:
                 raise ValueError("in-process payloads are tensors, not HTTP bodies")
-            validate_inputs(spec, payload.tensors, name)
+            validate_inputs(model.spec, payload.tensors, loaded.inputs.pixels)
             # What the service does to UINT8 pixels before batching, done once up front.
-            tensors = pixels_for_engine(pixels, payload.tensors)
-            keys[id(payload)] = (batch_key(spec, tensors), tensors)
+            tensors = loaded.inputs.for_engine(payload.tensors)
+            keys[id(payload)] = (batch_key(model.spec, tensors), tensors)
         timeout_us = config.dynamic_batching.default_timeout_us
-        return cls(batcher, pool, timeout_us / 1e6 if timeout_us else None, keys)
+        return cls(loaded, timeout_us / 1e6 if timeout_us else None, keys)
 
     async def send(self, payload: Payload) -> int:
         from app.errors import StokerError
 
         key, tensors = self._keys[id(payload)]
         try:
-            await self._batcher.infer(tensors, payload.rows, key, self._timeout_s)
+            await self._model.batcher.infer(tensors, payload.rows, key, self._timeout_s)
         except StokerError as exc:
             return exc.status
         return 200
@@ -314,8 +288,7 @@ class InProcessClient:
         return generate_latest().decode()
 
     async def close(self) -> None:
-        await self._batcher.close(5.0)
-        await asyncio.to_thread(self._pool.close)
+        await self._model.close(5.0)
 
 
 class Recorder:

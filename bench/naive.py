@@ -16,45 +16,36 @@ import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
-from app import images
-from app.dataplane import (
-    PixelInput,
-    engine_options,
-    model_spec,
-    pixels_for_engine,
-    prepare,
-    requested_outputs,
-    top_k,
-    validate_inputs,
-)
+from app import models
+from app.dataplane import requested_outputs, validate_inputs
 from app.errors import BadRequest, NotFound, StokerError
+from app.handlers import HandlerContext, ImageClassifier, check_uploads
+from app.metrics import ModelMetrics
 from app.protocol import classify, decode_request, encode_response
-from app.repository import ModelEntry, discover
+from app.repository import discover
 from app.routes import header_length, json_response, uploaded_images
+from app.settings import Settings
 from engines import backends
-from engines.base import Runner, pixel_input
-from engines.precision import accuracy
-from engines.preprocess import preprocess
+from engines.base import Runner
 from engines.spec import ModelSpec
-
-MAX_IMAGE_PIXELS = 40_000_000
-MAX_IMAGES = 64
+from engines.store import EngineStore
 
 
 @dataclass
 class Model:
-    entry: ModelEntry
     spec: ModelSpec
     runner: Runner
     executor: ThreadPoolExecutor
     labels: list[str] | None
-    pixels: PixelInput | None = None
+    inputs: models.InputPolicy
+    uploads: ImageClassifier | None
+    settings: Settings
 
     async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         loop = asyncio.get_running_loop()
@@ -62,15 +53,32 @@ class Model:
 
 
 def load(repository: Path, name: str, backend: str | None) -> Model:
+    """The model as Stoker loads it (``app.models``), with one runner and no batcher."""
+    settings = Settings()
     entry = discover(repository, [name])[0]
-    if not entry.onnx_path.exists():
-        prepare(entry)
-    spec = model_spec(entry)
-    options = replace(engine_options(entry, spec), runners=1, devices=())
-    engine = backends.loader(backend or entry.config.backend)(entry.onnx_path, spec, options)
+    model = models.source(entry)
+    chosen = backends.resolve(backend or entry.config.backend)
+    store = EngineStore(settings.store.path)
+    engine, policy = models.load_engine(model, "fp32", chosen, store, runners=1)
+    labels = entry.labels()
+    prep = entry.config.preprocess
+    uploads = None
+    if prep is not None:
+        context = HandlerContext(
+            name=entry.config.name,
+            spec=model.spec,
+            preprocess=prep.with_datatype("UINT8"),
+            postprocess=entry.config.postprocess,
+            labels=labels,
+            limits=settings.limits,
+            metrics=ModelMetrics(f"naive-{entry.config.name}", "fp32"),
+            normalised_by_engine=policy.on_device,
+        )
+        uploads = ImageClassifier(context)
     runner = engine.new_runner()
-    pixels = PixelInput.of(entry, spec, pixel_input(engine) is not None)
-    return Model(entry, spec, runner, ThreadPoolExecutor(1, "naive"), entry.labels(), pixels)
+    return Model(
+        model.spec, runner, ThreadPoolExecutor(1, "naive"), labels, policy, uploads, settings
+    )
 
 
 def create_app(repository: Path, name: str, backend: str | None = None) -> FastAPI:
@@ -112,8 +120,8 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
         model = served(request, model_name)
         body = await request.body()
         decoded = decode_request(body, header_length(request), model.spec)
-        validate_inputs(model.spec, decoded.inputs, model.pixels.name if model.pixels else None)
-        inputs = pixels_for_engine(model.pixels, decoded.inputs)
+        validate_inputs(model.spec, decoded.inputs, model.inputs.pixels)
+        inputs = model.inputs.for_engine(decoded.inputs)
         outputs = await model.run(inputs)
         answer = [
             (
@@ -133,23 +141,13 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
         request: Request, model_name: str | None = None, k: int = 5
     ) -> Response:
         model = served(request, model_name)
-        prep = model.entry.config.preprocess
-        if prep is None:
+        if model.uploads is None:
             raise BadRequest(f"model {model.spec.name!r} does not take image uploads")
-        uploads, _ = await uploaded_images(request, MAX_IMAGES)
-        if not uploads:
-            raise BadRequest("no image in the request")
-        spec = prep.to_spec(model.spec.inputs[0].datatype)
-
-        def decode_all() -> np.ndarray:
-            return np.stack(
-                [preprocess(images.decode(data, MAX_IMAGE_PIXELS), spec) for data in uploads]
-            )
-
-        batch = await asyncio.to_thread(decode_all)
-        outputs = await model.run({model.spec.inputs[0].name: batch})
-        scores = accuracy.softmax(outputs[model.spec.outputs[0].name])
-        predictions = [top_k(row, k, model.labels) for row in scores.reshape(len(batch), -1)]
+        uploads, _ = await uploaded_images(request, model.settings.limits.max_images_per_request)
+        check_uploads(uploads, model.settings.limits)
+        inputs = await model.uploads.decode(uploads)
+        outputs = await model.run(inputs)
+        predictions = model.uploads.encode(outputs, k)
         return json_response({"model_name": model.spec.name, "predictions": predictions})
 
     return app

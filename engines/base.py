@@ -35,6 +35,10 @@ class Engine(Protocol):
 
     spec: ModelSpec
     backend: str
+    pixel_input: str | None
+    """The input that takes UINT8 pixels, normalised by the engine itself on its device
+    (given ``EngineOptions.image``), or None: the service then normalises pixels on the CPU
+    before they reach the engine."""
 
     def new_runner(self) -> Runner: ...
 
@@ -53,7 +57,7 @@ class EngineOptions:
     ``devices`` round-robin (one copy of the weights per GPU; empty: GPU 0) and may size
     their batch buckets by ``preferred_batch_sizes``. ``image`` is the model's preprocessing:
     a backend that can normalise on the device accepts UINT8 pixels on the first input and
-    says so in its engine's ``pixel_input`` (see ``pixel_input``).
+    says so in its engine's ``pixel_input``.
     """
 
     runners: int = 1
@@ -64,13 +68,6 @@ class EngineOptions:
     devices: tuple[int, ...] = ()
     preferred_batch_sizes: tuple[int, ...] = ()
     image: ImagePreprocess | None = None
-
-
-def pixel_input(engine: Engine) -> str | None:
-    """The input that takes UINT8 pixels, normalised by the engine itself on its device, or
-    None: the service then normalises pixels on the CPU before they reach the engine."""
-    name = getattr(engine, "pixel_input", None)
-    return name if isinstance(name, str) else None
 
 
 class FatalEngineError(Exception):

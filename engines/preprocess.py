@@ -6,28 +6,36 @@ calibration sets and the accuracy report, so all three feed the model the same p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
 
 
-@dataclass(frozen=True)
-class ImagePreprocess:
+class ImagePreprocess(BaseModel):
     """Resize the shorter side, centre-crop, then ``(x - mean) / std`` per RGB channel.
 
-    ``layout`` is ``NCHW`` or ``NHWC`` (of one row: CHW or HWC); ``datatype`` is the
-    input's V2 datatype (``UINT8`` skips normalisation, for models that normalise inside).
+    Also the model config's ``preprocess:`` section, declared once here. ``datatype`` is the
+    input's V2 datatype (``UINT8`` skips normalisation, for models that normalise inside);
+    the config leaves it out and it follows the model's input (``with_datatype``).
     """
 
-    resize_shorter: int = 256
-    crop: int = 224
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    resize_shorter: int = Field(default=256, gt=0)
+    """The shorter side is resized to this, keeping the aspect ratio."""
+    crop: int = Field(default=224, gt=0)
+    """Then the centre square of this side is kept."""
     mean: tuple[float, float, float] = (127.0, 127.0, 127.0)
     std: tuple[float, float, float] = (128.0, 128.0, 128.0)
-    layout: str = "NCHW"
+    layout: Literal["NCHW", "NHWC"] = "NCHW"
+    """Of one row: CHW or HWC."""
     datatype: str = "FP32"
+
+    def with_datatype(self, datatype: str) -> ImagePreprocess:
+        return self.model_copy(update={"datatype": datatype})
 
     def row_shape(self) -> tuple[int, ...]:
         if self.layout == "NCHW":

@@ -13,6 +13,7 @@ from math import prod
 import ml_dtypes
 import numpy as np
 from onnx import TensorProto
+from pydantic import ConfigDict
 
 # V2 / Open Inference Protocol datatypes and their numpy equivalents. BYTES travels as an
 # object array of ``bytes``; BF16 uses ml_dtypes, which onnx already depends on.
@@ -67,7 +68,13 @@ def v2_datatype(dtype: np.dtype[np.generic]) -> str:
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """One input or output: name, V2 datatype and the shape of one row (no batch dim)."""
+    """One input or output: name, V2 datatype and the shape of one row (no batch dim).
+
+    Also what a model config's ``inputs:`` and ``outputs:`` list (pydantic validates it as
+    it is, ``__post_init__`` included).
+    """
+
+    __pydantic_config__ = ConfigDict(extra="forbid")
 
     name: str
     datatype: str

@@ -89,6 +89,7 @@ class OrtRunner:
 
 class OrtEngine:
     backend = BACKEND
+    pixel_input: str | None = None  # pixels are normalised by the service
 
     def __init__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> None:
         self.spec = spec

@@ -8,7 +8,7 @@ import io
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import httpx
 import numpy as np
@@ -41,7 +41,7 @@ def decoder(spec: ImagePreprocess) -> TorchImageDecoder:
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: str) -> None:
+def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: Literal["NCHW", "NHWC"]) -> None:
     """nvJPEG's IDCT and chroma upsampling differ from libjpeg's by a level or two; after
     the shared resize and crop the rows stay that close to the CPU path's."""
     spec = ImagePreprocess(layout=layout, datatype="UINT8")

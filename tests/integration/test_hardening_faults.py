@@ -46,6 +46,7 @@ class BrokenContextRunner:
 
 class BrokenContextEngine:
     backend = "broken-context"
+    pixel_input: str | None = None
 
     def __init__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> None:
         self._inner = onnxruntime.load(path, spec, options)

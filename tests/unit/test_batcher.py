@@ -48,6 +48,7 @@ class FakeRunner:
 
 class FakeEngine:
     backend = "fake"
+    pixel_input: str | None = None
 
     def __init__(self) -> None:
         self.spec = SPEC

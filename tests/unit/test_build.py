@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.dataplane import model_spec
+from app.models import model_spec
 from app.repository import ModelEntry, load_config
 from engines.precision import build, calibration
 from engines.precision.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant

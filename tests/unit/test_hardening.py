@@ -38,6 +38,7 @@ class BrokenDevice:
     its CUDA context is gone. ``gate`` holds runs until set."""
 
     backend = "fake"
+    pixel_input: str | None = None
 
     def __init__(self) -> None:
         self.spec = SPEC

@@ -7,13 +7,13 @@ import asyncio
 import io
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from app.dataplane import PixelInput, engine_options, pixels_for_engine, validate_inputs
+from app.dataplane import batch_key, validate_inputs
 from app.errors import BadRequest, PayloadTooLarge
 from app.images import DecodeQueue, inspect
 from app.repository import ConfigError, ModelConfig, ModelEntry
@@ -34,17 +34,13 @@ def entry(**config: Any) -> ModelEntry:
 # -- pixels on the protocol -------------------------------------------------------------
 
 
-def test_a_model_with_preprocessing_takes_uint8_pixels_in_its_own_batches() -> None:
-    with_prep = entry(preprocess={})
-    found = PixelInput.of(with_prep, SPEC)
-    assert found is not None and found.name == "input"
-    assert PixelInput.of(entry(), SPEC) is None
+def test_uint8_pixels_are_validated_on_the_pixel_input_only() -> None:
     pixels = np.zeros((2, 3, 224, 224), np.uint8)
     floats = np.zeros((2, 3, 224, 224), np.float32)
-    rows_u8, key_u8 = validate_inputs(SPEC, {"input": pixels}, "input")
-    rows_f32, key_f32 = validate_inputs(SPEC, {"input": floats}, "input")
-    assert rows_u8 == rows_f32 == 2
-    assert key_u8 != key_f32  # never concatenated into one batch
+    assert validate_inputs(SPEC, {"input": pixels}, "input") == 2
+    assert validate_inputs(SPEC, {"input": floats}, "input") == 2
+    # Pixels and floats never share a batch.
+    assert batch_key(SPEC, {"input": pixels}) != batch_key(SPEC, {"input": floats})
     with pytest.raises(BadRequest, match=r"datatype UINT8, the model takes FP32$"):
         validate_inputs(SPEC, {"input": pixels})
     with pytest.raises(BadRequest, match=r"datatype INT32, the model takes FP32 \(or UINT8"):
@@ -53,43 +49,12 @@ def test_a_model_with_preprocessing_takes_uint8_pixels_in_its_own_batches() -> N
         validate_inputs(SPEC, {"input": np.zeros((1, 224, 224, 3), np.uint8)}, "input")
 
 
-def test_pixels_are_normalised_exactly_as_the_cpu_preprocessing_does() -> None:
-    prep = entry(preprocess={"mean": [120.0, 110.0, 100.0], "std": [60.0, 61.0, 62.0]})
+def test_nhwc_rows_normalise_along_the_last_axis() -> None:
     photo = Image.fromarray(np.random.default_rng(3).integers(0, 256, (300, 400, 3), np.uint8))
-    spec = prep.config.preprocess.to_spec("FP32")  # type: ignore[union-attr]
-    want = preprocess(photo, spec)
-    pixels = preprocess(photo, ImagePreprocess(**{**spec.__dict__, "datatype": "UINT8"}))
-    got = pixels_for_engine(PixelInput.of(prep, SPEC), {"input": pixels[None]})["input"]
-    assert got.dtype == np.float32
-    np.testing.assert_array_equal(got[0], want)
-    # An engine that normalises on its device gets the pixels untouched.
-    on_device = PixelInput.of(prep, SPEC, on_device=True)
-    untouched = pixels_for_engine(on_device, {"input": pixels[None]})["input"]
-    assert untouched.dtype == np.uint8
-    # NHWC rows normalise along the last axis.
-    nhwc = ImagePreprocess(layout="NHWC", datatype="UINT8")
+    nhwc = ImagePreprocess(layout="NHWC", datatype="UINT8", mean=(1.0, 2.0, 3.0))
     row = preprocess(photo, nhwc)
-    np.testing.assert_array_equal(
-        normalize(row, nhwc, np.dtype(np.float32)),
-        preprocess(photo, ImagePreprocess(layout="NHWC")),
-    )
-
-
-def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
-    options = engine_options(
-        entry(
-            runners=4,
-            gpus=[0, 1],
-            preprocess={},
-            dynamic_batching={"preferred_batch_size": [4, 8]},
-        ),
-        SPEC,
-        precision="fp16",
-    )
-    assert options.devices == (0, 1) and options.runners == 4
-    assert options.preferred_batch_sizes == (4, 8) and options.precision == "fp16"
-    assert options.image == ImagePreprocess(datatype="FP32")
-    assert engine_options(entry(), SPEC).image is None
+    want = (row.astype(np.float64) - np.array([1.0, 2.0, 3.0])) / 128.0
+    np.testing.assert_allclose(normalize(row, nhwc, np.dtype(np.float32)), want, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -236,7 +201,9 @@ def pil_decode(data: object, device: object) -> object:
 
 
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
-def test_torch_resize_and_crop_match_pillow_within_one_level(layout: str) -> None:
+def test_torch_resize_and_crop_match_pillow_within_one_level(
+    layout: Literal["NCHW", "NHWC"],
+) -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
     from engines.backends.torch.images import TorchImageDecoder
 
@@ -286,23 +253,3 @@ def test_crop_box_keeps_the_crop_inside_the_resized_image() -> None:
         assert min(new_w, new_h) >= spec.crop
         assert left >= 0 and left + spec.crop <= new_w
         assert top >= 0 and top + spec.crop <= new_h
-
-
-def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
-    from app.dataplane import DataPlane
-    from app.settings import Settings
-    from engines.backends import gpu_image_decode_available
-
-    if gpu_image_decode_available():
-        pytest.skip("this machine can decode on the GPU: tests/gpu covers it")
-    with_prep = entry(preprocess={})
-
-    def decoder(mode: str, backend: str) -> object:
-        plane = DataPlane(Settings(models={"image_decode": mode}))  # type: ignore[arg-type]
-        return plane._decoder(with_prep, backend)
-
-    assert decoder("auto", "onnxruntime") is None
-    assert decoder("auto", "torch") is None  # no CUDA here: the CPU decodes
-    assert decoder("cpu", "torch") is None
-    with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
-        decoder("gpu", "onnxruntime")

@@ -168,6 +168,7 @@ class TensorRTEngine:
     """One deserialized plan, shared by the runners' execution contexts."""
 
     backend = BACKEND
+    pixel_input: str | None = None  # pixels are normalised by the service
 
     def __init__(
         self,

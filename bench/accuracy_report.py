@@ -18,12 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from app.dataplane import model_spec, prepare
+from app import models
 from app.repository import discover
 from app.settings import Settings
 from engines import backends
 from engines.precision import accuracy
-from engines.precision.build import BuildPlan, budget_problems, ensure_variant
+from engines.precision.build import BuildPlan, budget_problems
 from engines.precision.options import int8_recipe
 from engines.preprocess import ImagePreprocess, load_image, preprocess
 from engines.store import EngineStore
@@ -112,10 +112,8 @@ def throughput(
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     (entry,) = discover(args.repository or settings.models.repository, [args.model])
-    if not entry.onnx_path.exists():
-        prepare(entry)
-    spec = model_spec(entry)
-    plan = entry.build_plan(spec)
+    model = models.source(entry)
+    plan = model.plan
     prep = plan.preprocess or ImagePreprocess()
     files = photos(args.images, args.limit)
     if not files:
@@ -178,7 +176,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     for name, variant_plan in rows:
         precision = name.split()[0]
         print(f"{name}: building or loading the variant")
-        path, build_report = ensure_variant(store, variant_plan, precision, backend)
+        variant = dataclasses.replace(model, plan=variant_plan)
+        path, build_report, _ = models.build(variant, precision, backend, store)
         print(f"{name}: running {len(data)} photos")
         logits = accuracy.run_onnx(path, data, plan.input_name, threads=os.cpu_count() or 1)
         if reference is None:

@@ -1,0 +1,169 @@
+"""A model's own pre- and post-processing around the engine: what ``POST /infer`` does.
+
+The V2 tensor routes need none of it: tensors in, tensors out. An upload route needs to know
+how bytes become the engine's input rows and how its outputs become an answer, which is
+the model's business, not the server's. A ``Handler`` says both, the way LitServe's
+``decode_request`` / ``encode_response`` do; the data plane batches what ``decode`` gives
+through the model's batcher and hands the outputs to ``encode``.
+
+A model picks its handler with ``handler:`` in its config: ``image-classifier`` (the default
+when the config has ``preprocess``: images decoded, resized and cropped, softmax, top-k
+labels), ``none`` (tensors only), or ``package.module:Class`` for a class of your own,
+constructed with the ``HandlerContext`` and implementing ``Handler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from app import images
+from app.errors import BadRequest
+from app.metrics import ModelMetrics
+from app.settings import LimitSettings
+from engines.precision import accuracy
+from engines.preprocess import ImagePreprocess, normalize, preprocess
+from engines.spec import ModelSpec
+
+IMAGE_CLASSIFIER = "image-classifier"
+NO_HANDLER = "none"
+
+
+class Handler(Protocol):
+    """Uploads to engine rows, engine outputs to one answer per upload."""
+
+    async def decode(self, uploads: Sequence[bytes]) -> dict[str, np.ndarray]:
+        """Every model input, one row per upload; raise ``BadRequest`` for bad uploads."""
+        ...
+
+    def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
+        """One JSON-serialisable answer per row of ``outputs`` (``k``: how many labels)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class HandlerContext:
+    """What a handler is made with: the model's contract and the server's limits."""
+
+    name: str
+    spec: ModelSpec
+    preprocess: ImagePreprocess | None
+    """The config's preprocessing, in UINT8 (pixels before normalisation)."""
+    postprocess: str
+    labels: list[str] | None
+    limits: LimitSettings
+    metrics: ModelMetrics
+    normalised_by_engine: bool
+    """The engine normalises UINT8 pixels itself (on its device): pass them as they are."""
+    decoder: images.DecodeQueue | None = None
+    """Batched device decoding of JPEG uploads, when it is on for this model."""
+
+
+def top_k(scores: np.ndarray, k: int, labels: list[str] | None) -> list[dict[str, Any]]:
+    k = min(k, scores.shape[-1])
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [
+        {
+            "label": labels[i] if labels and i < len(labels) else str(i),
+            "index": int(i),
+            "probability": float(scores[i]),
+        }
+        for i in order
+    ]
+
+
+class ImageClassifier:
+    """Images decoded (JPEGs in batches on the GPU when a decoder is on, the rest on the CPU),
+    resized and centre-cropped by the model's preprocessing, normalised unless the engine
+    does it; the first output through softmax (``postprocess: softmax``) and top-k labels."""
+
+    def __init__(self, context: HandlerContext) -> None:
+        spec, prep = context.spec, context.preprocess
+        if prep is None:
+            raise ValueError(f"model {context.name!r}: the image classifier needs `preprocess`")
+        tensor = spec.inputs[0]
+        if len(spec.inputs) != 1 or not tensor.matches(prep.row_shape()):
+            raise ValueError(
+                f"model {context.name!r}: input {tensor.name!r} takes rows of "
+                f"{list(tensor.shape)}, its preprocessing makes {list(prep.row_shape())}"
+            )
+        self._context = context
+        self._prep = prep
+        self._input = tensor
+        self._output = spec.outputs[0].name
+
+    def _on_cpu(self, data: bytes) -> np.ndarray:
+        limits = self._context.limits
+        image = images.decode(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+        return preprocess(image, self._prep)
+
+    async def decode(self, uploads: Sequence[bytes]) -> dict[str, np.ndarray]:
+        context, limits = self._context, self._context.limits
+        # Headers first, whoever decodes: a bomb or an unread format is refused before any
+        # pixel is decoded.
+        headers = [
+            images.inspect(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+            for data in uploads
+        ]
+        rows: list[np.ndarray | None] = [None] * len(uploads)
+        if context.decoder is not None:
+            picked = [i for i, h in enumerate(headers) if h.device_decodable]
+            decoded = await context.decoder.decode([uploads[i] for i in picked])
+            for i, row in zip(picked, decoded, strict=True):
+                rows[i] = row
+        left = [i for i, row in enumerate(rows) if row is None]
+        context.metrics.images_decoded("gpu", len(rows) - len(left))
+        if left:
+            done = await asyncio.to_thread(lambda: [self._on_cpu(uploads[i]) for i in left])
+            for i, row in zip(left, done, strict=True):
+                rows[i] = row
+            context.metrics.images_decoded("cpu", len(left))
+        batch = np.stack([row for row in rows if row is not None])
+        if self._input.datatype != "UINT8" and not context.normalised_by_engine:
+            batch = normalize(batch, self._prep, self._input.dtype)
+        return {self._input.name: batch}
+
+    def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
+        scores = outputs[self._output]
+        if self._context.postprocess == "softmax":
+            scores = accuracy.softmax(scores)
+        rows = scores.reshape(len(scores), -1)
+        return [top_k(row, k, self._context.labels) for row in rows]
+
+    async def close(self) -> None:
+        if self._context.decoder is not None:
+            await self._context.decoder.close()
+
+
+def handler_for(choice: str | None, context: HandlerContext) -> Handler | None:
+    """The model's handler: the named one, a ``module:Class`` of the user's, or by default
+    the image classifier for a model with preprocessing and none for the rest."""
+    if choice is None:
+        choice = IMAGE_CLASSIFIER if context.preprocess is not None else NO_HANDLER
+    if choice == NO_HANDLER:
+        return None
+    if choice == IMAGE_CLASSIFIER:
+        return ImageClassifier(context)
+    module_name, _, class_name = choice.partition(":")
+    if not class_name:
+        raise ValueError(
+            f"handler {choice!r}: give {IMAGE_CLASSIFIER}, {NO_HANDLER} or package.module:Class"
+        )
+    made: Handler = getattr(importlib.import_module(module_name), class_name)(context)
+    return made
+
+
+def check_uploads(uploads: Sequence[bytes], limits: LimitSettings) -> None:
+    if not uploads:
+        raise BadRequest("no image in the request")
+    if len(uploads) > limits.max_images_per_request:
+        raise BadRequest(
+            f"{len(uploads)} images in one request; the limit is {limits.max_images_per_request}"
+        )

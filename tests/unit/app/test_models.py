@@ -1,0 +1,248 @@
+"""The model layer: a model's contract, its input policy, loading a version on ONNX Runtime,
+and the registry's bookkeeping of what serves, what is refused and why."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+
+from app import models
+from app.errors import NotFound, Unavailable
+from app.models import InputPolicy, Registry
+from app.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
+from app.settings import Settings
+from engines.preprocess import ImagePreprocess
+from engines.spec import ModelSpec, TensorSpec
+from engines.store import EngineStore
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+
+IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
+SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
+
+
+def entry(**config: Any) -> ModelEntry:
+    return ModelEntry(config=ModelConfig(name="m", max_batch_size=8, **config), folder=Path("."))
+
+
+class PixelEngine:
+    """An engine that declares it normalises pixels on its device (only what the policy
+    reads of it)."""
+
+    backend = "fake"
+    spec = SPEC
+    pixel_input: str | None = "input"
+
+
+# -- the input policy ---------------------------------------------------------------------
+
+
+def test_a_floating_point_image_input_with_preprocessing_also_takes_pixels() -> None:
+    policy = InputPolicy.decide(entry(preprocess={}), SPEC)
+    assert policy.pixels == "input" and not policy.on_device
+    assert policy.prep == ImagePreprocess(datatype="UINT8")
+    assert InputPolicy.decide(entry(), SPEC) == InputPolicy()  # no preprocessing
+    integer = ModelSpec("m", (TensorSpec("input", "INT32", (3, 224, 224)),), SPEC.outputs, 8)
+    assert InputPolicy.decide(entry(preprocess={}), integer).pixels is None
+    other_shape = ModelSpec("m", (TensorSpec("input", "FP32", (3, 32, 32)),), SPEC.outputs, 8)
+    assert InputPolicy.decide(entry(preprocess={}), other_shape).pixels is None
+
+
+def test_pixels_are_normalised_with_the_configured_mean_and_std() -> None:
+    mean, std = [120.0, 110.0, 100.0], [60.0, 61.0, 62.0]
+    policy = InputPolicy.decide(entry(preprocess={"mean": mean, "std": std}), SPEC)
+    pixels = np.random.default_rng(3).integers(0, 256, (2, 3, 224, 224), dtype=np.uint8)
+    got = policy.for_engine({"input": pixels})["input"]
+    # The reference, written out per channel rather than through the code under test.
+    want = np.stack(
+        [(pixels[:, c].astype(np.float64) - mean[c]) / std[c] for c in range(3)], axis=1
+    )
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    floats = pixels.astype(np.float32)
+    assert policy.for_engine({"input": floats})["input"] is floats  # already the engine's
+
+
+def test_an_engine_that_normalises_on_its_device_gets_the_pixels_untouched() -> None:
+    policy = InputPolicy.decide(entry(preprocess={}), SPEC, PixelEngine())  # type: ignore[arg-type]
+    assert policy.on_device
+    pixels = np.zeros((1, 3, 224, 224), np.uint8)
+    assert policy.for_engine({"input": pixels})["input"] is pixels
+    elsewhere = PixelEngine()
+    elsewhere.pixel_input = None
+    assert not InputPolicy.decide(entry(preprocess={}), SPEC, elsewhere).on_device  # type: ignore[arg-type]
+
+
+def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
+    configured = entry(
+        runners=4, gpus=[0, 1], preprocess={}, dynamic_batching={"preferred_batch_size": [4, 8]}
+    )
+    options = models.engine_options(configured, SPEC, precision="fp16")
+    assert options.devices == (0, 1) and options.runners == 4
+    assert options.preferred_batch_sizes == (4, 8) and options.precision == "fp16"
+    assert options.image == ImagePreprocess(datatype="FP32")
+    assert models.engine_options(entry(), SPEC).image is None
+
+
+# -- a model's contract -------------------------------------------------------------------
+
+
+def write_tiny(folder: Path, **config: Any) -> ModelEntry:
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 8, **config}))
+    return load_config(folder)
+
+
+def test_the_contract_comes_from_the_onnx_file_unless_the_config_declares_it(
+    tmp_path: Path,
+) -> None:
+    read = models.source(write_tiny(tmp_path / "tiny"))
+    assert [(t.name, t.datatype, t.shape) for t in read.spec.inputs] == [("x", "FP32", (4,))]
+    assert read.plan.profile == (1, 8, 8) and read.plan.input_name == "x"
+    declared = models.model_spec(
+        write_tiny(
+            tmp_path / "declared",
+            inputs=[{"name": "x", "datatype": "FP32", "shape": [-1]}],
+        )
+    )
+    assert declared.inputs == (TensorSpec("x", "FP32", (-1,)),)
+    assert [t.name for t in declared.outputs] == ["y", "s"]  # still the file's
+
+
+def test_a_missing_onnx_without_a_generator_names_the_file(tmp_path: Path) -> None:
+    folder = tmp_path / "gone"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("max_batch_size: 8\n")
+    with pytest.raises(FileNotFoundError, match=r"gone/model.onnx does not exist"):
+        models.source(load_config(folder))
+
+
+def test_prepare_writes_the_generated_files_and_leaves_no_scratch(tmp_path: Path) -> None:
+    folder = tmp_path / "resnet"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("generator: nope\n")
+    with pytest.raises(ValueError, match="unknown generator 'nope'"):
+        models.prepare(load_config(folder))
+    assert [p.name for p in folder.iterdir()] == ["config.yaml"]
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def settings_for(repository: Path, tmp_path: Path, **models_: Any) -> Settings:
+    return Settings(
+        models={"repository": repository, **models_},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+    )
+
+
+def test_a_loaded_version_answers_through_its_batcher_and_closes(tmp_path: Path) -> None:
+    model = models.source(write_tiny(tmp_path / "repo" / "tiny", runners=2))
+    settings = settings_for(tmp_path / "repo", tmp_path)
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+
+    async def scenario() -> tuple[dict[str, np.ndarray], bool]:
+        loaded = await models.load(
+            model, "fp32", "onnxruntime", EngineStore(tmp_path / "store"), settings
+        )
+        assert loaded.pool.size == 2 and loaded.ready and loaded.handler is None
+        outputs = await loaded.batcher.infer({"x": x}, 3, ("<f4", 4), 5.0)
+        await loaded.close()
+        return outputs, loaded.ready
+
+    outputs, _ = asyncio.run(scenario())
+    np.testing.assert_allclose(outputs["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(outputs["s"], x.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_a_timeout_of_zero_takes_the_configured_default() -> None:
+    batching = DynamicBatching(default_timeout_us=2_000_000)
+    assert models.deadline_s(batching, None) == 2.0
+    assert models.deadline_s(batching, 0) == 2.0
+    assert models.deadline_s(batching, 500_000) == 0.5
+    assert models.deadline_s(DynamicBatching(default_timeout_us=0), None) is None
+
+
+def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
+    from engines.backends import gpu_image_decode_available
+
+    if gpu_image_decode_available():
+        pytest.skip("this machine can decode on the GPU: tests/gpu covers it")
+    with_prep = entry(preprocess={})
+
+    def decoder(mode: str, backend: str) -> object:
+        settings = Settings(models={"image_decode": mode})  # type: ignore[arg-type]
+        return models.gpu_decoder(with_prep, backend, settings)
+
+    assert decoder("auto", "onnxruntime") is None
+    assert decoder("auto", "torch") is None  # no CUDA here: the CPU decodes
+    assert decoder("cpu", "torch") is None
+    assert models.gpu_decoder(entry(), "torch", Settings()) is None  # no uploads at all
+    with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
+        decoder("gpu", "onnxruntime")
+
+
+# -- the registry -------------------------------------------------------------------------
+
+
+def test_the_registry_serves_what_loads_and_says_why_the_rest_does_not(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_tiny(repo / "tiny")
+    write_tiny(repo / "tiny2", autoload=False)  # loaded only when named
+    gone = repo / "gone"
+    gone.mkdir()
+    (gone / "config.yaml").write_text("max_batch_size: 8\n")
+    registry = Registry(settings_for(repo, tmp_path))
+
+    async def scenario() -> dict[str, Any]:
+        assert not registry.ready
+        await registry.load_all()
+        seen = {
+            "ready": registry.ready,
+            "versions": registry.versions("tiny"),
+            "index": registry.index(),
+            "default": registry.default(None).name,
+        }
+        with pytest.raises(Unavailable, match=r"'gone' version 'fp32' is not served: .*not exist"):
+            registry.get("gone")
+        with pytest.raises(NotFound, match="unknown model"):
+            registry.get("nope")
+        with pytest.raises(NotFound, match="has no version 'int8'; versions: fp32"):
+            registry.get("tiny", "int8")
+        await registry.close()
+        seen["after_close"] = (registry.ready, registry.loaded())
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen["ready"] and seen["versions"] == ["fp32"]
+    states = {(i["name"], i["version"]): i["state"] for i in seen["index"]}
+    assert states == {("gone", "fp32"): "UNAVAILABLE", ("tiny", "fp32"): "READY"}
+    assert seen["default"] == "tiny"  # the first model that serves
+    assert seen["after_close"] == (False, [])
+
+
+def test_a_registry_with_nothing_to_serve_is_an_error(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "gone").mkdir(parents=True)
+    (repo / "gone" / "config.yaml").write_text("max_batch_size: 8\n")
+    registry = Registry(settings_for(repo, tmp_path))
+    with pytest.raises(RuntimeError, match=r"no model version could be served: gone\[fp32\]"):
+        asyncio.run(registry.load_all())
+    assert not registry.ready
+
+
+def test_exit_on_error_stops_loading_at_the_first_refusal(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "gone").mkdir(parents=True)
+    (repo / "gone" / "config.yaml").write_text("max_batch_size: 8\n")
+    write_tiny(repo / "tiny")
+    registry = Registry(settings_for(repo, tmp_path, exit_on_error=True))
+    with pytest.raises(FileNotFoundError):
+        asyncio.run(registry.load_all())
+    assert registry.loaded() == []
