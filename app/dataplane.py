@@ -254,7 +254,7 @@ class DataPlane:
             model = self.models.get(name, version)
         handler = model.handler
         if handler is None:
-            raise BadRequest(f"model {model.name!r} does not take uploads")
+            raise BadRequest(f"model {model.name!r} does not take image uploads")
         top = k if k is not None else self.settings.limits.default_top_k
         if top < 1:
             raise BadRequest("k must be at least 1")

@@ -7,7 +7,7 @@ on compute capability 8.0, 8.6, 8.9 and 12.x, not on the H200's 9.0). These test
 run anywhere. Run them in the gpu image (NVIDIA's TensorRT container) or with TensorRT for RTX
 on an A100 or an RTX card: `pytest tests/gpu/test_tensorrt.py`. The tolerances are first
 estimates, to be confirmed by the first run. The build path without a GPU is tested in
-tests/unit/test_tensorrt_rtx.py.
+tests/unit/engines/backends/tensorrt/test_rtx.py.
 """
 
 from __future__ import annotations

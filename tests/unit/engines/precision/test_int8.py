@@ -1,216 +1,26 @@
-"""Precision variants of small generated models: they check, run, stay close to FP32, and are
-typed and quantized the way the variant promises."""
+"""The INT8 variant: Q/DQ per form, symmetric per-channel weights, exclusions, 7-bit weights
+that cannot saturate, bias correction."""
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from engines.devices import cpu
-from engines.precision import calibration, fp16, graph, int8
+from engines.precision import calibration, graph, int8
 from engines.precision.calibration import Ranges
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
-
-CLASSES = 10
-CHANNELS = 8
-
-
-def small_conv_model(seed: int = 0) -> onnx.ModelProto:
-    """Conv+Relu, a Constant scale, GlobalAveragePool, Gemm and Softmax: a tiny classifier."""
-    rng = np.random.default_rng(seed)
-    weights = {
-        "conv.weight": rng.standard_normal((CHANNELS, 3, 3, 3)).astype(np.float32) * 0.3,
-        "conv.bias": rng.standard_normal(CHANNELS).astype(np.float32) * 0.1,
-        "fc.weight": rng.standard_normal((CLASSES, CHANNELS)).astype(np.float32),
-        "fc.bias": rng.standard_normal(CLASSES).astype(np.float32) * 0.1,
-    }
-    nodes = [
-        helper.make_node(
-            "Conv", ["input", "conv.weight", "conv.bias"], ["conv"], name="conv", pads=[1] * 4
-        ),
-        helper.make_node("Relu", ["conv"], ["relu"], name="relu"),
-        helper.make_node(
-            "Constant",
-            [],
-            ["two"],
-            name="two",
-            value=numpy_helper.from_array(np.array(2.0, dtype=np.float32)),
-        ),
-        helper.make_node("Mul", ["relu", "two"], ["scaled"], name="scale"),
-        helper.make_node("GlobalAveragePool", ["scaled"], ["pool"], name="pool"),
-        helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
-        helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], name="fc", transB=1),
-        helper.make_node("Softmax", ["logits"], ["probabilities"], name="softmax", axis=1),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "small_conv",
-        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, 16, 16])],
-        [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES]),
-            helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["batch", CLASSES]),
-        ],
-        [numpy_helper.from_array(v, k) for k, v in weights.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model, full_check=True)
-    return model
-
-
-def small_inputs(rows: int = 24, seed: int = 1) -> np.ndarray:
-    return np.random.default_rng(seed).uniform(-1, 1, (rows, 3, 16, 16)).astype(np.float32)
-
-
-def run(
-    model: onnx.ModelProto, feeds: dict[str, np.ndarray], optimize: bool = True
-) -> list[np.ndarray]:
-    """Every output; ``optimize=False`` runs Q/DQ nodes as written, in float."""
-    options = ort.SessionOptions()
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = ort.InferenceSession(
-        model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
-    )
-    return [np.asarray(v) for v in session.run(None, feeds)]
-
-
-def types_of(model: onnx.ModelProto) -> dict[str, int]:
-    """Element type of every tensor, from strict shape inference of the whole graph."""
-    graph = onnx.shape_inference.infer_shapes(model, strict_mode=True).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.output)}
-    types |= {v.name: v.type.tensor_type.elem_type for v in graph.input}
-    types |= {init.name: init.data_type for init in graph.initializer}
-    return types
-
-
-def node(model: onnx.ModelProto, name: str) -> onnx.NodeProto:
-    found: onnx.NodeProto = next(n for n in model.graph.node if n.name == name)
-    return found
-
-
-def io_types(model: onnx.ModelProto) -> list[int]:
-    return [v.type.tensor_type.elem_type for v in (*model.graph.input, *model.graph.output)]
-
-
-# FP16 -----------------------------------------------------------------------------------------
-
-
-def test_fp16_runs_close_to_fp32_and_keeps_fp32_io() -> None:
-    model = small_conv_model()
-    half = fp16.to_fp16(model)
-    onnx.checker.check_model(half, full_check=True)
-    assert io_types(half) == [TensorProto.FLOAT] * 3
-    x = small_inputs()
-    want_logits, want_probs = run(model, {"input": x})
-    got_logits, got_probs = run(half, {"input": x})
-    assert got_logits.dtype == np.float32
-    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(got_probs, want_probs, atol=2e-3)
-
-
-def test_fp16_converts_weights_and_keeps_sensitive_ops_in_fp32() -> None:
-    half = fp16.to_fp16(small_conv_model())
-    types = types_of(half)
-    conv, fc, softmax = node(half, "conv"), node(half, "fc"), node(half, "softmax")
-    # Weight-bearing nodes compute in float16 on float16 weights; the input is cast once.
-    assert all(types[name] == TensorProto.FLOAT16 for name in (*conv.input, *conv.output))
-    assert all(types[name] == TensorProto.FLOAT16 for name in fc.input)
-    assert types["conv.weight"] == types["fc.weight"] == TensorProto.FLOAT16
-    # Softmax, in DEFAULT_FP32_OPS, reads and writes float32 between Casts.
-    assert "Softmax" in fp16.DEFAULT_FP32_OPS
-    assert types[softmax.input[0]] == types[softmax.output[0]] == TensorProto.FLOAT
-    # The Constant feeding a float16 Mul became float16 too.
-    constant = next(n for n in half.graph.node if n.op_type == "Constant")
-    assert constant.attribute[0].t.data_type == TensorProto.FLOAT16
-
-
-def test_fp16_keep_first_and_last_and_named_nodes() -> None:
-    model = small_conv_model()
-    kept = fp16.to_fp16(model, keep_first_and_last=True)
-    types = types_of(kept)
-    for name in ("conv", "fc"):
-        assert all(types[t] == TensorProto.FLOAT for t in (*node(kept, name).input,))
-    assert types["conv.weight"] == types["fc.weight"] == TensorProto.FLOAT
-    assert types[node(kept, "scale").output[0]] == TensorProto.FLOAT16
-
-    by_name = fp16.to_fp16(model, keep_fp32_nodes=["scale"])
-    types = types_of(by_name)
-    scale = node(by_name, "scale")
-    assert all(types[t] == TensorProto.FLOAT for t in (*scale.input, *scale.output))
-    assert types["conv.weight"] == TensorProto.FLOAT16
-    x = small_inputs()
-    np.testing.assert_allclose(
-        run(kept, {"input": x})[0], run(model, {"input": x})[0], rtol=1e-2, atol=1e-2
-    )
-
-
-def test_fp16_of_tiny_model_shares_inputs_between_precisions() -> None:
-    """tiny_onnx: MatMul runs in float16 while ReduceSum keeps reading the FP32 input."""
-    model = tiny_onnx()
-    half = fp16.to_fp16(model)
-    onnx.checker.check_model(half, full_check=True)
-    types = types_of(half)
-    reduce_sum = next(n for n in half.graph.node if n.op_type == "ReduceSum")
-    assert reduce_sum.input[0] == "x" and types["x"] == TensorProto.FLOAT
-    assert types["W"] == TensorProto.FLOAT16
-    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
-    y, s = run(half, {"x": x})
-    np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-2, atol=1e-2)
-    np.testing.assert_allclose(s, x.sum(axis=1, keepdims=True), rtol=1e-6)
-
-
-def test_fp16_clamps_weights_to_the_float16_range_and_converts_shared_weights_twice() -> None:
-    """A weight read by a float16 node and an FP32 node exists in both types; huge values
-    saturate at float16's largest finite value instead of becoming inf."""
-    huge = np.array([[1e6, -1e6], [1.0, 2.0]], dtype=np.float32)
-    graph = helper.make_graph(
-        [
-            helper.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
-            helper.make_node("ReduceSum", ["W"], ["total"], name="sum", keepdims=0),
-        ],
-        "shared",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
-        [
-            helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2]),
-            helper.make_tensor_value_info("total", TensorProto.FLOAT, []),
-        ],
-        [numpy_helper.from_array(huge, "W")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    half = fp16.to_fp16(model)
-    onnx.checker.check_model(half, full_check=True)
-    weights = {init.name: numpy_helper.to_array(init) for init in half.graph.initializer}
-    assert weights["W"].dtype == np.float32
-    (half_name,) = (name for name, w in weights.items() if w.dtype == np.float16)
-    assert node(half, "matmul").input[1] == half_name
-    assert np.isfinite(weights[half_name]).all()
-    assert weights[half_name].max() == np.finfo(np.float16).max
-    y, total = run(half, {"x": np.array([[0.0, 1.0]], dtype=np.float32)})
-    np.testing.assert_allclose(y, [[1.0, 2.0]])
-    assert total == pytest.approx(3.0)
-
-
-def test_fp16_refuses_control_flow() -> None:
-    branch = helper.make_graph([], "branch", [], [helper.make_tensor_value_info("x", 1, [1])])
-    graph = helper.make_graph(
-        [helper.make_node("If", ["c"], ["y"], then_branch=branch, else_branch=branch)],
-        "cf",
-        [
-            helper.make_tensor_value_info("c", TensorProto.BOOL, []),
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
-    )
-    with pytest.raises(ValueError, match="control flow"):
-        fp16.to_fp16(helper.make_model(graph))
-
-
-# INT8 -----------------------------------------------------------------------------------------
+from tests.unit.engines.precision.small_models import (
+    CHANNELS,
+    CLASSES,
+    io_types,
+    node,
+    run,
+    small_conv_model,
+    small_inputs,
+)
 
 
 @pytest.fixture(scope="module")

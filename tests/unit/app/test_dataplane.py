@@ -1,0 +1,183 @@
+"""The data plane without HTTP: a real registry of real ONNX Runtime models behind it, V2
+bodies in, answers out; validation, deadlines, uploads through the handler, draining."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import onnx
+import orjson
+import pytest
+import yaml
+from PIL import Image
+
+from app.dataplane import DataPlane, batch_key, validate_inputs
+from app.errors import BadRequest, DeadlineExceeded, NotFound, Unavailable
+from app.settings import Settings
+from engines.spec import ModelSpec, TensorSpec
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, slow_onnx, tiny_onnx
+
+T = TypeVar("T")
+IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
+SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
+
+
+def v2_body(x: np.ndarray, **extra: Any) -> bytes:
+    tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
+    return orjson.dumps({"inputs": [tensor], **extra})
+
+
+def write_model(folder: Path, model: onnx.ModelProto, **config: Any) -> None:
+    folder.mkdir(parents=True)
+    onnx.save(model, str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 8, **config}))
+
+
+def with_plane(tmp_path: Path, scenario: Callable[[DataPlane], Awaitable[T]], **limits: Any) -> T:
+    """Run ``scenario`` against a started data plane over ``tmp_path/repo``, then stop it."""
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+        limits=limits,  # type: ignore[arg-type]
+    )
+
+    async def run() -> T:
+        plane = DataPlane(settings)
+        await plane.start()
+        try:
+            return await scenario(plane)
+        finally:
+            await plane.stop()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def tiny_repo(tmp_path: Path) -> Path:
+    write_model(tmp_path / "repo" / "tiny", tiny_onnx())
+    return tmp_path
+
+
+def test_a_v2_request_is_answered_with_the_models_outputs(tiny_repo: Path) -> None:
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+
+    async def scenario(plane: DataPlane) -> Any:
+        assert plane.is_ready and plane.alive
+        return await plane.infer("tiny", None, v2_body(x, id="r1"), None)
+
+    answer = with_plane(tiny_repo, scenario)
+    assert (answer.model, answer.version, answer.request_id) == ("tiny", "fp32", "r1")
+    got = {out.name: value for out, value in answer.outputs}
+    np.testing.assert_allclose(got["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["s"], x.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_requests_are_refused_with_the_reason_and_counted(tiny_repo: Path) -> None:
+    async def scenario(plane: DataPlane) -> dict[str, Any]:
+        refusals = {}
+        x = np.zeros((1, 4), np.float32)
+        for label, body, error in [
+            ("shape", v2_body(np.zeros((1, 5), np.float32)), BadRequest),
+            ("priority", v2_body(x, parameters={"priority": 3}), BadRequest),
+            ("output", v2_body(x, outputs=[{"name": "nope"}]), BadRequest),
+        ]:
+            with pytest.raises(error) as caught:
+                await plane.infer("tiny", None, body, None)
+            refusals[label] = caught.value.message
+        with pytest.raises(NotFound):
+            await plane.infer("nope", None, v2_body(x), None)
+        return {"refusals": refusals, "stats": plane.statistics("tiny")}
+
+    seen = with_plane(tiny_repo, scenario)
+    assert "does not match" in seen["refusals"]["shape"]
+    assert "exceeds the model's 1 level" in seen["refusals"]["priority"]
+    assert "unknown output(s): nope" in seen["refusals"]["output"]
+    (stats,) = seen["stats"]
+    assert stats["inference_stats"]["fail"]["count"] == 3
+
+
+def test_a_deadline_spent_before_the_queue_is_a_504(tmp_path: Path) -> None:
+    write_model(tmp_path / "repo" / "slow", slow_onnx(64, 2))
+
+    async def scenario(plane: DataPlane) -> str:
+        x = np.zeros((1, 1, 1), np.float32)
+        tensor = {"name": "x", "datatype": "FP32", "shape": [1, 1, 1], "data": x.ravel().tolist()}
+        # One microsecond: spent on decoding the request, before it could be queued.
+        body = orjson.dumps({"inputs": [tensor], "parameters": {"timeout": 1}})
+        with pytest.raises(DeadlineExceeded) as caught:
+            await plane.infer("slow", None, body, None)
+        return caught.value.message
+
+    assert "passed while decoding" in with_plane(tmp_path, scenario)
+
+
+def test_a_draining_plane_refuses_new_requests_and_is_not_ready(tiny_repo: Path) -> None:
+    async def scenario(plane: DataPlane) -> tuple[bool, bool]:
+        plane.begin_drain()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await plane.infer("tiny", None, v2_body(np.zeros((1, 4), np.float32)), None)
+        await plane.drain()
+        return plane.is_ready, plane.alive
+
+    assert with_plane(tiny_repo, scenario) == (False, True)
+
+
+def test_metadata_and_config_describe_the_served_model(tiny_repo: Path) -> None:
+    async def scenario(plane: DataPlane) -> tuple[Any, Any, Any]:
+        return plane.metadata("tiny"), plane.model_config("tiny"), plane.version_ready("tiny")
+
+    metadata, config, ready = with_plane(tiny_repo, scenario)
+    assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert metadata["versions"] == ["fp32"] and "unavailable_versions" not in metadata
+    assert config["max_batch_size"] == 8 and config["input"][0]["dims"] == [4]
+    assert ready == {"name": "tiny", "version": "fp32", "ready": True}
+
+
+def test_uploads_go_through_the_models_handler(tmp_path: Path, efficientnet_dir: Path) -> None:
+    import shutil
+
+    shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    write_model(tmp_path / "repo" / "tiny", tiny_onnx())
+    photo = io.BytesIO()
+    gradient = np.linspace(0, 255, 64 * 48 * 3).reshape(48, 64, 3).astype(np.uint8)
+    Image.fromarray(gradient).save(photo, format="PNG")
+
+    async def scenario(plane: DataPlane) -> Any:
+        name, version, predictions = await plane.classify_images(
+            None, None, [photo.getvalue()] * 3, 2
+        )
+        with pytest.raises(BadRequest, match="does not take image uploads"):
+            await plane.classify_images("tiny", None, [photo.getvalue()], None)
+        with pytest.raises(BadRequest, match="no image in the request"):
+            await plane.classify_images(None, None, [], None)
+        with pytest.raises(BadRequest, match="4 images in one request; the limit is 3"):
+            await plane.classify_images(None, None, [photo.getvalue()] * 4, None)
+        return name, version, predictions
+
+    name, version, predictions = with_plane(tmp_path, scenario, max_images_per_request=3)
+    assert (name, version) == ("efficientnet_lite0", "fp32")
+    assert len(predictions) == 3 and all(len(p) == 2 for p in predictions)
+    assert predictions[0] == predictions[1] == predictions[2]  # the same photo thrice
+    probabilities = [p["probability"] for p in predictions[0]]
+    assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1
+
+
+def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
+    pixels = np.zeros((2, 3, 224, 224), np.uint8)
+    floats = np.zeros((2, 3, 224, 224), np.float32)
+    assert validate_inputs(SPEC, {"input": pixels}, "input") == 2
+    assert validate_inputs(SPEC, {"input": floats}, "input") == 2
+    assert batch_key(SPEC, {"input": pixels}) != batch_key(SPEC, {"input": floats})
+    with pytest.raises(BadRequest, match=r"datatype UINT8, the model takes FP32$"):
+        validate_inputs(SPEC, {"input": pixels})
+    with pytest.raises(BadRequest, match=r"datatype INT32, the model takes FP32 \(or UINT8"):
+        validate_inputs(SPEC, {"input": pixels.astype(np.int32)}, "input")
+    with pytest.raises(BadRequest, match="does not match"):
+        validate_inputs(SPEC, {"input": np.zeros((1, 224, 224, 3), np.uint8)}, "input")
+    with pytest.raises(BadRequest, match="batch of 9 rows; the model takes 1 to 8"):
+        validate_inputs(SPEC, {"input": np.zeros((9, 3, 224, 224), np.float32)})

@@ -1,0 +1,83 @@
+"""What the routes do themselves: read a body exactly as declared, into a buffer that grows
+with what arrives rather than with what is declared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from app.errors import BadRequest
+
+
+@pytest.mark.parametrize(
+    ("declared", "chunks", "problem"),
+    [
+        (10, [b"01234", b"56789"], None),
+        (None, [b"abc", b"def"], None),
+        (4, [b"01234"], "longer than its Content-Length"),
+        (8, [b"0123"], "shorter than its Content-Length"),
+    ],
+)
+def test_a_declared_body_is_read_exactly_or_refused(
+    declared: int | None, chunks: list[bytes], problem: str | None
+) -> None:
+    from starlette.requests import Request
+
+    from app.routes import read_body
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    messages = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0)
+
+    async def read() -> bytes | bytearray:
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
+        return await read_body(Request(scope, receive))
+
+    if problem is None:
+        assert bytes(asyncio.run(read())) == b"".join(chunks)
+    else:
+        with pytest.raises(BadRequest, match=problem):
+            asyncio.run(read())
+
+
+def test_a_body_buffer_follows_what_arrives_not_what_is_declared() -> None:
+    """A client that declares 64 MiB and sends one byte before it goes away holds at most
+    the up-front buffer (4 MiB); a body that does arrive in full is read exactly, across
+    buffer growths."""
+    import tracemalloc
+
+    from starlette.requests import ClientDisconnect, Request
+
+    from app.routes import UPFRONT_BODY_BYTES, read_body
+
+    def reader(declared: int, messages: list[dict[str, object]]) -> Request:
+        async def receive() -> dict[str, object]:
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        headers = [(b"content-length", str(declared).encode())]
+        return Request({"type": "http", "method": "POST", "path": "/", "headers": headers}, receive)
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ClientDisconnect):
+            request = reader(64 << 20, [{"type": "http.request", "body": b"{", "more_body": True}])
+            asyncio.run(read_body(request))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < UPFRONT_BODY_BYTES + (1 << 20), peak
+
+    body = bytes(range(256)) * (40 << 10)  # 10 MiB: two growths past the up-front buffer
+    chunks = [body[i : i + 65536] for i in range(0, len(body), 65536)]
+    messages: list[dict[str, object]] = [
+        {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+        for i, c in enumerate(chunks)
+    ]
+    assert bytes(asyncio.run(read_body(reader(len(body), messages)))) == body
