@@ -1,0 +1,152 @@
+"""Per-model handlers of uploads: the image classifier on real photos, the choice of handler,
+and a model that is not an image classifier served through a handler of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+from PIL import Image
+
+from app.dataplane import DataPlane
+from app.errors import BadRequest
+from app.handlers import HandlerContext, ImageClassifier, handler_for, top_k
+from app.metrics import ModelMetrics
+from app.settings import LimitSettings, Settings
+from engines.preprocess import ImagePreprocess
+from engines.spec import ModelSpec, TensorSpec
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+
+IMAGE = TensorSpec("input", "FP32", (3, 32, 32))
+SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (4,)),), max_batch_size=8)
+PREP = ImagePreprocess(resize_shorter=40, crop=32, datatype="UINT8")
+_names = iter(range(10**6))
+
+
+def context(**changes: Any) -> HandlerContext:
+    made = HandlerContext(
+        name="m",
+        spec=SPEC,
+        preprocess=PREP,
+        postprocess="softmax",
+        labels=["a", "b", "c", "d"],
+        limits=LimitSettings(),
+        metrics=ModelMetrics(f"handler-test-{next(_names)}", "fp32"),
+        normalised_by_engine=False,
+    )
+    return HandlerContext(**{**made.__dict__, **changes})
+
+
+def png(array: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(array).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_the_classifier_decodes_crops_and_normalises_uploads() -> None:
+    photo = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    inputs = asyncio.run(ImageClassifier(context()).decode([png(photo), png(photo)]))
+    batch = inputs["input"]
+    assert batch.shape == (2, 3, 32, 32) and batch.dtype == np.float32
+    # 48x64 resized to 40x53 (shorter side 40), then the centre 32x32; a flat image shows
+    # the normalisation alone: (v - 127) / 128.
+    grey = np.full((48, 64, 3), 200, np.uint8)
+    flat = asyncio.run(ImageClassifier(context()).decode([png(grey)]))["input"]
+    np.testing.assert_allclose(flat, (200 - 127) / 128, rtol=1e-6)
+    untouched = ImageClassifier(context(normalised_by_engine=True))
+    assert asyncio.run(untouched.decode([png(grey)]))["input"].dtype == np.uint8
+
+
+def test_the_classifier_refuses_what_is_not_an_image() -> None:
+    with pytest.raises(BadRequest, match="not an image format this server reads"):
+        asyncio.run(ImageClassifier(context()).decode([b"plain text, not a picture"]))
+
+
+def test_the_classifier_answers_top_k_labels_of_the_softmax() -> None:
+    logits = np.array([[0.0, 3.0, 1.0, -1.0]], np.float32)
+    (answer,) = ImageClassifier(context()).encode({"logits": logits}, 2)
+    expected = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert [a["label"] for a in answer] == ["b", "c"]
+    assert answer[0]["probability"] == pytest.approx(float(expected[1]), rel=1e-6)
+    (raw,) = ImageClassifier(context(postprocess="none")).encode({"logits": logits}, 1)
+    assert raw == [{"label": "b", "index": 1, "probability": 3.0}]
+    assert top_k(logits[0], 9, None)[-1] == {"label": "3", "index": 3, "probability": -1.0}
+
+
+def test_the_classifier_refuses_a_model_whose_input_its_preprocessing_cannot_fill() -> None:
+    wrong = ModelSpec("m", (TensorSpec("input", "FP32", (3, 64, 64)),), SPEC.outputs, 8)
+    with pytest.raises(ValueError, match=r"takes rows of \[3, 64, 64\].*makes \[3, 32, 32\]"):
+        ImageClassifier(context(spec=wrong))
+
+
+def test_the_handler_follows_the_config() -> None:
+    assert isinstance(handler_for(None, context()), ImageClassifier)
+    assert handler_for(None, context(preprocess=None)) is None
+    assert handler_for("none", context()) is None
+    custom = handler_for(f"{__name__}:SumOfNumbers", context())
+    assert isinstance(custom, SumOfNumbers)
+    with pytest.raises(ValueError, match=r"package\.module:Class"):
+        handler_for("something-else", context())
+
+
+class SumOfNumbers:
+    """A handler for the tiny model (not an image classifier): each upload is four numbers
+    as text, the answer is the model's ``s`` output (their sum) and ``y``."""
+
+    def __init__(self, context: HandlerContext) -> None:
+        self.rows = context.spec.inputs[0]
+
+    async def decode(self, uploads: Sequence[bytes]) -> dict[str, np.ndarray]:
+        try:
+            rows = [np.array(u.decode().split(","), dtype=np.float32) for u in uploads]
+        except ValueError:
+            raise BadRequest("each upload is four comma-separated numbers") from None
+        return {self.rows.name: np.stack(rows)}
+
+    def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
+        return [
+            {"sum": float(s[0]), "y": [float(v) for v in y]}
+            for s, y in zip(outputs["s"], outputs["y"], strict=True)
+        ]
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_model_that_is_not_an_image_classifier_serves_uploads_through_its_handler(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "repo" / "summer"
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    config = {"max_batch_size": 2, "handler": f"{__name__}:SumOfNumbers"}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+    )
+    uploads = [b"1,2,3,4", b"0.5,0,0,0", b"-1,-1,-1,-1"]  # 3 rows: two batches of at most 2
+
+    async def scenario() -> Any:
+        plane = DataPlane(settings)
+        await plane.start()
+        try:
+            answer = await plane.classify_images("summer", None, uploads, None)
+            with pytest.raises(BadRequest, match="four comma-separated numbers"):
+                await plane.classify_images("summer", None, [b"x,y"], None)
+            return answer
+        finally:
+            await plane.stop()
+
+    name, version, answers = asyncio.run(scenario())
+    assert (name, version) == ("summer", "fp32")
+    assert [a["sum"] for a in answers] == [10.0, 0.5, -4.0]
+    x = np.array([[1, 2, 3, 4], [0.5, 0, 0, 0], [-1, -1, -1, -1]], np.float32)
+    np.testing.assert_allclose([a["y"] for a in answers], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
