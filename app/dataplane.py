@@ -20,8 +20,9 @@ import numpy as np
 from app.batcher import Tensors
 from app.errors import BadRequest, DeadlineExceeded, StokerError, Unavailable
 from app.handlers import check_uploads
-from app.models import LoadedModel, Registry
+from app.models import LoadedModel
 from app.protocol import InferRequest, RequestedOutput, classify, decode_request
+from app.registry import Registry
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 

@@ -1,5 +1,5 @@
 """The model layer: a model's contract, its input policy, loading a version on ONNX Runtime,
-and the registry's bookkeeping of what serves, what is refused and why."""
+warming and closing it."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 import yaml
 
 from app import models
-from app.errors import NotFound, Unavailable
-from app.models import InputPolicy, Registry
+from app.models import InputPolicy
 from app.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
 from app.settings import Settings
 from engines.preprocess import ImagePreprocess
@@ -186,63 +185,3 @@ def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
     assert models.gpu_decoder(entry(), "torch", Settings()) is None  # no uploads at all
     with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
         decoder("gpu", "onnxruntime")
-
-
-# -- the registry -------------------------------------------------------------------------
-
-
-def test_the_registry_serves_what_loads_and_says_why_the_rest_does_not(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    write_tiny(repo / "tiny")
-    write_tiny(repo / "tiny2", autoload=False)  # loaded only when named
-    gone = repo / "gone"
-    gone.mkdir()
-    (gone / "config.yaml").write_text("max_batch_size: 8\n")
-    registry = Registry(settings_for(repo, tmp_path))
-
-    async def scenario() -> dict[str, Any]:
-        assert not registry.ready
-        await registry.load_all()
-        seen = {
-            "ready": registry.ready,
-            "versions": registry.versions("tiny"),
-            "index": registry.index(),
-            "default": registry.default(None).name,
-        }
-        with pytest.raises(Unavailable, match=r"'gone' version 'fp32' is not served: .*not exist"):
-            registry.get("gone")
-        with pytest.raises(NotFound, match="unknown model"):
-            registry.get("nope")
-        with pytest.raises(NotFound, match="has no version 'int8'; versions: fp32"):
-            registry.get("tiny", "int8")
-        await registry.close()
-        seen["after_close"] = (registry.ready, registry.loaded())
-        return seen
-
-    seen = asyncio.run(scenario())
-    assert seen["ready"] and seen["versions"] == ["fp32"]
-    states = {(i["name"], i["version"]): i["state"] for i in seen["index"]}
-    assert states == {("gone", "fp32"): "UNAVAILABLE", ("tiny", "fp32"): "READY"}
-    assert seen["default"] == "tiny"  # the first model that serves
-    assert seen["after_close"] == (False, [])
-
-
-def test_a_registry_with_nothing_to_serve_is_an_error(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    (repo / "gone").mkdir(parents=True)
-    (repo / "gone" / "config.yaml").write_text("max_batch_size: 8\n")
-    registry = Registry(settings_for(repo, tmp_path))
-    with pytest.raises(RuntimeError, match=r"no model version could be served: gone\[fp32\]"):
-        asyncio.run(registry.load_all())
-    assert not registry.ready
-
-
-def test_exit_on_error_stops_loading_at_the_first_refusal(tmp_path: Path) -> None:
-    repo = tmp_path / "repo"
-    (repo / "gone").mkdir(parents=True)
-    (repo / "gone" / "config.yaml").write_text("max_batch_size: 8\n")
-    write_tiny(repo / "tiny")
-    registry = Registry(settings_for(repo, tmp_path, exit_on_error=True))
-    with pytest.raises(FileNotFoundError):
-        asyncio.run(registry.load_all())
-    assert registry.loaded() == []

@@ -36,10 +36,8 @@ from engines.backends.tensorrt import runtime as tensorrt_runtime
 from engines.backends.tensorrt.build import (
     BuildError,
     TensorRTOptions,
-    batch_profile,
     load_timing_cache,
     plan_key,
-    profile_shapes,
     save_timing_cache,
 )
 from engines.backends.tensorrt.engine import (
@@ -49,6 +47,7 @@ from engines.backends.tensorrt.engine import (
     match_io,
     max_input_shape,
 )
+from engines.backends.tensorrt.profile import batch_profile, profile_shapes, read_onnx
 from engines.backends.tensorrt.runtime import Target
 from engines.base import EngineOptions, FatalEngineError
 from engines.devices import cuda
@@ -120,7 +119,7 @@ def test_static_inputs_need_no_profile_without_tensorrt() -> None:
 def test_read_onnx_gives_input_shapes_and_precision_without_tensorrt(tmp_path: Path) -> None:
     path = tmp_path / "tiny.onnx"
     onnx.save(tiny_onnx(), str(path))
-    assert tensorrt_build.read_onnx(path) == ({"x": (-1, 4)}, "fp32")
+    assert read_onnx(path) == ({"x": (-1, 4)}, "fp32")
 
 
 # -- store keys -------------------------------------------------------------------------------
