@@ -120,7 +120,9 @@ class Batcher:
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Requests queued or executing: what close() waits for, and the pending gauge.
         self._in_flight = 0
+        metrics.count_pending(lambda: self._in_flight)
         self._executions: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closing = False
@@ -183,7 +185,6 @@ class Batcher:
         self._in_flight += 1
         self._idle.clear()
         self._arrived.set()
-        self._metrics.pending(1)
         try:
             async with asyncio.timeout(timeout_s):
                 return await pending.future
@@ -197,7 +198,6 @@ class Batcher:
             if not pending.dispatched:
                 self._levels[pending.level].remove(pending)
                 self._queued -= 1
-            self._metrics.pending(-1)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()

@@ -224,8 +224,10 @@ class ModelMetrics:
         self._queue.observe(seconds)
         self.queue.add(seconds)
 
-    def pending(self, delta: int) -> None:
-        self._pending.inc(delta)
+    def count_pending(self, source: Callable[[], int]) -> None:
+        """The pending-requests gauge reads ``source`` (the batcher's own count of its queued
+        and executing requests) at scrape time: one count, never a second copy of it."""
+        self._pending.set_function(source)
 
     def batch_executed(self, times: BatchTimes) -> None:
         self._exec_count.inc()
