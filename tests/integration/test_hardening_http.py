@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
-from tests.unit.test_hardening import png_bomb
+from tests.unit.app.test_hardening import png_bomb
 
 WIDTH = 256
 LAYERS = 8

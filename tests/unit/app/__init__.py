@@ -1,1 +1,1 @@
-"""Tests of the app package."""
+"""Tests of app."""

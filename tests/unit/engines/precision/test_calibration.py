@@ -15,7 +15,7 @@ from engines.devices import cpu
 from engines.precision import accuracy, calibration, calibration_sets, int8
 from engines.precision.calibration import Ranges, TensorStatistics
 from engines.preprocess import ImagePreprocess
-from tests.unit.test_variants import small_conv_model, small_inputs
+from tests.unit.engines.precision.small_models import small_conv_model, small_inputs
 
 SMALL = ImagePreprocess(resize_shorter=40, crop=32)
 

@@ -1,0 +1,251 @@
+"""The metrics as a scraper reads them: Prometheus text from the default registry, parsed.
+
+The default registry is process-wide and other tests record into it too, so every test here
+uses model names of its own and reads only its own series.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from app.metrics import (
+    BATCH_BUCKETS,
+    GPU_METRICS,
+    LATENCY_BUCKETS,
+    BatchTimes,
+    GpuCollector,
+    ModelMetrics,
+    model_unavailable,
+)
+from engines.devices.nvml import GpuSample
+
+REASONS = ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable")
+
+
+def unique_model() -> str:
+    return f"metrics-{uuid.uuid4().hex[:12]}"
+
+
+def scrape(registry: CollectorRegistry = REGISTRY) -> list[Sample]:
+    text = generate_latest(registry).decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def series(model: str, registry: CollectorRegistry = REGISTRY) -> dict[tuple[str, ...], float]:
+    """This model's samples as {(sample name, other label values sorted by label name...): v}."""
+    found = {}
+    for s in scrape(registry):
+        if s.labels.get("model") != model:
+            continue
+        others = tuple(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model")
+        found[(s.name, *others)] = s.value
+    return found
+
+
+def test_a_new_model_has_every_failure_reason_at_zero() -> None:
+    """Dashboards' rate() sees a zero, not a gap, before the first failure."""
+    model = unique_model()
+    ModelMetrics(model, "fp32")
+    got = series(model)
+    failures = {k: v for k, v in got.items() if k[0] == "stoker_inference_request_failure_total"}
+    assert failures == {
+        ("stoker_inference_request_failure_total", f"reason={r}", "version=fp32"): 0.0
+        for r in REASONS
+    }
+    assert got[("stoker_inference_request_success_total", "version=fp32")] == 0.0
+    assert got[("stoker_inference_count_total", "version=fp32")] == 0.0
+    assert got[("stoker_inference_exec_count_total", "version=fp32")] == 0.0
+    assert got[("stoker_inference_pending_request_count", "version=fp32")] == 0.0
+
+
+def test_successes_count_and_time_requests() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp16")
+    durations = (0.0004, 0.004, 0.04, 40.0)
+    for seconds in durations:
+        metrics.request_succeeded(seconds)
+    got = series(model)
+    assert got[("stoker_inference_request_success_total", "version=fp16")] == len(durations)
+    name = "stoker_inference_request_duration_seconds"
+    assert got[(f"{name}_count", "version=fp16")] == len(durations)
+    assert got[(f"{name}_sum", "version=fp16")] == pytest.approx(sum(durations))
+    for le in LATENCY_BUCKETS:
+        assert got[(f"{name}_bucket", f"le={le}", "version=fp16")] == sum(
+            d <= le for d in durations
+        )
+    assert got[(f"{name}_bucket", "le=+Inf", "version=fp16")] == len(durations)
+    # Only the fp16 version moved: no fp32 series was made on the fly.
+    assert all(k[-1] == "version=fp16" for k in got)
+
+
+def test_failures_are_counted_by_reason() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    for reason in ("rejected", "rejected", "timeout"):
+        metrics.request_failed(reason, 0.01)
+    got = series(model)
+    failures = {k[1]: v for k, v in got.items() if k[0] == "stoker_inference_request_failure_total"}
+    assert failures == {f"reason={r}": {"rejected": 2, "timeout": 1}.get(r, 0) for r in REASONS}
+    assert got[("stoker_inference_request_success_total", "version=fp32")] == 0
+    # A failure is not a request duration: that histogram is of answered requests.
+    assert got[("stoker_inference_request_duration_seconds_count", "version=fp32")] == 0
+
+
+def test_batches_count_rows_executions_and_per_request_durations() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "int8")
+    batches = [  # rows, requests, compute input, infer, output
+        BatchTimes(5, 2, 0.001, 0.02, 0.003),
+        BatchTimes(1, 1, 0.002, 0.01, 0.001),
+        BatchTimes(16, 4, 0.004, 0.5, 0.01),
+    ]
+    for batch in batches:
+        metrics.batch_executed(batch)
+    got = series(model)
+    assert got[("stoker_inference_exec_count_total", "version=int8")] == 3
+    assert got[("stoker_inference_count_total", "version=int8")] == 5 + 1 + 16
+    size = "stoker_inference_batch_size"
+    assert got[(f"{size}_count", "version=int8")] == 3
+    assert got[(f"{size}_sum", "version=int8")] == 22
+    for le in BATCH_BUCKETS:
+        want = sum(b.rows <= le for b in batches)
+        assert got[(f"{size}_bucket", f"le={float(le)}", "version=int8")] == want
+    requests = sum(b.requests for b in batches)
+    for stage in ("input", "infer", "output"):
+        name = f"stoker_inference_compute_{stage}_duration_seconds"
+        total = sum(b.requests * getattr(b, f"compute_{stage}") for b in batches)
+        assert got[(f"{name}_count", "version=int8")] == requests
+        assert got[(f"{name}_sum", "version=int8")] == pytest.approx(total)
+
+
+def test_queue_time() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    metrics.queued(0.25)
+    metrics.queued(0.5)
+    got = series(model)
+    name = "stoker_inference_queue_duration_seconds"
+    assert got[(f"{name}_count", "version=fp32")] == 2
+    assert got[(f"{name}_sum", "version=fp32")] == pytest.approx(0.75)
+    assert got[(f"{name}_bucket", "le=0.3", "version=fp32")] == 1
+    assert metrics.statistics()["inference_stats"]["queue"] == {  # type: ignore[index]
+        "count": 2,
+        "ns": 750_000_000,
+    }
+
+
+def test_pending_requests_are_read_from_their_owner_at_each_scrape() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    owner = {"pending": 3}
+    metrics.count_pending(lambda: owner["pending"])
+    assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 3
+    owner["pending"] = 1
+    assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 1
+
+
+def test_image_decoding_is_counted_by_device() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    metrics.images_decoded("gpu", 12)
+    metrics.images_decoded("cpu", 0)
+    metrics.images_decoded("cpu", 3)
+    metrics.decode_batch(12)
+    got = series(model)
+    assert got[("stoker_image_decode_total", "device=gpu", "version=fp32")] == 12
+    assert got[("stoker_image_decode_total", "device=cpu", "version=fp32")] == 3
+    assert got[("stoker_image_decode_batch_size_count", "version=fp32")] == 1
+    assert got[("stoker_image_decode_batch_size_bucket", "le=8.0", "version=fp32")] == 0
+    assert got[("stoker_image_decode_batch_size_bucket", "le=12.0", "version=fp32")] == 1
+
+
+def test_an_unserved_version_is_flagged_with_its_reason() -> None:
+    model = unique_model()
+    model_unavailable(model, "int8", "accuracy")
+    got = series(model)
+    assert got == {("stoker_model_unavailable", "reason=accuracy", "version=int8"): 1.0}
+
+
+def test_statistics_report_the_same_totals_as_prometheus() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    before_ms = int(time.time() * 1000)
+    metrics.request_succeeded(0.003)
+    metrics.request_succeeded(0.005)
+    metrics.request_failed("invalid", 0.001)
+    metrics.queued(0.002)
+    metrics.batch_executed(BatchTimes(4, 2, 0.001, 0.004, 0.002))
+    metrics.batch_executed(BatchTimes(4, 1, 0.001, 0.004, 0.002))
+    metrics.batch_executed(BatchTimes(1, 1, 0.001, 0.004, 0.002))
+    after_ms = int(time.time() * 1000)
+    stats = metrics.statistics()
+    assert stats["name"] == model and stats["version"] == "fp32"
+    assert stats["inference_count"] == 9 and stats["execution_count"] == 3
+    assert isinstance(stats["last_inference"], int)
+    assert before_ms <= stats["last_inference"] <= after_ms
+    inference = stats["inference_stats"]
+    assert isinstance(inference, dict)
+    assert inference["success"] == {"count": 2, "ns": 8_000_000}
+    assert inference["fail"] == {"count": 1, "ns": 1_000_000}
+    assert inference["queue"] == {"count": 1, "ns": 2_000_000}
+    # Compute times are per request: four requests ran in these three batches.
+    assert inference["compute_infer"] == {"count": 4, "ns": 16_000_000}
+    assert inference["compute_input"]["count"] == 4
+    assert stats["batch_stats"] == [
+        {"batch_size": 1, "compute_infer": {"count": 1}},
+        {"batch_size": 4, "compute_infer": {"count": 2}},
+    ]
+    got = series(model)
+    assert got[("stoker_inference_count_total", "version=fp32")] == stats["inference_count"]
+    assert got[("stoker_inference_exec_count_total", "version=fp32")] == stats["execution_count"]
+    assert got[("stoker_inference_request_success_total", "version=fp32")] == 2
+
+
+def test_gpu_gauges_come_from_a_fresh_sample_at_each_scrape() -> None:
+    readings = itertools.count()
+
+    def source() -> list[GpuSample]:
+        n = next(readings)
+        return [
+            GpuSample(0, "A", 0.25 + n / 100, 1 << 30, 80 << 30, 300.5),
+            GpuSample(1, "B", 1.0, 2 << 30, 80 << 30, 120.0),
+        ]
+
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(source))
+    first = {(s.name, s.labels["gpu"]): s.value for s in scrape(registry)}
+    assert first == {
+        ("stoker_gpu_utilization_ratio", "0"): 0.25,
+        ("stoker_gpu_utilization_ratio", "1"): 1.0,
+        ("stoker_gpu_memory_used_bytes", "0"): float(1 << 30),
+        ("stoker_gpu_memory_used_bytes", "1"): float(2 << 30),
+        ("stoker_gpu_memory_total_bytes", "0"): float(80 << 30),
+        ("stoker_gpu_memory_total_bytes", "1"): float(80 << 30),
+        ("stoker_gpu_power_watts", "0"): 300.5,
+        ("stoker_gpu_power_watts", "1"): 120.0,
+    }
+    second = {(s.name, s.labels["gpu"]): s.value for s in scrape(registry)}
+    assert math.isclose(second[("stoker_gpu_utilization_ratio", "0")], 0.26)
+
+
+def test_without_gpus_the_gauges_are_declared_with_no_series() -> None:
+    registry = CollectorRegistry()
+    registry.register(GpuCollector(list))
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert set(families) == set(GPU_METRICS)
+    assert all(f.type == "gauge" and f.samples == [] for f in families.values())
+
+
+def test_the_default_registry_exports_the_gpu_gauges() -> None:
+    text = generate_latest(REGISTRY).decode()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert set(GPU_METRICS) <= names
