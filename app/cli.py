@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
-import math
-import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from app.settings import Settings
@@ -41,6 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--backend", help="override every model's backend (auto, onnxruntime)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--front-ends",
+        type=int,
+        help="HTTP front-end processes before one engine process (default 1: one process)",
+    )
 
     prepare = commands.add_parser(
         "prepare", help="generate the missing ONNX files of the repository's models, offline"
@@ -76,6 +75,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
             "host": getattr(args, "host", None),
             "port": getattr(args, "port", None),
             "log_level": getattr(args, "log_level", None),
+            "front_ends": getattr(args, "front_ends", None),
         },
         "models": {
             "repository": args.repository,
@@ -90,78 +90,16 @@ def build_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
+    if settings.server.front_ends > 1:
+        from app.processes import serve_processes
 
+        log.info("settings: %s", json.dumps(settings.loggable()))
+        return serve_processes(settings)
+    from app.processes import run_server
     from app.server import create_app
 
-    class Server(uvicorn.Server):
-        """uvicorn, with a drain before its own shutdown.
-
-        On the first SIGTERM (or SIGINT) the data plane starts draining at once: readiness
-        answers 503 and new inference requests get 503, on new and on kept-alive connections
-        alike, because the listener stays open; accepted requests run to their answer until
-        ``server.drain_timeout_s``. Only then does uvicorn close the listener and the
-        connections and run the lifespan shutdown. A second signal skips the rest of the drain.
-        """
-
-        drain: asyncio.Task[None] | None = None
-        drain_requested = False
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            plane = getattr(app.state, "plane", None)
-            if self.drain_requested or plane is None or self.should_exit:
-                super().handle_exit(sig, frame)
-                return
-            # A signal handler: only plain attributes here; the waiting starts on the loop.
-            self.drain_requested = True
-            plane.begin_drain()
-
-        async def on_tick(self, counter: int) -> bool:
-            if self.drain_requested and self.drain is None:
-                self.drain = asyncio.create_task(app.state.plane.drain(), name="drain")
-            if self.drain is not None and self.drain.done():
-                # uvicorn's own wait for open connections gets what is left of the timeout.
-                left = app.state.plane.drain_time_left()
-                self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
-                self.should_exit = True
-            return await super().on_tick(counter)
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            # uvicorn re-raises SIGTERM after a graceful shutdown, so the process would end
-            # "killed by signal"; for an orchestrator a drained shutdown is a success: exit 0.
-            signals = (signal.SIGINT, signal.SIGTERM)
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
     log.info("settings: %s", json.dumps(settings.loggable()))
-    server: Server | None = None
-    failed = False
-
-    def stop_on_fatal() -> None:
-        nonlocal failed
-        failed = True
-        if server is not None:
-            server.should_exit = True
-
-    app = create_app(settings, on_fatal=stop_on_fatal)
-    config = uvicorn.Config(
-        app,
-        host=settings.server.host,
-        port=settings.server.port,
-        log_level=settings.server.log_level,
-        access_log=False,
-        timeout_keep_alive=settings.server.keep_alive_s,
-        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
-        limit_concurrency=None,
-    )
-    server = Server(config)
-    server.run()
-    return 1 if failed else 0
+    return run_server(settings, lambda on_fatal: create_app(settings, on_fatal=on_fatal))
 
 
 def prepare(settings: Settings) -> int:

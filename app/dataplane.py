@@ -9,27 +9,48 @@ created in the lifespan (never at import) and lives in ``app.state.plane``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
+from prometheus_client import generate_latest
 
 from app.batcher import Tensors
 from app.errors import BadRequest, DeadlineExceeded, StokerError, Unavailable
 from app.handlers import check_uploads
 from app.models import LoadedModel
-from app.protocol import InferRequest, RequestedOutput, classify, decode_request
+from app.protocol import (
+    InferRequest,
+    Regions,
+    RequestedOutput,
+    classify,
+    decode_request,
+    encode_response,
+)
 from app.registry import Registry
 from app.settings import Settings
+from app.shared_memory import SharedRegions
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
 THREADED_DECODE_BYTES = 256 * 1024
+
+
+@dataclass
+class Slot:
+    """A lent piece of shared memory a request body is read into (``app.frontend``)."""
+
+    index: int
+    view: memoryview
+    engine_holds: bool = False
+    """Set while the engine may still read it (a cancelled request): not reusable yet."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +61,70 @@ class Answer:
     version: str
     request_id: str | None
     outputs: list[tuple[RequestedOutput, np.ndarray]]
+    headers: dict[str, str] | None = None
+    content: bytes | None = None
+    """The encoded response, where another process encoded it already."""
+    regions: Regions | None = None
+    """Where outputs asked for in shared memory are written."""
+
+    def encode(self) -> tuple[bytes, dict[str, str]]:
+        """The response body and its HTTP headers."""
+        if self.content is not None and self.headers is not None:
+            return self.content, self.headers
+        return encode_response(
+            self.model, self.version, self.request_id, self.outputs, self.regions
+        )
+
+
+class Plane(Protocol):
+    """What the routes call: this process's ``DataPlane``, or, in a front-end process, the
+    ``app.frontend.RemotePlane`` that forwards to the engine process."""
+
+    draining: bool
+    failed: BaseException | None
+
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def is_ready(self) -> bool: ...
+    @property
+    def max_images(self) -> int: ...
+    async def start(self) -> None: ...
+    def begin_drain(self) -> None: ...
+    def drain_time_left(self) -> float: ...
+    async def drain(self) -> None: ...
+    async def stop(self) -> None: ...
+    async def check(self, name: str, version: str | None = None) -> None: ...
+    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]: ...
+    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]: ...
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]: ...
+    async def statistics(
+        self, name: str | None = None, version: str | None = None
+    ) -> list[object]: ...
+    async def repository_index(self) -> list[dict[str, str]]: ...
+    async def metrics_text(self) -> bytes: ...
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None: ...
+    async def shm_unregister(self, name: str | None = None) -> None: ...
+    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]: ...
+    def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]: ...
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        body: bytes | bytearray | memoryview,
+        header_length: int | None,
+        slot: Slot | None = None,
+    ) -> Answer: ...
+    async def classify_images(
+        self, name: str | None, version: str | None, uploads: Sequence[bytes], k: int | None
+    ) -> tuple[str, str, list[Any]]: ...
 
 
 class DataPlane:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.models = Registry(settings)
+        self.regions = SharedRegions()
         self.failed: BaseException | None = None
         self.draining = False
         self._drain_deadline = 0.0
@@ -91,6 +170,7 @@ class DataPlane:
         self.begin_drain()
         await self.models.close_batchers(self.drain_time_left())
         await self.models.close()
+        self.regions.close()
 
     # -- state --------------------------------------------------------------------------
 
@@ -111,11 +191,11 @@ class DataPlane:
         """Most images one upload request may carry (the form parser stops past it)."""
         return self.settings.limits.max_images_per_request
 
-    def check(self, name: str, version: str | None = None) -> None:
+    async def check(self, name: str, version: str | None = None) -> None:
         """Raise what a request to this model would get (404, 503) before its body is read."""
         self.models.get(name, version)
 
-    def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
+    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
         """The V2 model metadata, with the versions that are configured but not served."""
         model = self.models.get(name, version)
         metadata = model.spec.metadata(self.models.versions(name), f"{model.backend}_onnx")
@@ -127,11 +207,11 @@ class DataPlane:
             ]
         return metadata
 
-    def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
+    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
         model = self.models.get(name, version)
         return {"name": model.name, "version": model.version, "ready": model.ready}
 
-    def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
         """Triton's model configuration, as its clients read it."""
         model = self.models.get(name, version)
         config = model.entry.config
@@ -163,7 +243,7 @@ class DataPlane:
             "labels": config.labels,
         }
 
-    def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
+    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
         """Triton's statistics: of every served version, of a model's, or of one version."""
         if name is None:
             models = self.models.loaded()
@@ -175,7 +255,7 @@ class DataPlane:
             models = [self.models.get(name, version)]
         return [m.metrics.statistics() for m in models]
 
-    def repository_index(self) -> list[dict[str, str]]:
+    async def repository_index(self) -> list[dict[str, str]]:
         return self.models.index()
 
     # -- inference ----------------------------------------------------------------------
@@ -206,14 +286,35 @@ class DataPlane:
         model.metrics.request_succeeded(time.perf_counter() - started)
         return result
 
+    def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]:
+        """Where a request body of ``declared`` bytes is read into: in one process, nowhere
+        in particular (None: ``read_body`` allocates)."""
+        return contextlib.nullcontext(None)
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus exposition of this process."""
+        return generate_latest()
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.regions.register(name, key, offset, byte_size)
+
+    async def shm_unregister(self, name: str | None = None) -> None:
+        self.regions.unregister(name)
+
+    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
+        return self.regions.status(name)
+
     async def infer(
         self,
         name: str,
         version: str | None,
-        body: bytes | bytearray,
+        body: bytes | bytearray | memoryview,
         header_length: int | None,
+        slot: Slot | None = None,
     ) -> Answer:
-        """Decode a V2 request, validate it against the model, batch it, shape the answer."""
+        """Decode a V2 request, validate it against the model, batch it, shape the answer.
+        (``slot``: the shared-memory slot the body was read into, for a plane in another
+        process; ignored here.)"""
         model = self.models.get(name, version)
 
         async def work() -> Answer:
@@ -223,10 +324,10 @@ class DataPlane:
             depth = self.settings.limits.max_json_depth
             if len(body) > THREADED_DECODE_BYTES:
                 request = await asyncio.to_thread(
-                    decode_request, body, header_length, model.spec, depth
+                    decode_request, body, header_length, model.spec, depth, self.regions
                 )
             else:
-                request = decode_request(body, header_length, model.spec, depth)
+                request = decode_request(body, header_length, model.spec, depth, self.regions)
             rows = validate_inputs(model.spec, request.inputs, model.inputs.pixels)
             # The key of what the engine gets: normalised pixels batch with FP32 requests.
             inputs = model.inputs.for_engine(request.inputs)
@@ -240,7 +341,7 @@ class DataPlane:
             timeout = time_left(model.timeout_s(request.timeout_us), arrived)
             outputs = await model.batcher.infer(inputs, rows, key, timeout, request.priority)
             shaped = [(out, shape_output(model, out, outputs)) for out in wanted]
-            return Answer(model.name, model.version, request.id, shaped)
+            return Answer(model.name, model.version, request.id, shaped, regions=self.regions)
 
         return await self._measured(model, work)
 

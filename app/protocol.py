@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from math import prod
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -139,6 +139,15 @@ class RequestedOutput:
     name: str
     binary: bool
     classification: int = 0
+    shared: tuple[str, int, int] | None = None
+    """Triton's system shared memory: (region, offset, byte size) the output is written to
+    instead of the body."""
+
+
+class Regions(Protocol):
+    """Registered shared-memory regions (``app.shared_memory.SharedRegions``)."""
+
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview: ...
 
 
 @dataclass(frozen=True)
@@ -161,10 +170,11 @@ class InferRequest:
 
 
 def decode_request(
-    body: bytes | bytearray,
+    body: bytes | bytearray | memoryview,
     header_length: int | None,
     spec: ModelSpec,
     max_json_depth: int = MAX_JSON_DEPTH,
+    regions: Regions | None = None,
 ) -> InferRequest:
     """Decode a V2 inference request.
 
@@ -172,6 +182,8 @@ def decode_request(
     body is JSON; n > 0 means the first n bytes are JSON and the rest is binary tensor data in
     input order; 0 is Triton's raw binary request, where the whole body is the data of the
     model's single input. ``max_json_depth`` bounds the nesting of each tensor's JSON "data".
+    With ``regions``, inputs and outputs may name a registered shared-memory region instead of
+    carrying data (Triton's system shared-memory extension); without, that is refused.
     """
     if header_length is None:
         header, binary = body, memoryview(b"")
@@ -197,7 +209,7 @@ def decode_request(
     if request_id is not None and type(request_id) is not str:
         raise BadRequest('"id" must be a string')
 
-    parameters = _parameters(document, "request")
+    parameters = _parameters(document, "request", regions)
     binary_data_output = parameters.get("binary_data_output", False)
     if type(binary_data_output) is not bool:
         raise BadRequest('"binary_data_output" must be a boolean')
@@ -208,8 +220,8 @@ def decode_request(
     if not _is_count(priority):
         raise BadRequest('"priority" must be a non-negative integer')
 
-    inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth)
-    outputs = _decode_outputs(document.get("outputs"), binary_data_output)
+    inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth, regions)
+    outputs = _decode_outputs(document.get("outputs"), binary_data_output, regions)
     return InferRequest(
         id=request_id,
         inputs=inputs,
@@ -225,6 +237,7 @@ def encode_response(
     model_version: str,
     request_id: str | None,
     outputs: Sequence[tuple[RequestedOutput, Array]],
+    regions: Regions | None = None,
 ) -> tuple[bytes, dict[str, str]]:
     """Encode a V2 inference response; returns the body and the HTTP headers to send.
 
@@ -245,7 +258,21 @@ def encode_response(
             "datatype": datatype,
             "shape": [int(d) for d in array.shape],
         }
-        if requested.binary:
+        if requested.shared is not None and regions is not None:
+            region, at, size = requested.shared
+            chunk = _binary_chunk(requested.name, array, datatype)
+            if len(chunk) > size:
+                raise BadRequest(
+                    f"output {_quote(requested.name)} takes {len(chunk)} bytes; its shared "
+                    f"memory byte size is {size}"
+                )
+            regions.view(region, at, len(chunk), f"output {_quote(requested.name)}")[:] = chunk
+            tensor["parameters"] = {
+                "shared_memory_region": region,
+                "shared_memory_byte_size": len(chunk),
+                **({"shared_memory_offset": at} if at else {}),
+            }
+        elif requested.binary:
             chunk = _binary_chunk(requested.name, array, datatype)
             tensor["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
@@ -295,7 +322,7 @@ def classify(scores: Array, k: int, labels: Sequence[str] | None) -> Array:
     return result[0] if scores.ndim == 1 else result
 
 
-def _decode_raw(body: bytes | bytearray, spec: ModelSpec) -> InferRequest:
+def _decode_raw(body: bytes | bytearray | memoryview, spec: ModelSpec) -> InferRequest:
     """Triton's raw binary request: the body is the bytes of the model's only input."""
     if len(spec.inputs) != 1:
         raise BadRequest("a raw binary request needs a model with exactly one input")
@@ -328,7 +355,30 @@ def _decode_raw(body: bytes | bytearray, spec: ModelSpec) -> InferRequest:
     )
 
 
-def _decode_inputs(entries: Any, binary: memoryview, max_depth: int) -> dict[str, Array]:
+def _shared(parameters: dict[str, Any], where: str, data_too: bool) -> tuple[str, int, int] | None:
+    """(region, offset, byte size) of an entry that names a shared-memory region, else None."""
+    region = parameters.get("shared_memory_region")
+    if region is None:
+        if "shared_memory_byte_size" in parameters or "shared_memory_offset" in parameters:
+            raise BadRequest(f'{where}: shared memory parameters without "shared_memory_region"')
+        return None
+    if type(region) is not str or not region:
+        raise BadRequest(f'{where}: "shared_memory_region" must be a non-empty string')
+    size: Any = parameters.get("shared_memory_byte_size")
+    offset: Any = parameters.get("shared_memory_offset", 0)
+    if not _is_count(size) or not _is_count(offset):
+        raise BadRequest(
+            f'{where}: "shared_memory_byte_size" and "shared_memory_offset" must be '
+            "non-negative integers"
+        )
+    if data_too:
+        raise BadRequest(f'{where}: has both shared memory and "data" or "binary_data_size"')
+    return region, offset, size
+
+
+def _decode_inputs(
+    entries: Any, binary: memoryview, max_depth: int, regions: Regions | None = None
+) -> dict[str, Array]:
     if type(entries) is not list or not entries:
         raise BadRequest('"inputs" must be a non-empty list')
     inputs: dict[str, Array] = {}
@@ -351,9 +401,16 @@ def _decode_inputs(entries: Any, binary: memoryview, max_depth: int) -> dict[str
         if count > _MAX_ELEMENTS:
             raise BadRequest(f"input {_quote(name)} has a shape too large to hold")
 
-        parameters = _parameters(entry, f"input {_quote(name)}")
+        where = f"input {_quote(name)}"
+        parameters = _parameters(entry, where, regions)
         size = parameters.get("binary_data_size")
         has_data = "data" in entry
+        shared = _shared(parameters, where, has_data or size is not None)
+        if shared is not None and regions is not None:
+            region, at, length = shared
+            chunk = regions.view(region, at, length, where)
+            inputs[name] = _from_binary(name, chunk, datatype, count).reshape(shape)
+            continue
         if size is not None and has_data:
             raise BadRequest(f'input {_quote(name)} has both "data" and "binary_data_size"')
         if size is None and not has_data:
@@ -376,7 +433,9 @@ def _decode_inputs(entries: Any, binary: memoryview, max_depth: int) -> dict[str
     return inputs
 
 
-def _decode_outputs(entries: Any, binary_default: bool) -> tuple[RequestedOutput, ...]:
+def _decode_outputs(
+    entries: Any, binary_default: bool, regions: Regions | None = None
+) -> tuple[RequestedOutput, ...]:
     if entries is None:
         return ()
     if type(entries) is not list:
@@ -390,22 +449,26 @@ def _decode_outputs(entries: Any, binary_default: bool) -> tuple[RequestedOutput
             raise BadRequest('each output needs a non-empty string "name"')
         if name in outputs:
             raise BadRequest(f"output {_quote(name)} is requested more than once")
-        parameters = _parameters(entry, f"output {_quote(name)}")
+        where = f"output {_quote(name)}"
+        parameters = _parameters(entry, where, regions)
+        shared = _shared(parameters, where, False)  # binary_data is moot with a region
         binary = parameters.get("binary_data", binary_default)
         if type(binary) is not bool:
             raise BadRequest(f'output {_quote(name)}: "binary_data" must be a boolean')
         classification = parameters.get("classification", 0)
         if "classification" in parameters and (not _is_count(classification) or not classification):
             raise BadRequest(f'output {_quote(name)}: "classification" must be a positive integer')
-        outputs[name] = RequestedOutput(name, binary, classification)
+        outputs[name] = RequestedOutput(name, binary and shared is None, classification, shared)
     return tuple(outputs.values())
 
 
-def _parameters(entry: dict[str, Any], where: str) -> dict[str, Any]:
+def _parameters(
+    entry: dict[str, Any], where: str, regions: Regions | None = None
+) -> dict[str, Any]:
     parameters = entry.get("parameters", {})
     if type(parameters) is not dict:
         raise BadRequest(f'{where}: "parameters" must be an object')
-    if any(key in parameters for key in _SHARED_MEMORY):
+    if regions is None and any(key in parameters for key in _SHARED_MEMORY):
         raise BadRequest(f"{where}: shared memory is not supported; send the data in the body")
     return parameters
 

@@ -27,7 +27,7 @@ class ConfigError(Exception):
 class DynamicBatching(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
-    preferred_batch_size: list[int] = Field(default_factory=list)
+    preferred_batch_size: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     """Batch sizes the engine runs best at. A batch is sent as soon as the largest can be
     formed, and on delay expiry it is cut to the largest preferred size reachable."""
     max_queue_delay_us: int = Field(default=2000, ge=0)

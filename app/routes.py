@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 
 import orjson
 from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.dataplane import DataPlane
+from app.dataplane import Plane
 from app.errors import BadRequest
-from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA, encode_response
+from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
@@ -40,15 +41,21 @@ ERROR_RESPONSE: dict[str, Any] = {
 router = APIRouter(responses={"default": ERROR_RESPONSE})
 
 HEADER_LENGTH = "inference-header-content-length"
-EXTENSIONS = ["binary_tensor_data", "classification", "statistics", "model_repository"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "classification",
+    "statistics",
+    "model_repository",
+    "system_shared_memory",
+]
 
 
 def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def plane_of(request: Request) -> DataPlane:
-    plane: DataPlane = request.app.state.plane
+def plane_of(request: Request) -> Plane:
+    plane: Plane = request.app.state.plane
     return plane
 
 
@@ -85,28 +92,36 @@ CLIENT_GONE = Response(status_code=499)
 UPFRONT_BODY_BYTES = 4 * 1024 * 1024
 
 
-async def read_body(request: Request) -> bytes | bytearray:
+async def read_body(
+    request: Request, into: memoryview | None = None
+) -> bytes | bytearray | memoryview:
     """The whole body. With a declared length, each chunk is copied once into one buffer as it
     arrives, instead of being kept and joined at the end; the buffer starts at the declared
     length up to ``UPFRONT_BODY_BYTES`` and at most doubles as bytes arrive, so memory follows
-    what was received, never what was declared."""
+    what was received, never what was declared. ``into``: a buffer at least as long as the
+    declared length to read into instead (a shared-memory slot); the body is then a view of
+    it."""
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         return await request.body()
     length = int(declared)
-    buffer = bytearray(min(length, UPFRONT_BODY_BYTES))
+    if into is not None and len(into) >= length:
+        buffer: bytearray | memoryview = into
+    else:
+        buffer = bytearray(min(length, UPFRONT_BODY_BYTES))
     filled = 0
     async for chunk in request.stream():
         end = filled + len(chunk)
         if end > length:
             raise BadRequest("request body is longer than its Content-Length")
         if end > len(buffer):
+            assert isinstance(buffer, bytearray)
             buffer.extend(bytes(min(length, max(end, 2 * len(buffer))) - len(buffer)))
         buffer[filled:end] = chunk
         filled = end
     if filled != length:
         raise BadRequest("request body is shorter than its Content-Length")
-    return buffer
+    return buffer[:length] if isinstance(buffer, memoryview) else buffer
 
 
 # -- health and metadata ------------------------------------------------------------------
@@ -131,37 +146,85 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v2/models/stats")
 async def all_stats(request: Request) -> Response:
-    return json_response({"model_stats": plane_of(request).statistics()})
+    return json_response({"model_stats": await plane_of(request).statistics()})
 
 
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(plane_of(request).metadata(name, version))
+    return json_response(await plane_of(request).metadata(name, version))
 
 
 @router.get("/v2/models/{name}/ready")
 @router.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    answer = plane_of(request).version_ready(name, version)
+    answer = await plane_of(request).version_ready(name, version)
     return json_response(answer, 200 if answer["ready"] else 503)
 
 
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(plane_of(request).model_config(name, version))
+    return json_response(await plane_of(request).model_config(name, version))
 
 
 @router.get("/v2/models/{name}/stats")
 @router.get("/v2/models/{name}/versions/{version}/stats")
 async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response({"model_stats": plane_of(request).statistics(name, version)})
+    return json_response({"model_stats": await plane_of(request).statistics(name, version)})
 
 
 @router.post("/v2/repository/index")
 async def repository_index(request: Request) -> Response:
-    return json_response(plane_of(request).repository_index())
+    return json_response(await plane_of(request).repository_index())
+
+
+# -- system shared memory -----------------------------------------------------------------
+
+
+class RegionRegistration(BaseModel):
+    """Triton's register body: the POSIX shared-memory key and the part of it to use."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    offset: int = 0
+    byte_size: int
+
+
+@router.post(
+    "/v2/systemsharedmemory/region/{name}/register",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": RegionRegistration.model_json_schema()}},
+        }
+    },
+)
+async def shm_register(request: Request, name: str) -> Response:
+    # tritonclient sends the JSON without a Content-Type: parsed here, not by FastAPI.
+    try:
+        region = RegionRegistration.model_validate_json(await request.body())
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
+        )
+        raise BadRequest(f"shared memory registration: {problems}") from None
+    await plane_of(request).shm_register(name, region.key, region.offset, region.byte_size)
+    return json_response({})
+
+
+@router.post("/v2/systemsharedmemory/region/{name}/unregister")
+@router.post("/v2/systemsharedmemory/unregister")
+async def shm_unregister(request: Request, name: str | None = None) -> Response:
+    await plane_of(request).shm_unregister(name)
+    return json_response({})
+
+
+@router.get("/v2/systemsharedmemory/region/{name}/status")
+@router.get("/v2/systemsharedmemory/status")
+async def shm_status(request: Request, name: str | None = None) -> Response:
+    return json_response(await plane_of(request).shm_status(name))
 
 
 # -- inference ----------------------------------------------------------------------------
@@ -219,16 +282,17 @@ INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
 )
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
     plane = plane_of(request)
-    plane.check(name, version)  # 404 or 503 before the body is read
-    body = await read_body(request)
+    await plane.check(name, version)  # 404 or 503 before the body is read
     length = header_length(request)
-
-    answer = await unless_disconnected(request, plane.infer(name, version, body, length))
+    declared = request.headers.get("content-length")
+    async with plane.body_buffer(
+        int(declared) if declared and declared.isdigit() else None
+    ) as slot:
+        body = await read_body(request, slot.view if slot is not None else None)
+        answer = await unless_disconnected(request, plane.infer(name, version, body, length, slot))
     if answer is None:
         return CLIENT_GONE
-    content, headers = encode_response(
-        answer.model, answer.version, answer.request_id, answer.outputs
-    )
+    content, headers = answer.encode()
     return Response(content, headers=headers)
 
 
@@ -285,7 +349,7 @@ async def classify_upload(
 ) -> Response:
     plane = plane_of(request)
     if name is not None:
-        plane.check(name, version)  # 404 or 503 before the uploads are read
+        await plane.check(name, version)  # 404 or 503 before the uploads are read
     uploads, form_k = await uploaded_images(request, plane.max_images)
     if form_k is not None:
         try:
@@ -305,5 +369,5 @@ async def classify_upload(
     "/metrics",
     responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}},
 )
-async def metrics() -> Response:
-    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+async def metrics(request: Request) -> Response:
+    return Response(await plane_of(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)

@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.auth import ApiKeys
-from app.dataplane import DataPlane
+from app.dataplane import DataPlane, Plane
 from app.errors import BadRequest, PayloadTooLarge, StokerError, client_text
 from app.routes import json_response, router
 from app.settings import Settings
@@ -96,14 +96,20 @@ async def unexpected_error(_: Request, exc: Exception) -> Response:
     return json_response({"error": "internal server error"}, 500)
 
 
-def create_app(settings: Settings, on_fatal: Callable[[], None] | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    on_fatal: Callable[[], None] | None = None,
+    make_plane: Callable[[], Plane] | None = None,
+) -> FastAPI:
     """The application. Models load in the background after startup so liveness answers at
     once while readiness stays false until every runner is warm; ``on_fatal`` is called if
-    loading fails (the CLI stops the server, so the process exits non-zero)."""
+    loading fails (the CLI stops the server, so the process exits non-zero). ``make_plane``:
+    what serves the routes (default: a ``DataPlane`` in this process; a front end passes its
+    ``RemotePlane``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        plane = DataPlane(settings)
+        plane: Plane = make_plane() if make_plane is not None else DataPlane(settings)
         app.state.plane = plane
 
         def loaded(task: asyncio.Task[None]) -> None:

@@ -33,6 +33,19 @@ class ServerSettings(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On shutdown, how long in-flight and queued requests may take to finish before exit.
     Keep it below Kubernetes' terminationGracePeriodSeconds."""
+    front_ends: int = Field(default=1, ge=1, le=64)
+    """HTTP front-end processes. 1: one process serves HTTP and runs the models (the embedded
+    default, fastest on a small CPU machine). N > 1: N front ends accept on the one port,
+    authenticate, apply the limits and read bodies, and one engine process runs the models;
+    bodies cross in shared memory (``/dev/shm``: give containers ``shm_slots x
+    shm_slot_bytes`` per front end). One event loop takes in about 1 GB/s of bodies and
+    1,000 requests/s: a GPU wants 2 to 4."""
+    shm_slots: int = Field(default=16, ge=1)
+    """Shared-memory slots per front end: requests of one front end whose bodies travel in
+    shared memory at once; more wait for none, they travel over the control socket."""
+    shm_slot_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024)
+    """Size of a slot: the largest body (and answer) that travels in shared memory. 32
+    UINT8 images of 224x224 take 4.8 MB."""
 
 
 class ModelRepositorySettings(BaseModel):

@@ -91,7 +91,7 @@ def test_bad_requests_are_refused_with_the_reason_and_counted(tiny_repo: Path) -
             refusals[label] = caught.value.message
         with pytest.raises(NotFound):
             await plane.infer("nope", None, v2_body(x), None)
-        return {"refusals": refusals, "stats": plane.statistics("tiny")}
+        return {"refusals": refusals, "stats": await plane.statistics("tiny")}
 
     seen = with_plane(tiny_repo, scenario)
     assert "does not match" in seen["refusals"]["shape"]
@@ -129,7 +129,11 @@ def test_a_draining_plane_refuses_new_requests_and_is_not_ready(tiny_repo: Path)
 
 def test_metadata_and_config_describe_the_served_model(tiny_repo: Path) -> None:
     async def scenario(plane: DataPlane) -> tuple[Any, Any, Any]:
-        return plane.metadata("tiny"), plane.model_config("tiny"), plane.version_ready("tiny")
+        return (
+            await plane.metadata("tiny"),
+            await plane.model_config("tiny"),
+            await plane.version_ready("tiny"),
+        )
 
     metadata, config, ready = with_plane(tiny_repo, scenario)
     assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]

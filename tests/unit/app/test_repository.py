@@ -147,13 +147,6 @@ def test_inconsistent_fields_are_refused(tmp_path: Path, config: str, says: str)
     assert "(top level)" in message and says in message, message
 
 
-@pytest.mark.xfail(
-    reason="preferred_batch_size items have no lower bound: [0] or [-4] is accepted; the "
-    "batcher then never waits (every batch reaches max(preferred)) and the build profile is "
-    "(1, 0, 8), which TensorRT refuses later without naming the config",
-    raises=pytest.fail.Exception,
-    strict=True,
-)
 @pytest.mark.parametrize("size", [0, -4])
 def test_a_preferred_batch_size_below_one_is_refused(tmp_path: Path, size: int) -> None:
     config = f"max_batch_size: 8\ndynamic_batching: {{preferred_batch_size: [{size}]}}\n"

@@ -36,7 +36,7 @@ def test_a_declared_body_is_read_exactly_or_refused(
     async def receive() -> dict[str, object]:
         return messages.pop(0)
 
-    async def read() -> bytes | bytearray:
+    async def read() -> bytes | bytearray | memoryview:
         scope = {"type": "http", "method": "POST", "path": "/", "headers": headers}
         return await read_body(Request(scope, receive))
 

@@ -1,0 +1,226 @@
+"""The engine process: the data plane (registry, batchers, runners) behind a control socket.
+
+Front ends (``app.frontend``) connect over a Unix socket (``app.channel``), say which
+shared-memory arena they lend bodies in, and send one frame per call. An inference request's
+body is read where the front end wrote it, decoded and run exactly as in one process
+(``DataPlane.infer``), and the encoded answer is written back into the same slot. The engine
+is the one source of metrics, readiness and liveness.
+
+SIGTERM drains: new requests get 503 at once, accepted ones run to their answer within
+``server.drain_timeout_s``, then the process waits for its front ends to hang up and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from functools import partial
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+from app.channel import ChannelClosed, receive, send
+from app.dataplane import DataPlane
+from app.errors import StokerError
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Connection:
+    """One front end: its arena, its requests in progress."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.arena: shared_memory.SharedMemory | None = None
+        self.slot_bytes = 0
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def slot(self, index: int, length: int) -> memoryview:
+        if self.arena is None or self.arena.buf is None:
+            raise ValueError("no arena: the front end did not say hello")
+        if not index >= 0 or (index + 1) * self.slot_bytes > self.arena.size:
+            raise ValueError(f"slot {index} is outside the arena")
+        if not 0 <= length <= self.slot_bytes:
+            raise ValueError(f"{length} bytes do not fit a slot")
+        start = index * self.slot_bytes
+        return self.arena.buf[start : start + length]
+
+    def close(self) -> None:
+        if self.arena is not None:
+            with contextlib.suppress(BufferError):
+                self.arena.close()
+            self.arena = None
+
+
+def forget(tasks: dict[int, asyncio.Task[None]], number: int, _: object) -> None:
+    tasks.pop(number, None)
+
+
+class EngineServer:
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+        self.connections: set[Connection] = set()
+        self.none_connected = asyncio.Event()
+        self.none_connected.set()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = Connection(writer)
+        self.connections.add(connection)
+        self.none_connected.clear()
+        try:
+            while True:
+                header, payload = await receive(reader)
+                if header.get("op") == "cancel":
+                    task = connection.tasks.get(header.get("of", -1))
+                    if task is not None:
+                        task.cancel()
+                    continue
+                number = header.get("id", -1)
+                task = asyncio.create_task(self._answer(connection, number, header, payload))
+                connection.tasks[number] = task
+                task.add_done_callback(partial(forget, connection.tasks, number))
+        except ChannelClosed:
+            pass
+        finally:
+            self.connections.discard(connection)
+            if not self.connections:
+                self.none_connected.set()
+            for task in list(connection.tasks.values()):
+                task.cancel()
+            await asyncio.gather(*connection.tasks.values(), return_exceptions=True)
+            connection.close()
+            writer.close()
+
+    async def _answer(
+        self, connection: Connection, number: int, header: dict[str, Any], payload: bytes
+    ) -> None:
+        reply: dict[str, Any]
+        data = b""
+        try:
+            reply, data = await self._call(connection, header, payload)
+        except StokerError as error:
+            reply = {"error": error.message, "status": error.status, "reason": error.reason}
+        except asyncio.CancelledError:
+            reply = {"error": "cancelled", "status": 499, "reason": "cancelled"}
+        except Exception as error:
+            log.error("engine call %s failed: %r", header.get("op"), error, exc_info=error)
+            reply = {"error": "internal server error", "status": 500, "reason": "other"}
+        if not connection.writer.is_closing():
+            send(connection.writer, {**reply, "id": number}, data)
+
+    async def _call(
+        self, connection: Connection, header: dict[str, Any], payload: bytes
+    ) -> tuple[dict[str, Any], bytes]:
+        plane, op = self.plane, header.get("op")
+        name, version = header.get("name"), header.get("version")
+        if op == "infer":
+            body: bytes | memoryview = payload
+            if "slot" in header:
+                body = connection.slot(header["slot"], header["length"])
+            answer = await plane.infer(str(name), version, body, header.get("header_length"))
+            content, headers = answer.encode()
+            reply: dict[str, Any] = {
+                "model": answer.model,
+                "version": answer.version,
+                "headers": headers,
+            }
+            if "slot" in header and len(content) <= connection.slot_bytes:
+                connection.slot(header["slot"], len(content))[:] = content
+                return reply | {"slot_length": len(content)}, b""
+            return reply, content
+        if op == "classify":
+            sizes: list[int] = header["sizes"]
+            source: bytes | memoryview = payload
+            if "slot" in header:
+                source = connection.slot(header["slot"], sum(sizes))
+            uploads, at = [], 0
+            for size in sizes:
+                uploads.append(bytes(source[at : at + size]))
+                at += size
+            model, answered, predictions = await plane.classify_images(
+                name, version, uploads, header.get("k")
+            )
+            return {"model": model, "version": answered, "predictions": predictions}, b""
+        if op == "hello":
+            connection.arena = shared_memory.SharedMemory(name=header["arena"])
+            connection.slot_bytes = int(header["slot"])
+            return {"value": "hello"}, b""
+        if op == "state":
+            return {"alive": plane.alive, "ready": plane.is_ready}, b""
+        if op == "metrics":
+            return {}, await plane.metrics_text()
+        if op == "metadata":
+            return {"value": await plane.metadata(str(name), version)}, b""
+        if op == "version_ready":
+            return {"value": await plane.version_ready(str(name), version)}, b""
+        if op == "model_config":
+            return {"value": await plane.model_config(str(name), version)}, b""
+        if op == "statistics":
+            return {"value": await plane.statistics(name, version)}, b""
+        if op == "repository_index":
+            return {"value": await plane.repository_index()}, b""
+        if op == "shm_register":
+            await plane.shm_register(str(name), header["key"], header["offset"], header["size"])
+            return {}, b""
+        if op == "shm_unregister":
+            await plane.shm_unregister(name)
+            return {}, b""
+        if op == "shm_status":
+            return {"value": await plane.shm_status(name)}, b""
+        raise ValueError(f"unknown engine call {op!r}")
+
+
+async def run(settings: Settings, control: Path) -> int:
+    """Serve the data plane on ``control`` until SIGTERM (then drain) or a loading failure."""
+    plane = DataPlane(settings)
+    engine = EngineServer(plane)
+    await asyncio.to_thread(control.unlink, missing_ok=True)
+    server = await asyncio.start_unix_server(engine.serve, path=str(control))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        plane.begin_drain()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    loading = asyncio.create_task(plane.start(), name="load-models")
+    failed = False
+
+    def loaded(task: asyncio.Task[None]) -> None:
+        nonlocal failed
+        if task.cancelled() or task.exception() is None:
+            return
+        plane.failed = task.exception()
+        log.error("model loading failed: %s", plane.failed)
+        failed = True
+        stop.set()
+
+    loading.add_done_callback(loaded)
+    await stop.wait()
+    if not loading.done():
+        loading.cancel()
+    await asyncio.gather(loading, return_exceptions=True)
+    if not failed:
+        await plane.drain()
+        # The front ends are answering their last requests; wait for them to hang up.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(plane.drain_time_left() + 5.0):
+                await engine.none_connected.wait()
+    server.close()
+    await plane.stop()
+    await asyncio.to_thread(control.unlink, missing_ok=True)
+    return 1 if failed else 0
+
+
+def main(settings: Settings, control: str) -> None:
+    """The engine process's entry point (spawned by ``app.processes``)."""
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+    )
+    raise SystemExit(asyncio.run(run(settings, Path(control))))

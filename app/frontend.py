@@ -1,0 +1,333 @@
+"""A front-end process's plane: the routes' calls forwarded to the engine process.
+
+A front end accepts HTTP, authenticates, applies the limits and reads request bodies; it holds
+no model. Each front end owns a shared-memory arena cut into slots: a V2 body whose declared
+length fits a slot is read from the socket straight into one, and the engine reads it there
+and writes its answer back into the same slot, so tensor bytes never cross the control
+channel (``app.channel``). A body that does not fit, or arrives while every slot is lent,
+travels in the frame instead: slower, never refused for it.
+
+Health comes from the engine: a background task asks for its state every ``POLL_S``, and a
+front end that cannot reach it answers not live and not ready. A front end's drain stops new
+requests at once and waits for its own in-flight ones; the engine drains its queues itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any
+
+from app.channel import ChannelClosed, receive, send
+from app.dataplane import Answer, Slot
+from app.errors import StokerError, Unavailable
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+POLL_S = 0.25
+CONNECT_TIMEOUT_S = 600.0
+
+
+class RemoteError(StokerError):
+    """An error the engine answered with: its status and reason, as the engine gave them."""
+
+    def __init__(self, message: str, status: int, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class Arena:
+    """Shared memory this front end lends to requests, ``slots`` pieces of ``slot_bytes``."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.memory = shared_memory.SharedMemory(create=True, size=max(1, slots * slot_bytes))
+        self._free = list(range(slots))
+
+    @property
+    def name(self) -> str:
+        return self.memory.name
+
+    def lend(self, size: int) -> Slot | None:
+        if size > self.slot_bytes or not self._free:
+            return None
+        index = self._free.pop()
+        start = index * self.slot_bytes
+        assert self.memory.buf is not None
+        return Slot(index, self.memory.buf[start : start + self.slot_bytes])
+
+    def give_back(self, slot: Slot) -> None:
+        slot.view.release()
+        self._free.append(slot.index)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.memory.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.memory.unlink()
+
+
+class RemotePlane:
+    """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
+
+    def __init__(self, settings: Settings, control: Path) -> None:
+        self.settings = settings
+        self.control = control
+        front = settings.server
+        self.arena = Arena(front.shm_slots, front.shm_slot_bytes)
+        self.failed: BaseException | None = None
+        self.draining = False
+        self._drain_deadline = 0.0
+        self._state: dict[str, Any] = {"alive": False, "ready": False}
+        self._writer: asyncio.StreamWriter | None = None
+        self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._ids = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(self.control))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        self._writer = writer
+        self._tasks.append(asyncio.create_task(self._read(reader), name="engine-replies"))
+        await self._call({"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes})
+        self._tasks.append(asyncio.create_task(self._poll(), name="engine-state"))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header, payload = await receive(reader)
+                future = self._waiting.pop(header.get("id", -1), None)
+                if future is not None and not future.done():
+                    future.set_result((header, payload))
+        except ChannelClosed as gone:
+            log.error("the engine process closed the control channel: %s", gone)
+        finally:
+            self._state = {"alive": False, "ready": False}
+            for future in self._waiting.values():
+                if not future.done():
+                    future.set_exception(Unavailable("the engine process is gone"))
+            self._waiting.clear()
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self._state, _ = await asyncio.wait_for(self._call({"op": "state"}), 2.0)
+            except (StokerError, TimeoutError):
+                self._state = {"alive": False, "ready": False}
+            await asyncio.sleep(POLL_S)
+
+    def _request(
+        self, header: dict[str, Any], payload: bytes = b""
+    ) -> tuple[int, asyncio.Future[tuple[dict[str, Any], bytes]]]:
+        if self._writer is None or self._writer.is_closing():
+            raise Unavailable("the engine process is not connected")
+        self._ids += 1
+        future: asyncio.Future[tuple[dict[str, Any], bytes]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._waiting[self._ids] = future
+        send(self._writer, {**header, "id": self._ids}, payload)
+        return self._ids, future
+
+    async def _call(
+        self, header: dict[str, Any], payload: bytes = b""
+    ) -> tuple[dict[str, Any], bytes]:
+        _, future = self._request(header, payload)
+        reply, data = await future
+        if "error" in reply:
+            raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
+        return reply, data
+
+    async def _value(self, op: str, **fields: Any) -> Any:
+        reply, _ = await self._call({"op": op, **fields})
+        return reply["value"]
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
+
+    def drain_time_left(self) -> float:
+        return max(0.0, self._drain_deadline - time.monotonic())
+
+    async def drain(self) -> None:
+        """Refuse new requests; wait for this front end's in-flight ones (the engine answers
+        or fails them within its own drain timeout)."""
+        self.begin_drain()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_time_left() + 1.0):
+                await self._idle.wait()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._writer is not None:
+            self._writer.close()
+        self.arena.close()
+
+    # -- state
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._state.get("alive"))
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self._state.get("ready")) and not self.draining
+
+    @property
+    def max_images(self) -> int:
+        return self.settings.limits.max_images_per_request
+
+    async def check(self, name: str, version: str | None = None) -> None:
+        """Nothing up front: the engine answers 404 or 503 once the body is read (a round
+        trip per request would cost more than reading a refused body)."""
+
+    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
+        value: dict[str, object] = await self._value("metadata", name=name, version=version)
+        return value
+
+    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
+        value: dict[str, object] = await self._value("version_ready", name=name, version=version)
+        return value
+
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        value: dict[str, Any] = await self._value("model_config", name=name, version=version)
+        return value
+
+    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
+        value: list[object] = await self._value("statistics", name=name, version=version)
+        return value
+
+    async def repository_index(self) -> list[dict[str, str]]:
+        value: list[dict[str, str]] = await self._value("repository_index")
+        return value
+
+    async def metrics_text(self) -> bytes:
+        _, text = await self._call({"op": "metrics"})
+        return text
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        await self._call(
+            {"op": "shm_register", "name": name, "key": key, "offset": offset, "size": byte_size}
+        )
+
+    async def shm_unregister(self, name: str | None = None) -> None:
+        await self._call({"op": "shm_unregister", "name": name})
+
+    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
+        value: list[dict[str, object]] = await self._value("shm_status", name=name)
+        return value
+
+    # -- inference
+
+    @contextlib.asynccontextmanager
+    async def body_buffer(self, declared: int | None) -> AsyncIterator[Slot | None]:
+        slot = self.arena.lend(declared) if declared is not None else None
+        try:
+            yield slot
+        finally:
+            if slot is not None and not slot.engine_holds:
+                self.arena.give_back(slot)
+
+    async def _tracked(
+        self, header: dict[str, Any], payload: bytes, slot: Slot | None
+    ) -> tuple[dict[str, Any], bytes]:
+        """One request to the engine, counted for the drain; if the caller goes away, the
+        engine is told to drop it, and the slot stays lent until the engine's last word."""
+        if self.draining:
+            raise Unavailable("server is shutting down; retry on another replica")
+        self._active += 1
+        self._idle.clear()
+        number, future = self._request(header, payload)
+        try:
+            reply, data = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            assert self._writer is not None
+            send(self._writer, {"op": "cancel", "of": number})
+            if slot is not None:
+                slot.engine_holds = True
+                future.add_done_callback(lambda _: self.arena.give_back(slot))
+            raise
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+        if "error" in reply:
+            raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
+        return reply, data
+
+    async def infer(
+        self,
+        name: str,
+        version: str | None,
+        body: bytes | bytearray | memoryview,
+        header_length: int | None,
+        slot: Slot | None = None,
+    ) -> Answer:
+        header: dict[str, Any] = {
+            "op": "infer",
+            "name": name,
+            "version": version,
+            "header_length": header_length,
+        }
+        payload = b""
+        if slot is not None and isinstance(body, memoryview):
+            header |= {"slot": slot.index, "length": len(body)}
+        else:
+            payload = bytes(body)
+        reply, data = await self._tracked(header, payload, slot)
+        if "slot_length" in reply:
+            assert slot is not None
+            data = bytes(slot.view[: reply["slot_length"]])
+        return Answer(reply["model"], reply["version"], None, [], reply["headers"], data)
+
+    async def classify_images(
+        self, name: str | None, version: str | None, uploads: Sequence[bytes], k: int | None
+    ) -> tuple[str, str, list[Any]]:
+        sizes = [len(u) for u in uploads]
+        header: dict[str, Any] = {
+            "op": "classify",
+            "name": name,
+            "version": version,
+            "k": k,
+            "sizes": sizes,
+        }
+        total = sum(sizes)
+        slot = self.arena.lend(total) if uploads else None
+        payload = b""
+        try:
+            if slot is not None:
+                at = 0
+                for data in uploads:
+                    slot.view[at : at + len(data)] = data
+                    at += len(data)
+                header["slot"] = slot.index
+            else:
+                payload = b"".join(uploads)
+            reply, _ = await self._tracked(header, payload, slot)
+        finally:
+            if slot is not None and not slot.engine_holds:
+                self.arena.give_back(slot)
+        return reply["model"], reply["version"], reply["predictions"]

@@ -1,0 +1,221 @@
+"""How ``stoker serve`` runs: one process, or front ends in front of an engine process.
+
+With ``server.front_ends`` = 1 the one process serves HTTP and runs the models (``run_server``
+with a ``DataPlane``). With N > 1, this process becomes a supervisor: it binds the port once,
+spawns the engine process (``app.engine_process``) and N front-end processes that accept on
+that one socket (``app.frontend``), restarts a front end that dies, and stops everything
+(exit 1) if the engine dies, which the orchestrator then restarts. SIGTERM drains every
+process: the front ends stop taking requests and wait for theirs, the engine answers what it
+accepted within ``server.drain_timeout_s``, and the supervisor exits 0 once all have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from types import FrameType
+
+from fastapi import FastAPI
+
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+# A front end that dies this soon after its start is failing to start, not crashing: the
+# supervisor backs off instead of spinning.
+RESTART_BACKOFF_S = 1.0
+
+
+def run_server(
+    settings: Settings,
+    make_app: Callable[[Callable[[], None]], FastAPI],
+    sockets: list[socket.socket] | None = None,
+) -> int:
+    """uvicorn with a drain before its own shutdown, serving ``make_app(on_fatal)``.
+
+    On the first SIGTERM (or SIGINT) the plane starts draining at once: readiness answers 503
+    and new inference requests get 503, on new and on kept-alive connections alike, because
+    the listener stays open; accepted requests run to their answer until
+    ``server.drain_timeout_s``. Only then does uvicorn close the listener and the connections
+    and run the lifespan shutdown. A second signal skips the rest of the drain.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        drain: asyncio.Task[None] | None = None
+        drain_requested = False
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            plane = getattr(app.state, "plane", None)
+            if self.drain_requested or plane is None or self.should_exit:
+                super().handle_exit(sig, frame)
+                return
+            # A signal handler: only plain attributes here; the waiting starts on the loop.
+            self.drain_requested = True
+            plane.begin_drain()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_requested and self.drain is None:
+                self.drain = asyncio.create_task(app.state.plane.drain(), name="drain")
+            if self.drain is not None and self.drain.done():
+                # uvicorn's own wait for open connections gets what is left of the timeout.
+                left = app.state.plane.drain_time_left()
+                self.config.timeout_graceful_shutdown = max(1, math.ceil(left))
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises SIGTERM after a graceful shutdown, so the process would end
+            # "killed by signal"; for an orchestrator a drained shutdown is a success: exit 0.
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    server: Server | None = None
+    failed = False
+
+    def stop_on_fatal() -> None:
+        nonlocal failed
+        failed = True
+        if server is not None:
+            server.should_exit = True
+
+    app = make_app(stop_on_fatal)
+    config = uvicorn.Config(
+        app,
+        host=settings.server.host,
+        port=settings.server.port,
+        log_level=settings.server.log_level,
+        access_log=False,
+        timeout_keep_alive=settings.server.keep_alive_s,
+        timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
+        limit_concurrency=None,
+    )
+    server = Server(config)
+    server.run(sockets=sockets)
+    return 1 if failed else 0
+
+
+def front_end_main(settings: Settings, control: str, listener: socket.socket, number: int) -> None:
+    """A front-end process: the routes over a ``RemotePlane``, on the shared listener."""
+    from app.frontend import RemotePlane
+    from app.server import create_app
+
+    logging.basicConfig(
+        level=settings.server.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s front-end-{number} %(name)s: %(message)s",
+    )
+
+    def make_app(on_fatal: Callable[[], None]) -> FastAPI:
+        return create_app(
+            settings, on_fatal=on_fatal, make_plane=lambda: RemotePlane(settings, Path(control))
+        )
+
+    raise SystemExit(run_server(settings, make_app, sockets=[listener]))
+
+
+def bind(settings: Settings) -> socket.socket:
+    """The one listening socket every front end accepts on."""
+    family = socket.AF_INET6 if ":" in settings.server.host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((settings.server.host, settings.server.port))
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
+def serve_processes(settings: Settings) -> int:
+    """Supervise the engine process and ``server.front_ends`` front ends on one port."""
+    from app import engine_process
+
+    context = multiprocessing.get_context("spawn")
+    listener = bind(settings)
+    host, port = listener.getsockname()[:2]
+    scratch = tempfile.TemporaryDirectory(prefix="stoker-")
+    control = str(Path(scratch.name) / "engine.sock")
+    stopping = False
+
+    def on_signal(sig: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    engine = context.Process(
+        target=engine_process.main, args=(settings, control), name="stoker-engine"
+    )
+    engine.start()
+
+    def start_front_end(number: int) -> BaseProcess:
+        process = context.Process(
+            target=front_end_main,
+            args=(settings, control, listener, number),
+            name=f"stoker-front-end-{number}",
+        )
+        process.start()
+        log.info("front end %d started (pid %s)", number, process.pid)
+        return process
+
+    count = settings.server.front_ends
+    fronts = {n: start_front_end(n) for n in range(count)}
+    started = {n: time.monotonic() for n in fronts}
+    log.info(
+        "serving on http://%s:%d with %d front-end processes and an engine process (pid %s)",
+        host,
+        port,
+        count,
+        engine.pid,
+    )
+    code = 0
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            if not engine.is_alive():
+                log.error("the engine process ended (exit code %s): stopping", engine.exitcode)
+                code = 1
+                break
+            for number, process in list(fronts.items()):
+                if process.is_alive():
+                    continue
+                if time.monotonic() - started[number] < RESTART_BACKOFF_S:
+                    continue
+                log.warning(
+                    "front end %d ended (exit code %s): restarting it", number, process.exitcode
+                )
+                fronts[number] = start_front_end(number)
+                started[number] = time.monotonic()
+    finally:
+        for process in (*fronts.values(), engine):
+            if process.is_alive() and process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+        limit = settings.server.drain_timeout_s + 15.0
+        deadline = time.monotonic() + limit
+        for process in (*fronts.values(), engine):
+            process.join(max(0.1, deadline - time.monotonic()))
+            if process.is_alive():
+                log.error("%s did not stop within %.0f s: killing it", process.name, limit)
+                process.kill()
+                process.join(5)
+        if engine.exitcode not in (0, None) and code == 0:
+            code = 1
+        listener.close()
+        scratch.cleanup()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return code

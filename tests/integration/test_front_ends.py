@@ -1,0 +1,246 @@
+"""Front-end processes in front of one engine process (``server.front_ends`` > 1), for real:
+``stoker serve --front-ends 2`` on a free port, its bodies in shared memory.
+
+Answers are checked against numpy and ONNX Runtime under concurrency well above the
+shared-memory slots (so bodies travel in slots and, when every slot is lent or a body is too
+big for one, over the control socket), metrics keep one set of totals whichever front end
+answers, a killed front end is replaced while the other keeps serving, SIGTERM drains every
+process with no accepted request lost, and the supervisor stops when the engine dies.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as triton
+
+from engines.backends.onnxruntime import cpu_session
+from engines.preprocess import ImagePreprocess, preprocess
+from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
+from tests.integration.conftest import Server, metric_samples, start_server, stop_server
+
+ONES = [1.0] * 4
+SLOT_BYTES = 256 * 1024  # one UINT8 224x224 image fits a slot; one FP32 image does not
+ESPRESSO = 967
+
+
+def front_end_env(**extra: str) -> dict[str, str]:
+    return {
+        "STOKER_SERVER__FRONT_ENDS": "2",
+        "STOKER_SERVER__SHM_SLOTS": "2",
+        "STOKER_SERVER__SHM_SLOT_BYTES": str(SLOT_BYTES),
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def front_ends(
+    tmp_path_factory: pytest.TempPathFactory, efficientnet_dir: Path
+) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("front-ends") / "repository"
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    (repo / "tiny").mkdir()
+    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
+    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    server = start_server(repo, repo.parent / "server.log", front_end_env())
+    yield server
+    code = stop_server(server)
+    assert code == 0, f"exit {code}:\n{server.log.read_text()[-3000:]}"
+
+
+def tiny_infer(client: triton.InferenceServerClient, x: np.ndarray, binary: bool) -> np.ndarray:
+    tensor = triton.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    outputs = [triton.InferRequestedOutput("y", binary_data=binary)]
+    result = client.infer("tiny", [tensor], outputs=outputs)
+    answer: np.ndarray = result.as_numpy("y")
+    return answer
+
+
+def test_concurrent_requests_each_get_their_own_answer(front_ends: Server) -> None:
+    """Far more concurrent requests than slots: a mixed-up slot would answer another
+    request's numbers."""
+    rng = np.random.default_rng(5)
+    inputs = [
+        rng.standard_normal((int(rng.integers(1, 16)), 4)).astype(np.float32) for _ in range(96)
+    ]
+
+    def one(i: int) -> np.ndarray:
+        client = triton.InferenceServerClient(front_ends.address)
+        try:
+            return tiny_infer(client, inputs[i], binary=i % 2 == 0)
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(len(inputs))))
+    for x, y in zip(inputs, answers, strict=True):
+        np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+
+
+def test_bodies_in_a_slot_and_over_the_socket_answer_alike(
+    front_ends: Server, efficientnet_dir: Path, coffee_jpeg: bytes
+) -> None:
+    """A UINT8 image (150 KB, in a slot) and the same image in FP32 (602 KB, too big for a
+    slot: over the control socket) give what ONNX Runtime gives."""
+    from app.images import decode
+
+    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
+    floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
+    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
+    (want,) = session.run(None, {"input": floats})
+    client = triton.InferenceServerClient(front_ends.address)
+    try:
+        got = {}
+        for name, value, datatype in (("uint8", pixels, "UINT8"), ("fp32", floats, "FP32")):
+            tensor = triton.InferInput("input", list(value.shape), datatype)
+            tensor.set_data_from_numpy(value, binary_data=True)
+            result = client.infer("efficientnet_lite0", [tensor])
+            got[name] = result.as_numpy("logits")
+    finally:
+        client.close()
+    for name in got:
+        np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3, err_msg=name)
+        assert int(np.argmax(got[name])) == ESPRESSO
+
+
+def test_uploads_errors_and_metadata_come_from_the_engine(
+    front_ends: Server, coffee_jpeg: bytes
+) -> None:
+    upload = httpx.post(
+        f"{front_ends.url}/infer", files={"image": ("coffee.jpg", coffee_jpeg, "image/jpeg")}
+    )
+    assert upload.status_code == 200, upload.text
+    assert upload.json()["predictions"][0][0]["label"] == "espresso"
+    unknown = httpx.post(f"{front_ends.url}/v2/models/nope/infer", json={"inputs": []})
+    assert unknown.status_code == 404 and unknown.json() == {"error": "unknown model 'nope'"}
+    bad = httpx.post(
+        f"{front_ends.url}/v2/models/tiny/infer",
+        json={"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 5], "data": [0] * 5}]},
+    )
+    assert bad.status_code == 400 and "does not match" in bad.json()["error"]
+    metadata = httpx.get(f"{front_ends.url}/v2/models/tiny").json()
+    assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+    assert httpx.get(f"{front_ends.url}/v2/models/tiny/ready").json()["ready"] is True
+    assert httpx.get(f"{front_ends.url}/v2/health/live").status_code == 200
+
+
+def test_metrics_keep_one_set_of_totals_across_front_ends(front_ends: Server) -> None:
+    key = ("stoker_inference_request_success_total", (("model", "tiny"), ("version", "fp32")))
+    before = metric_samples(front_ends).get(key, 0.0)
+    client = triton.InferenceServerClient(front_ends.address)
+    try:
+        for _ in range(40):  # new connections land on either front end
+            tiny_infer(client, np.ones((1, 4), np.float32), binary=True)
+    finally:
+        client.close()
+    # Scraped through several connections, hence several front ends: the same totals.
+    seen = {metric_samples(front_ends)[key] - before for _ in range(6)}
+    assert seen == {40.0}
+
+
+def front_end_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"front end \d+ started \(pid (\d+)\)", log.read_text())]
+
+
+def test_a_killed_front_end_is_replaced_and_the_other_keeps_serving(front_ends: Server) -> None:
+    pids = front_end_pids(front_ends.log)
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    ok = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(front_end_pids(front_ends.log)) < 3:
+        try:  # a fresh connection each time: the survivor or the replacement answers
+            response = httpx.post(
+                f"{front_ends.url}/v2/models/tiny/infer",
+                json={
+                    "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]
+                },
+            )
+            ok += response.status_code == 200
+        except httpx.TransportError:
+            pass  # a connection the killed process had accepted
+        time.sleep(0.05)
+    assert len(front_end_pids(front_ends.log)) == 3, front_ends.log.read_text()[-2000:]
+    assert ok > 0
+    assert "front end 0 ended (exit code -9): restarting it" in front_ends.log.read_text()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{front_ends.url}/v2/health/ready").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
+SLOW_CONFIG = """\
+max_batch_size: 64
+runners: 1
+dynamic_batching:
+  max_queue_delay_us: 0
+  default_timeout_us: 60000000
+"""
+
+
+def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
+    model = tmp_path / "repository" / "slow"
+    model.mkdir(parents=True)
+    onnx.save(slow_onnx(512, 16), str(model / "model.onnx"))
+    (model / "config.yaml").write_text(SLOW_CONFIG)
+    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    url = f"{server.url}/v2/models/slow/infer"
+
+    def body(value: float, m: int) -> dict[str, object]:
+        return {
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, m, 1], "data": [value] * m}]
+        }
+
+    try:
+        started = time.perf_counter()
+        httpx.post(url, json=body(1.0, 2048), timeout=60).raise_for_status()
+        blocker = max(2048, int(2048 * 3.0 / (time.perf_counter() - started)))
+
+        def send(i: int) -> httpx.Response:
+            m = blocker if i == 0 else 1
+            return httpx.post(url, json=body(float(i), m), timeout=60)
+
+        with ThreadPoolExecutor(41) as pool:
+            futures = [pool.submit(send, 0)]
+            time.sleep(0.3)  # the blocker holds the only runner
+            futures += [pool.submit(send, i) for i in range(1, 41)]
+            time.sleep(0.5)  # the small ones are accepted and queued
+            server.process.send_signal(signal.SIGTERM)
+            responses = [f.result() for f in futures]
+        assert [r.status_code for r in responses] == [200] * 41
+        for i, response in enumerate(responses[1:], start=1):
+            assert response.json()["outputs"][0]["data"][0] == pytest.approx(i * 512)
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()
+
+
+def test_the_supervisor_stops_when_the_engine_dies(tmp_path: Path) -> None:
+    model = tmp_path / "repository" / "tiny"
+    model.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(model / "model.onnx"))
+    (model / "config.yaml").write_text(TINY_CONFIG)
+    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    try:
+        engine = int(re.findall(r"engine process \(pid (\d+)\)", server.log.read_text())[0])
+        os.kill(engine, signal.SIGKILL)
+        assert server.process.wait(timeout=60) == 1
+        assert "the engine process ended (exit code -9): stopping" in server.log.read_text()
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()

@@ -1,0 +1,124 @@
+"""Triton's system shared-memory extension, with tritonclient's own helpers
+(``tritonclient.utils.shared_memory``) against a real server: in one process and with front
+ends before an engine process. Inputs are read from, and outputs written to, regions the
+client created; no tensor byte travels in the HTTP body.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as triton
+import tritonclient.utils.shared_memory as shm
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
+from tests.integration.conftest import Server, start_server, stop_server
+
+ROWS = 5
+
+
+@pytest.fixture(scope="module", params=["one process", "front ends"])
+def server(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("shm") / "repository"
+    (repo / "tiny").mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
+    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    env = {"STOKER_SERVER__FRONT_ENDS": "2"} if request.param == "front ends" else {}
+    running = start_server(repo, repo.parent / "server.log", env)
+    yield running
+    assert stop_server(running) == 0, running.log.read_text()[-3000:]
+
+
+@pytest.fixture
+def regions(request: pytest.FixtureRequest) -> Iterator[dict[str, object]]:
+    """Client-side regions: inputs at an offset, outputs in their own region."""
+    tag = request.node.name.replace("[", "_").replace("]", "").replace(" ", "_")
+    made = {
+        "in": shm.create_shared_memory_region(f"in-{tag}", f"/stoker_in_{tag}", 4096),
+        "out": shm.create_shared_memory_region(f"out-{tag}", f"/stoker_out_{tag}", 4096),
+    }
+    yield {"tag": tag, **made}
+    for handle in made.values():
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_inputs_and_outputs_travel_in_shared_memory(
+    server: Server, regions: dict[str, object]
+) -> None:
+    tag = regions["tag"]
+    x = np.random.default_rng(3).standard_normal((ROWS, 4)).astype(np.float32)
+    shm.set_shared_memory_region(regions["in"], [x], offset=256)
+    client = triton.InferenceServerClient(server.address)
+    try:
+        client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 4096)
+        client.register_system_shared_memory(f"out-{tag}", f"/stoker_out_{tag}", 4096)
+        status = {r["name"]: r for r in client.get_system_shared_memory_status()}
+        assert status[f"in-{tag}"]["byte_size"] == 4096
+        tensor = triton.InferInput("x", [ROWS, 4], "FP32")
+        tensor.set_shared_memory(f"in-{tag}", x.nbytes, offset=256)
+        y_out = triton.InferRequestedOutput("y")
+        y_out.set_shared_memory(f"out-{tag}", ROWS * 3 * 4)
+        s_out = triton.InferRequestedOutput("s", binary_data=False)  # in the body, as JSON
+        result = client.infer("tiny", [tensor], outputs=[y_out, s_out])
+        described = result.get_output("y")
+        assert described["parameters"]["shared_memory_region"] == f"out-{tag}"
+        assert "data" not in described  # the bytes are in the region, not the body
+        y = shm.get_contents_as_numpy(regions["out"], np.float32, [ROWS, 3])
+        np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.as_numpy("s"), x.sum(axis=1, keepdims=True), rtol=1e-5)
+        client.unregister_system_shared_memory(f"in-{tag}")
+        names = [r["name"] for r in client.get_system_shared_memory_status()]
+        assert f"in-{tag}" not in names and f"out-{tag}" in names
+        with pytest.raises(InferenceServerException, match="no shared memory region"):
+            client.infer("tiny", [tensor])
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def test_bad_registrations_and_requests_are_refused_with_the_reason(
+    server: Server, regions: dict[str, object]
+) -> None:
+    tag = regions["tag"]
+    client = triton.InferenceServerClient(server.address)
+    try:
+        with pytest.raises(InferenceServerException, match="cannot open shared memory key"):
+            client.register_system_shared_memory("gone", "/stoker_no_such_key", 64)
+        with pytest.raises(InferenceServerException, match="one name of letters"):
+            client.register_system_shared_memory("escape", "/../../etc/passwd", 64)
+        with pytest.raises(InferenceServerException, match="runs past it"):
+            client.register_system_shared_memory("big", f"/stoker_in_{tag}", 8192)
+        client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 64)
+        with pytest.raises(InferenceServerException, match="already registered"):
+            client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 64)
+        tensor = triton.InferInput("x", [ROWS, 4], "FP32")
+        tensor.set_shared_memory(f"in-{tag}", ROWS * 16)  # 80 bytes of a 64-byte region
+        with pytest.raises(InferenceServerException, match="runs past shared memory region"):
+            client.infer("tiny", [tensor])
+        small = triton.InferInput("x", [1, 4], "FP32")
+        small.set_shared_memory(f"in-{tag}", 16)
+        tight = triton.InferRequestedOutput("y")
+        tight.set_shared_memory(f"in-{tag}", 4)  # y takes 12 bytes
+        with pytest.raises(InferenceServerException, match="takes 12 bytes"):
+            client.infer("tiny", [small], outputs=[tight])
+        # Nothing of that hurt the server: a plain request still answers.
+        plain = triton.InferInput("x", [1, 4], "FP32")
+        plain.set_data_from_numpy(np.ones((1, 4), np.float32))
+        assert client.infer("tiny", [plain]).as_numpy("y").shape == (1, 3)
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def test_the_extension_is_announced(server: Server) -> None:
+    client = triton.InferenceServerClient(server.address)
+    try:
+        assert "system_shared_memory" in client.get_server_metadata()["extensions"]
+    finally:
+        client.close()
