@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from multiprocessing import shared_memory
@@ -45,7 +46,21 @@ class RemoteError(StokerError):
 class Arena:
     """Shared memory this front end lends to requests, ``slots`` pieces of ``slot_bytes``."""
 
-    def __init__(self, slots: int, slot_bytes: int) -> None:
+    def __init__(self, slots: int, slot_bytes: int, share: int = 1) -> None:
+        # /dev/shm is a tmpfs with a size (64 MB in a default Docker container): writing past
+        # it kills the process with SIGBUS, so the arena takes at most half of what is free,
+        # split over the ``share`` front ends, and fewer slots when that is less.
+        fits = shm_bytes_free() // (2 * max(1, share) * slot_bytes)
+        if fits < slots:
+            log.warning(
+                "/dev/shm has room for %d of the %d shared-memory slots of %d bytes; bodies "
+                "that find no slot travel over the control socket (give the container a "
+                "larger /dev/shm: docker --shm-size, or a memory-backed emptyDir)",
+                fits,
+                slots,
+                slot_bytes,
+            )
+            slots = int(fits)
         self.slot_bytes = slot_bytes
         self.memory = shared_memory.SharedMemory(create=True, size=max(1, slots * slot_bytes))
         self._free = list(range(slots))
@@ -73,6 +88,15 @@ class Arena:
             self.memory.unlink()
 
 
+def shm_bytes_free(root: str = "/dev/shm") -> int:
+    """Bytes free in the shared-memory file system (a large number where it cannot be read)."""
+    try:
+        stats = os.statvfs(root)
+    except OSError:
+        return 1 << 40
+    return stats.f_bavail * stats.f_frsize
+
+
 class RemotePlane:
     """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
 
@@ -80,7 +104,7 @@ class RemotePlane:
         self.settings = settings
         self.control = control
         front = settings.server
-        self.arena = Arena(front.shm_slots, front.shm_slot_bytes)
+        self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends)
         self.failed: BaseException | None = None
         self.draining = False
         self._drain_deadline = 0.0

@@ -110,7 +110,8 @@ def create_app(repository: Path, name: str, backend: str | None = None) -> FastA
         return json_response({"ready": True})
 
     @app.get("/v2/models/{model_name}")
-    async def metadata(request: Request, model_name: str) -> Response:
+    @app.get("/v2/models/{model_name}/versions/{version}")
+    async def metadata(request: Request, model_name: str, version: str | None = None) -> Response:
         spec = served(request, model_name).spec
         return json_response(spec.metadata([], "naive"))
 

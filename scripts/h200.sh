@@ -12,7 +12,8 @@
 # SKIP_U8=1 leaves out the UINT8 and open-loop runs. Time limits in seconds: TESTS_LIMIT,
 # RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; the service runs: BACKEND (torch),
 # ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
-# JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32); SECONDS_PER_WINDOW for gpu_bench.py.
+# JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
+# process; N: N front ends before an engine process); SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -34,6 +35,7 @@ GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
     python3 -m pip list 2>/dev/null | grep -i -E \
         "^(torch|torchvision|cuda-bindings|cuda-python|nvidia-ml-py|onnx|onnxruntime|numpy|pytest) "
     nproc
+    df -h /dev/shm | tail -1
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -92,7 +94,8 @@ if has service; then
     port=8123
     url=http://127.0.0.1:$port
     STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 400 python3 -m app serve \
-        --repository "$repo" --model resnet50 --port $port >"$OUT/service_server.log" 2>&1 &
+        --repository "$repo" --model resnet50 --port $port --front-ends "${FRONT_ENDS:-1}" \
+        >"$OUT/service_server.log" 2>&1 &
     server=$!
     for _ in $(seq 1 "${READY_LIMIT:-150}"); do
         curl -sf "$url/v2/health/ready" >/dev/null && break
@@ -105,8 +108,9 @@ if has service; then
         --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480
     bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" --model resnet50 \
         --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}"
-    bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 --url "$url" --model resnet50 \
-        --repository "$repo" --payload jpeg --rows 16 --concurrency "${JPEG16_CONCURRENCY:-8,32}"
+    [ "${JPEG16_CONCURRENCY:-}" = none ] || bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 \
+        --url "$url" --model resnet50 --repository "$repo" --payload jpeg --rows 16 \
+        --concurrency "${JPEG16_CONCURRENCY:-8,32}"
     rate=$(python3 - "$OUT/service_u8_rows32.json" 2>/dev/null <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
