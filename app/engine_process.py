@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import signal
 from functools import partial
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from app.channel import ChannelClosed, receive, send
 from app.dataplane import DataPlane
 from app.errors import StokerError
 from app.settings import Settings
+from app.shared_memory import SHM_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -34,22 +35,33 @@ class Connection:
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.arena: shared_memory.SharedMemory | None = None
+        self.arena: mmap.mmap | None = None
         self.slot_bytes = 0
         self.tasks: dict[int, asyncio.Task[None]] = {}
 
+    def attach(self, name: str, slot_bytes: int) -> None:
+        """Map the front end's arena (``/dev/shm/<name>``) without owning it: the front end
+        created it and unlinks it (a ``SharedMemory`` here would hand it to this process's
+        resource tracker, which unlinks what it tracks at exit)."""
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"arena name {name!r} is not a /dev/shm name")
+        with open(SHM_ROOT / name, "r+b") as file:
+            self.arena = mmap.mmap(file.fileno(), 0)
+        self.slot_bytes = slot_bytes
+
     def slot(self, index: int, length: int) -> memoryview:
-        if self.arena is None or self.arena.buf is None:
+        if self.arena is None:
             raise ValueError("no arena: the front end did not say hello")
-        if not index >= 0 or (index + 1) * self.slot_bytes > self.arena.size:
+        if not index >= 0 or (index + 1) * self.slot_bytes > len(self.arena):
             raise ValueError(f"slot {index} is outside the arena")
         if not 0 <= length <= self.slot_bytes:
             raise ValueError(f"{length} bytes do not fit a slot")
         start = index * self.slot_bytes
-        return self.arena.buf[start : start + length]
+        return memoryview(self.arena)[start : start + length]
 
     def close(self) -> None:
         if self.arena is not None:
+            # A view still held (a request being torn down) keeps the mapping until it goes.
             with contextlib.suppress(BufferError):
                 self.arena.close()
             self.arena = None
@@ -145,8 +157,7 @@ class EngineServer:
             )
             return {"model": model, "version": answered, "predictions": predictions}, b""
         if op == "hello":
-            connection.arena = shared_memory.SharedMemory(name=header["arena"])
-            connection.slot_bytes = int(header["slot"])
+            connection.attach(str(header["arena"]), int(header["slot"]))
             return {"value": "hello"}, b""
         if op == "state":
             return {"alive": plane.alive, "ready": plane.is_ready}, b""
