@@ -59,7 +59,9 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
     model = models.source(entry)
     chosen = backends.resolve(backend or entry.config.backend)
     store = EngineStore(settings.store.path)
-    engine, policy = models.load_engine(model, "fp32", chosen, store, runners=1)
+    # The precision Stoker serves by default, so the two run the same engine.
+    precision = entry.config.default_precision
+    engine, policy = models.load_engine(model, precision, chosen, store, runners=1)
     labels = entry.labels()
     prep = entry.config.preprocess
     uploads = None
@@ -71,7 +73,7 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
             postprocess=entry.config.postprocess,
             labels=labels,
             limits=settings.limits,
-            metrics=ModelMetrics(f"naive-{entry.config.name}", "fp32"),
+            metrics=ModelMetrics(f"naive-{entry.config.name}", precision),
             normalised_by_engine=policy.on_device,
         )
         uploads = ImageClassifier(context)
