@@ -7,7 +7,6 @@ name (``UnsupportedModel``). Pure torch: it runs, and is tested, on the CPU.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,17 @@ _ARITHMETIC: dict[str, Callable[[Any, Any], Any]] = {
 }
 
 
+def _same(x: Any, *_: Any) -> Any:
+    """The first input itself: Identity, or an op whose attributes leave it nothing to do."""
+    return x
+
+
+# Ops whose result may share memory with their first input: ``reshape`` and ``permute``
+# return views, and ``.to`` returns the tensor itself when it has the target dtype already
+# (not known here: ``.to(dtype)`` may cast the module after conversion).
+_VIEWS = frozenset({"Flatten", "Reshape", "Transpose", "Cast"})
+
+
 def _add_into_first(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``x + y`` written over ``x`` when the result has ``x``'s shape and dtype."""
     if x.dtype == y.dtype and x.shape == torch.broadcast_shapes(x.shape, y.shape):  # type: ignore[no-untyped-call]
@@ -68,6 +78,51 @@ class _Step:
     outputs: tuple[str, ...]
 
 
+class _Memory:
+    """Which values share one tensor's memory, to tell when a step may overwrite its input.
+
+    An elementwise op may write its result over its first input, as torchvision's
+    ReLU(inplace=True) and ``out += identity`` do, instead of writing a fresh activation to
+    memory. That is sound only for memory that a step of this module allocated (never the
+    caller's input, nor a weight or a constant) and that nothing reads afterwards under any
+    name: a view, a pass-through and an in-place result share their source's memory, so the
+    reads are those of every name of that memory.
+    """
+
+    def __init__(self, nodes: Sequence[onnx.NodeProto], outputs: Sequence[str]) -> None:
+        self._last_read: dict[str, int] = {}
+        for index, node in enumerate(nodes):
+            for name in node.input:
+                if name:
+                    self._last_read[name] = index
+        for name in outputs:
+            self._last_read[name] = len(nodes)  # the caller reads it after the last step
+        # A step's output -> the output that allocated its memory (None: memory this module
+        # does not own, a view of an input or of a weight); that output -> its every name.
+        self._owner: dict[str, str | None] = {}
+        self._names: dict[str, list[str]] = {}
+
+    def writable(self, index: int, node: onnx.NodeProto) -> bool:
+        """Whether ``node``, the graph's ``index``-th, may overwrite its first input."""
+        owner = self._owner.get(node.input[0]) if node.input else None
+        if owner is None:
+            return False
+        if sum(self._owner.get(name) == owner for name in node.input) > 1:
+            return False  # the step reads that memory as another operand too
+        return all(self._last_read.get(name, -1) <= index for name in self._names[owner])
+
+    def record(self, node: onnx.NodeProto, shares_first: bool) -> None:
+        """The outputs of ``node``: the first one in its first input's memory if it
+        ``shares_first``, the others (and otherwise all) in memory of their own."""
+        for position, name in enumerate(node.output):
+            if not name:
+                continue
+            owner = self._owner.get(node.input[0]) if position == 0 and shares_first else name
+            self._owner[name] = owner
+            if owner is not None:
+                self._names.setdefault(owner, []).append(name)
+
+
 def _attrs(node: onnx.NodeProto) -> dict[str, Any]:
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
@@ -94,24 +149,20 @@ class OnnxModule(torch.nn.Module):
         initializers = {init.name for init in graph.initializer}
         self.input_names = [v.name for v in graph.input if v.name not in initializers]
         self.output_names = [v.name for v in graph.output]
-        # A value read by exactly one node, produced by a node (not an input or a constant)
-        # and not a graph output may be overwritten by that node: elementwise ops then run in
-        # place, as torchvision's ReLU(inplace=True) and ``out += identity`` do, instead of
-        # writing a fresh activation to memory.
-        readers = Counter(n for node in graph.node for n in node.input if n)
-        readers.update(self.output_names)
-        produced = {out for node in graph.node for out in node.output}
+        memory = _Memory(graph.node, self.output_names)
         self._steps: list[_Step] = []
-        for node in graph.node:
+        for index, node in enumerate(graph.node):
             if node.op_type == "Constant":
                 value = onnx.helper.get_attribute_value(node.attribute[0])
                 if not isinstance(value, onnx.TensorProto):
                     raise UnsupportedModel(f"Constant {node.name!r}: only tensor values")
                 self._add_constant(node.output[0], numpy_helper.to_array(value))
                 continue
-            first = node.input[0] if node.input else ""
-            reusable = first in produced and first not in self._static and readers[first] == 1
-            fn = self._convert(node, opset, reusable)
+            writable = memory.writable(index, node)
+            fn = self._convert(node, opset, writable)
+            # A step given its input to overwrite returns that memory, or fresh memory when it
+            # has no use for it: either way nothing reads the old contents again.
+            memory.record(node, writable or node.op_type in _VIEWS or fn is _same)
             inputs = tuple(n for n in node.input if n)
             self._steps.append(_Step(node.op_type, node.name, fn, inputs, tuple(node.output)))
 
@@ -144,7 +195,7 @@ class OnnxModule(torch.nn.Module):
             else:
                 low, high = a.get("min"), a.get("max")
             if low is None and high is None:
-                return lambda x, *_: x
+                return _same
             if inplace:
                 return lambda x, *_: x.clamp_(low, high)
             return lambda x, *_: torch.clamp(x, low, high)
@@ -162,7 +213,7 @@ class OnnxModule(torch.nn.Module):
         if op == "HardSwish":
             return F.hardswish
         if op == "Identity":
-            return lambda x: x
+            return _same
         if op == "GlobalAveragePool":
             return lambda x: x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
         if op == "GlobalMaxPool":
@@ -175,7 +226,7 @@ class OnnxModule(torch.nn.Module):
             reduce = _REDUCTIONS[op]
             if not axes:
                 if a.get("noop_with_empty_axes", 0):
-                    return lambda x, *_: x
+                    return _same
                 return lambda x, *_: reduce(x, tuple(range(x.dim())), keep)
             dims = tuple(int(v) for v in axes)
             return lambda x, *_: reduce(x, dims, keep)
@@ -220,8 +271,13 @@ class OnnxModule(torch.nn.Module):
                 raise UnsupportedModel(f"Cast {name!r}: unsupported target type {a['to']}")
             return lambda x: x.to(dtype)
         if op == "Softmax":
-            axis = int(a.get("axis", -1 if opset >= 13 else 1))
-            return lambda x: torch.softmax(x, dim=axis)
+            if opset >= 13:
+                axis = int(a.get("axis", -1))
+                return lambda x: torch.softmax(x, dim=axis)
+            # Before opset 13 the input is seen as a matrix whose rows span every dimension
+            # from axis on, and each row is normalised.
+            start = int(a.get("axis", 1))
+            return lambda x: torch.softmax(x.flatten(start), dim=-1).reshape(x.shape)
         if op == "BatchNormalization":
             eps = float(a.get("epsilon", 1e-5))
             return lambda x, w, b, m, v: F.batch_norm(x, m, v, w, b, False, 0.0, eps)
@@ -229,6 +285,8 @@ class OnnxModule(torch.nn.Module):
             axis = int(a["axis"])
             return lambda *xs: torch.cat(xs, dim=axis)
         if op == "Transpose":
+            if "perm" not in a:
+                return lambda x: x.permute(tuple(reversed(range(x.dim()))))
             perm = tuple(int(p) for p in a["perm"])
             return lambda x: x.permute(perm)
         raise UnsupportedModel(
@@ -293,7 +351,18 @@ class OnnxModule(torch.nn.Module):
         include = bool(a.get("count_include_pad", 0))
         if symmetric:
             return lambda x: F.avg_pool2d(x, kernel, stride, begins, ceil, include)
-        return lambda x: F.avg_pool2d(F.pad(x, explicit), kernel, stride, 0, ceil, True)
+        if include:
+            return lambda x: F.avg_pool2d(F.pad(x, explicit), kernel, stride, 0, ceil, True)
+
+        # torch pads symmetrically only, so the zeros are explicit and counted: each window's
+        # mean over the padded input, divided by the share of it that is input (the same
+        # mean, over ones padded alike), is the mean over the input alone.
+        def average_without_padding(x: torch.Tensor) -> torch.Tensor:
+            ones = F.pad(x.new_ones((1, 1, *x.shape[2:])), explicit)
+            share = F.avg_pool2d(ones, kernel, stride, 0, ceil, True)
+            return F.avg_pool2d(F.pad(x, explicit), kernel, stride, 0, ceil, True) / share
+
+        return average_without_padding
 
     def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         values: dict[str, Any] = dict(zip(self.input_names, args, strict=True))
