@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import mmap
+import os
 import signal
 from functools import partial
 from pathlib import Path
@@ -234,4 +235,13 @@ def main(settings: Settings, control: str) -> None:
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
     )
-    raise SystemExit(asyncio.run(run(settings, Path(control))))
+    profile = os.environ.get("STOKER_ENGINE_PROFILE")
+    if not profile:
+        raise SystemExit(asyncio.run(run(settings, Path(control))))
+    # Where the engine's loop spends its time (a diagnostic: pstats file at exit).
+    import cProfile
+
+    profiler = cProfile.Profile()
+    code = profiler.runcall(asyncio.run, run(settings, Path(control)))
+    profiler.dump_stats(profile)
+    raise SystemExit(code)
