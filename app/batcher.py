@@ -117,6 +117,8 @@ class Batcher:
         self._preferred = frozenset(policy.preferred_batch_size)
         self._levels: list[deque[Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._queued = 0
+        self._queued_rows = 0
+        self._max_queued_rows = policy.max_queue_rows or 8 * self._max_rows
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -180,8 +182,14 @@ class Batcher:
             future=asyncio.get_running_loop().create_future(),
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         )
+        if self._queued_rows and self._queued_rows + rows > self._max_queued_rows:
+            raise QueueFull(
+                f"queue of model {self._metrics.model!r} is full ({self._queued_rows} rows "
+                f"waiting, at most {self._max_queued_rows}); retry later"
+            )
         self._levels[pending.level].append(pending)
         self._queued += 1
+        self._queued_rows += rows
         self._in_flight += 1
         self._idle.clear()
         self._arrived.set()
@@ -198,6 +206,7 @@ class Batcher:
             if not pending.dispatched:
                 self._levels[pending.level].remove(pending)
                 self._queued -= 1
+                self._queued_rows -= pending.rows
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -216,6 +225,7 @@ class Batcher:
                 self._levels[pending.level].remove(pending)
                 self._metrics.queued(now - pending.enqueued)
             self._queued -= len(batch.requests)
+            self._queued_rows -= batch.rows
             task = asyncio.create_task(self._execute(runner, batch))
             self._executions.add(task)
             task.add_done_callback(self._executions.discard)

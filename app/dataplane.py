@@ -89,6 +89,8 @@ class Plane(Protocol):
     def is_ready(self) -> bool: ...
     @property
     def max_images(self) -> int: ...
+    @property
+    def body_timeout_s(self) -> float: ...
     async def start(self) -> None: ...
     def begin_drain(self) -> None: ...
     def drain_time_left(self) -> float: ...
@@ -185,6 +187,11 @@ class DataPlane:
         """False once loading failed or a model stopped on an unrecoverable engine fault: the
         process cannot heal itself, so liveness fails and the orchestrator restarts it."""
         return self.failed is None and self.models.healthy
+
+    @property
+    def body_timeout_s(self) -> float:
+        """How long a request body may take to arrive whole."""
+        return self.settings.limits.body_timeout_s
 
     @property
     def max_images(self) -> int:

@@ -26,6 +26,11 @@ class NotFound(StokerError):
     reason = "not_found"
 
 
+class RequestTimeout(StokerError):
+    status = 408
+    reason = "timeout"
+
+
 class PayloadTooLarge(StokerError):
     status = 413
     reason = "too_large"

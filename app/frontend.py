@@ -221,6 +221,10 @@ class RemotePlane:
         return bool(self._state.get("ready")) and not self.draining
 
     @property
+    def body_timeout_s(self) -> float:
+        return self.settings.limits.body_timeout_s
+
+    @property
     def max_images(self) -> int:
         return self.settings.limits.max_images_per_request
 

@@ -28,6 +28,7 @@ from types import FrameType
 
 from fastapi import FastAPI
 
+from app.http_limits import guarded
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ def run_server(
         timeout_keep_alive=settings.server.keep_alive_s,
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
         limit_concurrency=None,
+        http=guarded(settings.limits),
     )
     server = Server(config)
     server.run(sockets=sockets)

@@ -35,6 +35,10 @@ class DynamicBatching(BaseModel):
     Higher means bigger batches and more throughput, at the price of latency at low load."""
     max_queue_size: int = Field(default=1024, gt=0)
     """Requests waiting beyond this are refused with 429 instead of queueing without bound."""
+    max_queue_rows: int = Field(default=0, ge=0)
+    """Rows waiting beyond this are refused with 429: what bounds the wait, since a request
+    of 32 rows costs 32 of 1. 0: eight full batches (8 x max_batch_size), so a request that
+    gets in waits about eight batch times at most and one that does not hears so at once."""
     default_timeout_us: int = Field(default=30_000_000, ge=0)
     """Deadline of a request that does not set ``timeout``; 0 means no deadline."""
     priority_levels: int = Field(default=1, ge=1)

@@ -103,6 +103,21 @@ class LimitSettings(BaseModel):
     """Most images in one ``/infer`` upload; each costs a decode on the CPU."""
     default_top_k: int = Field(default=5, gt=0)
     """Labels returned by ``/infer`` when the request does not say ``k``."""
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024)
+    """Most bytes of a request's URL and headers together; more is answered 431 as they
+    arrive. Browsers and gRPC-web clients stay under 16 KiB; nginx allows 32 KiB."""
+    max_headers: int = Field(default=100, gt=0)
+    """Most header fields in one request; more is answered 431."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A new connection must send its first request, and a request its headers, within this
+    (408 or a close): slow-loris clients and silent connections cost a socket this long."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """A V2 body must arrive whole within this, else 408: a client that declares 64 MiB and
+    trickles it holds its memory this long at most. 60 s admits 64 MiB at 1.1 MB/s."""
+    max_connections: int = Field(default=1000, gt=0)
+    """Open connections per process (per front end with several). Beyond it, requests get
+    503 and the connection closes, except ``/v2/health/*``, so probes still answer. Keep it
+    under the open-file limit (``ulimit -n``)."""
     max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole

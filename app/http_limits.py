@@ -1,0 +1,142 @@
+"""What a connection may cost before the application sees a request: uvicorn's HTTP protocol
+with limits on headers, time and connections (``limits`` in the settings).
+
+uvicorn's httptools protocol reads headers without bound and keeps a connection that never
+sends a request open forever. This subclass answers, like nginx and Envoy:
+
+- **431** when a request's URL and headers exceed ``max_header_bytes`` or ``max_headers``
+  (counted as they arrive, so a 159 MiB header is refused at 64 KiB, not buffered);
+- **408** (or a plain close when nothing was sent) when a connection has not sent a
+  request's headers within ``header_timeout_s``: a new connection from its start, a request
+  from its first byte (slow-loris);
+- **503** once this process holds ``max_connections`` connections, for every route but
+  ``/v2/health/*``, so probes keep answering while the server is full.
+
+Idle kept-alive connections close after ``server.keep_alive_s`` (uvicorn's own timer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from app.settings import LimitSettings
+
+_REASONS = {
+    408: b"Request Timeout",
+    431: b"Request Header Fields Too Large",
+    503: b"Service Unavailable",
+}
+HEALTH_PREFIX = b"/v2/health/"
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    limits: LimitSettings = LimitSettings()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._header_bytes = 0
+        self._header_count = 0
+        self._refused = False
+        self._over_capacity = False
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._headers_done = True
+
+    # -- the header timer
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(self.limits.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _too_slow(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._headers_done:  # a new connection that never sent a byte
+            self.transport.close()
+        else:
+            self._refuse(
+                408, f"request headers not received within {self.limits.header_timeout_s:g} s"
+            )
+
+    def _refuse(self, status: int, message: str) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        self._refused = True
+        self._disarm()
+        body = orjson.dumps({"error": message})
+        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
+        head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
+        self.transport.write(head + b"connection: close\r\n\r\n" + body)
+        self.transport.close()
+
+    # -- protocol callbacks
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._over_capacity = len(self.connections) > self.limits.max_connections
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        # httptools hands a header over only once it is complete, so what a request's head
+        # costs is counted here, as bytes arrive, while its headers are incomplete.
+        if not self._headers_done and not self._refused:
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                limit = self.limits.max_header_bytes
+                self._refuse(431, f"the request line and headers exceed {limit} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._header_bytes = 0
+        self._header_count = 0
+        self._headers_done = False
+        self._arm()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._refuse(431, f"more than {self.limits.max_headers} request headers")
+            return
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+        self._disarm()
+        if self._refused:
+            return
+        if self._over_capacity and not self.url.startswith(HEALTH_PREFIX):
+            self._refuse(
+                503,
+                f"this server holds {self.limits.max_connections} connections; retry later",
+            )
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self._refused:
+            super().on_message_complete()
+
+
+def guarded(limits: LimitSettings) -> type[GuardedHttpTools]:
+    """The protocol class for uvicorn's ``http=``, with these limits."""
+    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits})

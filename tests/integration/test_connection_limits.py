@@ -1,0 +1,161 @@
+"""What a connection may cost, against a real server over raw sockets: oversized and too many
+headers get 431 as they arrive, silent and slow-loris connections are closed, a trickled body
+gets 408, a full server refuses with 503 but keeps answering health probes, and a queue
+bounded by rows refuses a flood of big requests at once."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import onnx
+import pytest
+
+from tests.conftest import TINY_CONFIG, slow_onnx, tiny_onnx
+from tests.integration.conftest import Server, start_server, stop_server
+
+MAX_CONNECTIONS = 12
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    repo = tmp_path_factory.mktemp("limits") / "repository"
+    (repo / "tiny").mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
+    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    env = {
+        "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
+        "STOKER_LIMITS__BODY_TIMEOUT_S": "1.5",
+        "STOKER_LIMITS__MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+    }
+    running = start_server(repo, repo.parent / "server.log", env)
+    yield running
+    assert stop_server(running) == 0, running.log.read_text()[-3000:]
+
+
+def connect(server: Server) -> socket.socket:
+    host, port = server.address.split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    return sock
+
+
+def response_of(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (or 10 s pass)."""
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return b"".join(chunks)
+
+
+def live(server: Server) -> float:
+    started = time.perf_counter()
+    assert httpx.get(f"{server.url}/v2/health/live", timeout=5).status_code == 200
+    return time.perf_counter() - started
+
+
+def test_a_huge_header_is_refused_as_it_arrives(server: Server) -> None:
+    sock = connect(server)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent = 0
+    try:
+        while sent < 8 * 1024 * 1024:  # stops when the server has answered and closed
+            sock.sendall(b"a" * 65536)
+            sent += 65536
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    answer = response_of(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+    assert b'"error":"the request line and headers exceed 65536 bytes"' in answer
+    assert sent < 8 * 1024 * 1024  # refused long before all of it
+    assert live(server) < 1.0
+
+
+def test_too_many_headers_are_refused(server: Server) -> None:
+    sock = connect(server)
+    fields = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+    answer = response_of(sock)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"more than 100 request headers" in answer
+
+
+def test_silent_and_slow_loris_connections_are_closed(server: Server) -> None:
+    silent, slow = connect(server), connect(server)
+    slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+    started = time.monotonic()
+    assert response_of(silent) == b""  # closed, nothing said
+    slow_answer = response_of(slow)
+    elapsed = time.monotonic() - started
+    assert slow_answer.startswith(b"HTTP/1.1 408 ") and b"within 1.5 s" in slow_answer
+    assert 1.0 < elapsed < 8.0
+
+
+def test_a_trickled_body_gets_408(server: Server) -> None:
+    sock = connect(server)
+    sock.sendall(
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"inputs":'
+    )
+    answer = response_of(sock)
+    assert b" 408 " in answer.split(b"\r\n")[0], answer[:300]
+    assert b"of 1000 body bytes arrived in 1.5 s" in answer
+
+
+def test_a_full_server_refuses_requests_but_answers_probes(server: Server) -> None:
+    held = []
+    try:
+        # Each sends a request head and holds it open without a body: a connection in use.
+        for _ in range(MAX_CONNECTIONS + 2):
+            sock = connect(server)
+            sock.sendall(
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n"
+            )
+            held.append(sock)
+        time.sleep(0.2)
+        refused = httpx.get(f"{server.url}/v2/models/tiny", timeout=5)
+        assert refused.status_code == 503 and "connections" in refused.json()["error"]
+        assert live(server) < 1.0
+        assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert httpx.get(f"{server.url}/v2/models/tiny", timeout=5).status_code == 200
+
+
+QUEUE_CONFIG = """\
+max_batch_size: 32
+runners: 1
+dynamic_batching:
+  max_queue_delay_us: 0
+  max_queue_rows: 64
+"""
+
+
+def test_the_queue_is_bounded_by_rows(tmp_path: Path) -> None:
+    model = tmp_path / "repository" / "slow"
+    model.mkdir(parents=True)
+    onnx.save(slow_onnx(256, 8), str(model / "model.onnx"))
+    (model / "config.yaml").write_text(QUEUE_CONFIG)
+    running = start_server(tmp_path / "repository", tmp_path / "server.log")
+    url = f"{running.url}/v2/models/slow/infer"
+    m = 512
+    body = {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [32, m, 1], "data": [1.0] * (32 * m)}]
+    }
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60), range(16)))
+        codes = [a.status_code for a in answers]
+        # One batch runs, two more fit the 64 waiting rows; the rest hear so at once.
+        assert set(codes) <= {200, 429} and codes.count(200) >= 3 and codes.count(429) >= 1
+        refusal = next(a for a in answers if a.status_code == 429)
+        assert "rows waiting, at most 64" in refusal.json()["error"]
+    finally:
+        assert stop_server(running) == 0
