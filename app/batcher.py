@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,6 +45,9 @@ class Pending:
     deadline: float | None = None
     """``time.monotonic()`` past which it is answered 504 and must not reach a runner."""
     dispatched: bool = False
+    client: str = ""
+    start: float = 0.0
+    """Its start tag in the fair order (start-time fair queuing by rows, per client)."""
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -118,6 +121,12 @@ class Batcher:
         self._levels: list[deque[Pending]] = [deque() for _ in range(policy.priority_levels)]
         self._queued = 0
         self._queued_rows = 0
+        # Fair order between clients: each request's start tag is where its client's previous
+        # one finishes (by rows) or the tag now being served, whichever is later; batches are
+        # formed in tag order within a priority level. One client queues in arrival order.
+        self._finish: dict[str, float] = {}
+        self._waiting: dict[str, int] = {}
+        self._virtual = 0.0
         self._max_queued_rows = policy.max_queue_rows or 8 * self._max_rows
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
@@ -170,8 +179,11 @@ class Batcher:
         key: Hashable,
         timeout_s: float | None,
         priority: int = 0,
+        client: str = "",
     ) -> Tensors:
-        """Queue one request and wait for its outputs, split to its own rows."""
+        """Queue one request and wait for its outputs, split to its own rows. ``client``
+        (an address) is whom it is fair to: a client with many requests waiting does not
+        delay one with few by more than about one of its own requests per batch."""
         self.admit()
         pending = Pending(
             inputs=inputs,
@@ -181,12 +193,16 @@ class Batcher:
             enqueued=time.monotonic(),
             future=asyncio.get_running_loop().create_future(),
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            client=client,
         )
         if self._queued_rows and self._queued_rows + rows > self._max_queued_rows:
             raise QueueFull(
                 f"queue of model {self._metrics.model!r} is full ({self._queued_rows} rows "
                 f"waiting, at most {self._max_queued_rows}); retry later"
             )
+        pending.start = max(self._finish.get(client, 0.0), self._virtual)
+        self._finish[client] = pending.start + rows
+        self._waiting[client] = self._waiting.get(client, 0) + 1
         self._levels[pending.level].append(pending)
         self._queued += 1
         self._queued_rows += rows
@@ -207,6 +223,7 @@ class Batcher:
                 self._levels[pending.level].remove(pending)
                 self._queued -= 1
                 self._queued_rows -= pending.rows
+                self._left(pending)
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -224,18 +241,36 @@ class Batcher:
                 pending.dispatched = True
                 self._levels[pending.level].remove(pending)
                 self._metrics.queued(now - pending.enqueued)
+                self._virtual = max(self._virtual, pending.start)
+                self._left(pending)
             self._queued -= len(batch.requests)
             self._queued_rows -= batch.rows
             task = asyncio.create_task(self._execute(runner, batch))
             self._executions.add(task)
             task.add_done_callback(self._executions.discard)
 
+    def _left(self, pending: Pending) -> None:
+        """A request left the queue (dispatched, expired or its caller gone)."""
+        left = self._waiting[pending.client] - 1
+        if left:
+            self._waiting[pending.client] = left
+        else:
+            del self._waiting[pending.client]
+            del self._finish[pending.client]
+
+    def _in_order(self, level: deque[Pending]) -> Iterable[Pending]:
+        """A level's requests in fair order: arrival order while one client waits."""
+        if len(self._waiting) <= 1:
+            return level
+        return sorted(level, key=lambda p: p.start)
+
     def _select(self) -> tuple[Batch, bool]:
         """The oldest highest-priority request and those that can join it, in queue order;
         and whether the batch is full. A request past its deadline is passed over: its own
         timeout answers it 504 on the loop's next turn, and no runner spends time on it."""
         now = time.monotonic()
-        first = next((p for level in self._levels for p in level if not p.expired(now)), None)
+        ordered = [self._in_order(level) for level in self._levels]
+        first = next((p for level in ordered for p in level if not p.expired(now)), None)
         batch = Batch()
         if first is None:
             return batch, False
@@ -243,7 +278,7 @@ class Batcher:
             batch.requests.append(first)
             return batch, True
         rows = 0
-        for level in self._levels:
+        for level in ordered:
             for pending in level:
                 if pending.key != first.key or pending.expired(now):
                     continue

@@ -116,9 +116,15 @@ class Plane(Protocol):
         body: bytes | bytearray | memoryview,
         header_length: int | None,
         slot: Slot | None = None,
+        client: str = "",
     ) -> Answer: ...
     async def classify_images(
-        self, name: str | None, version: str | None, uploads: Sequence[bytes], k: int | None
+        self,
+        name: str | None,
+        version: str | None,
+        uploads: Sequence[bytes],
+        k: int | None,
+        client: str = "",
     ) -> tuple[str, str, list[Any]]: ...
 
 
@@ -318,6 +324,7 @@ class DataPlane:
         body: bytes | bytearray | memoryview,
         header_length: int | None,
         slot: Slot | None = None,
+        client: str = "",
     ) -> Answer:
         """Decode a V2 request, validate it against the model, batch it, shape the answer.
         (``slot``: the shared-memory slot the body was read into, for a plane in another
@@ -346,14 +353,21 @@ class DataPlane:
                     f"priority {request.priority} exceeds the model's {levels} level(s)"
                 )
             timeout = time_left(model.timeout_s(request.timeout_us), arrived)
-            outputs = await model.batcher.infer(inputs, rows, key, timeout, request.priority)
+            outputs = await model.batcher.infer(
+                inputs, rows, key, timeout, request.priority, client
+            )
             shaped = [(out, shape_output(model, out, outputs)) for out in wanted]
             return Answer(model.name, model.version, request.id, shaped, regions=self.regions)
 
         return await self._measured(model, work)
 
     async def classify_images(
-        self, name: str | None, version: str | None, uploads: Sequence[bytes], k: int | None
+        self,
+        name: str | None,
+        version: str | None,
+        uploads: Sequence[bytes],
+        k: int | None,
+        client: str = "",
     ) -> tuple[str, str, list[Any]]:
         """Uploads through the model's handler and batcher: one answer per upload (top-k
         labels for the image classifier). ``name`` None: the default model."""
@@ -382,7 +396,10 @@ class DataPlane:
                 for i in range(0, rows, step)
             ]
             results = await asyncio.gather(
-                *(model.batcher.infer(c, len(next(iter(c.values()))), key, timeout) for c in chunks)
+                *(
+                    model.batcher.infer(c, len(next(iter(c.values()))), key, timeout, 0, client)
+                    for c in chunks
+                )
             )
             outputs = {
                 t.name: np.concatenate([r[t.name] for r in results]) for t in model.spec.outputs

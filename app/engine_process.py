@@ -133,7 +133,13 @@ class EngineServer:
             body: bytes | memoryview = payload
             if "slot" in header:
                 body = connection.slot(header["slot"], header["length"])
-            answer = await plane.infer(str(name), version, body, header.get("header_length"))
+            answer = await plane.infer(
+                str(name),
+                version,
+                body,
+                header.get("header_length"),
+                client=str(header.get("client", "")),
+            )
             content, headers = answer.encode()
             reply: dict[str, Any] = {
                 "model": answer.model,
@@ -154,7 +160,7 @@ class EngineServer:
                 uploads.append(bytes(source[at : at + size]))
                 at += size
             model, answered, predictions = await plane.classify_images(
-                name, version, uploads, header.get("k")
+                name, version, uploads, header.get("k"), str(header.get("client", ""))
             )
             return {"model": model, "version": answered, "predictions": predictions}, b""
         if op == "hello":

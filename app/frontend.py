@@ -313,12 +313,14 @@ class RemotePlane:
         body: bytes | bytearray | memoryview,
         header_length: int | None,
         slot: Slot | None = None,
+        client: str = "",
     ) -> Answer:
         header: dict[str, Any] = {
             "op": "infer",
             "name": name,
             "version": version,
             "header_length": header_length,
+            "client": client,
         }
         payload = b""
         if slot is not None and isinstance(body, memoryview):
@@ -332,7 +334,12 @@ class RemotePlane:
         return Answer(reply["model"], reply["version"], None, [], reply["headers"], data)
 
     async def classify_images(
-        self, name: str | None, version: str | None, uploads: Sequence[bytes], k: int | None
+        self,
+        name: str | None,
+        version: str | None,
+        uploads: Sequence[bytes],
+        k: int | None,
+        client: str = "",
     ) -> tuple[str, str, list[Any]]:
         sizes = [len(u) for u in uploads]
         header: dict[str, Any] = {
@@ -341,6 +348,7 @@ class RemotePlane:
             "version": version,
             "k": k,
             "sizes": sizes,
+            "client": client,
         }
         total = sum(sizes)
         slot = self.arena.lend(total) if uploads else None

@@ -54,6 +54,11 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
+def client_of(request: Request) -> str:
+    """Whom the batcher is fair to: the client's address (one client behind a proxy)."""
+    return request.client.host if request.client else ""
+
+
 def plane_of(request: Request) -> Plane:
     plane: Plane = request.app.state.plane
     return plane
@@ -297,7 +302,8 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
         body = await read_body(
             request, slot.view if slot is not None else None, plane.body_timeout_s
         )
-        answer = await unless_disconnected(request, plane.infer(name, version, body, length, slot))
+        work = plane.infer(name, version, body, length, slot, client_of(request))
+        answer = await unless_disconnected(request, work)
     if answer is None:
         return CLIENT_GONE
     content, headers = answer.encode()
@@ -364,7 +370,8 @@ async def classify_upload(
             k = int(form_k)
         except ValueError:
             raise BadRequest("k must be an integer") from None
-    answer = await unless_disconnected(request, plane.classify_images(name, version, uploads, k))
+    work = plane.classify_images(name, version, uploads, k, client_of(request))
+    answer = await unless_disconnected(request, work)
     if answer is None:
         return CLIENT_GONE
     model, answered_version, predictions = answer

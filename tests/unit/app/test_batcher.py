@@ -316,3 +316,43 @@ def test_a_request_past_its_deadline_never_reaches_a_runner() -> None:
     # No queue delay: the dispatcher takes what has arrived at once (the default CPU config).
     engine = run(scenario, max_queue_delay_us=0)
     assert np.concatenate(engine.batches).ravel().tolist() == [9.0]
+
+
+def test_a_light_client_is_not_queued_behind_a_flooding_one() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        flood = [
+            asyncio.create_task(
+                batcher.infer({"x": rows(4, 10 * i)}, 4, ((1,),), 5.0, client="flood")
+            )
+            for i in range(12)
+        ]
+        await asyncio.sleep(0.01)
+        light = asyncio.create_task(
+            batcher.infer({"x": rows(1, 999)}, 1, ((1,),), 5.0, client="light")
+        )
+        await asyncio.sleep(0.01)
+        engine.gate.set()
+        await asyncio.gather(first, light, *flood)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    # 48 flood rows queued before it in batches of 8: in arrival order the light request
+    # would ride in the 7th batch; in fair order it joins the first one formed.
+    first_batch = engine.batches[1]
+    assert 999.0 in first_batch[:, 0]
+    assert batch_sizes(engine)[1:] == [5, 8, 8, 8, 8, 8, 4]
+
+
+def test_one_client_keeps_arrival_order() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        tasks = [
+            asyncio.create_task(batcher.infer({"x": rows(3, 10 * i)}, 3, ((1,),), 5.0, client="a"))
+            for i in range(4)
+        ]
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        await asyncio.gather(first, *tasks)
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert [b[0, 0] for b in engine.batches[1:]] == [0.0, 20.0]
