@@ -127,7 +127,9 @@ class Batcher:
         self._finish: dict[str, float] = {}
         self._waiting: dict[str, int] = {}
         self._virtual = 0.0
-        self._max_queued_rows = policy.max_queue_rows or 8 * self._max_rows
+        self._max_queued_rows = policy.max_queue_rows
+        # Rows per second one runner clears, from the batches run so far (None: none yet).
+        self._rows_per_s: float | None = None
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -195,11 +197,7 @@ class Batcher:
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             client=client,
         )
-        if self._queued_rows and self._queued_rows + rows > self._max_queued_rows:
-            raise QueueFull(
-                f"queue of model {self._metrics.model!r} is full ({self._queued_rows} rows "
-                f"waiting, at most {self._max_queued_rows}); retry later"
-            )
+        self._admit_rows(rows, client)
         pending.start = max(self._finish.get(client, 0.0), self._virtual)
         self._finish[client] = pending.start + rows
         self._waiting[client] = self._waiting.get(client, 0) + 1
@@ -248,6 +246,33 @@ class Batcher:
             task = asyncio.create_task(self._execute(runner, batch))
             self._executions.add(task)
             task.add_done_callback(self._executions.discard)
+
+    def _admit_rows(self, rows: int, client: str) -> None:
+        """429 when the rows already waiting pass ``max_queue_rows``, or when the rows that
+        would be served before this request (in fair order: a light client's request jumps
+        most of a flood's) would take the runners longer than ``max_queue_work_s``."""
+        waiting = self._queued_rows
+        if not waiting:
+            return
+        limit = self._max_queued_rows
+        if limit and waiting + rows > limit:
+            raise QueueFull(
+                f"queue of model {self._metrics.model!r} is full ({waiting} rows "
+                f"waiting, at most {limit}); retry later"
+            )
+        budget = self._policy.max_queue_work_s
+        if budget and self._rows_per_s:
+            rate = self._rows_per_s * self._pool.size
+            seconds = waiting / rate
+            if seconds > budget:  # refined: what is served before this client
+                start = max(self._finish.get(client, 0.0), self._virtual)
+                ahead = sum(p.rows for level in self._levels for p in level if p.start <= start)
+                seconds = ahead / rate
+            if seconds > budget:
+                raise QueueFull(
+                    f"queue of model {self._metrics.model!r} holds about {seconds:.1f} s of "
+                    f"work ({waiting} rows; at most {budget:g} s); retry later"
+                )
 
     def _left(self, pending: Pending) -> None:
         """A request left the queue (dispatched, expired or its caller gone)."""
@@ -341,6 +366,11 @@ class Batcher:
                 self._fail(exc)
         else:
             self._metrics.batch_executed(times)
+            seconds = times.compute_input + times.compute_infer + times.compute_output
+            if seconds > 0:
+                rate = times.rows / seconds
+                known = self._rows_per_s
+                self._rows_per_s = rate if known is None else 0.8 * known + 0.2 * rate
             for pending, result in zip(requests, outputs, strict=True):
                 if not pending.future.done():
                     pending.future.set_result(result)

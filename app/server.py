@@ -25,11 +25,15 @@ log = logging.getLogger(__name__)
 
 class BodyLimit:
     """Refuse bodies over the limit with 413 before they are read whole: at once when the
-    declared Content-Length is too big, else as soon as the streamed bytes pass it."""
+    declared Content-Length is too big, else as soon as the streamed bytes pass it. And 503
+    when the bodies being received at once would pass ``max_inflight_bytes`` (counted by
+    declaration, released when the request ends), so many large uploads cannot add up."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self.inflight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -44,6 +48,21 @@ class BodyLimit:
                 message = f"request body of {int(declared)} bytes exceeds {self.max_bytes}"
                 await json_response({"error": message}, 413)(scope, receive, send)
                 return
+        size = int(declared) if declared is not None else 0
+        if size and self.inflight + size > self.max_inflight_bytes:
+            message = (
+                f"{self.inflight} body bytes are being received already (at most "
+                f"{self.max_inflight_bytes}); retry later"
+            )
+            await json_response({"error": message}, 503)(scope, receive, send)
+            return
+        self.inflight += size
+        try:
+            await self._limited(scope, receive, send)
+        finally:
+            self.inflight -= size
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
 
         async def limited() -> Message:
@@ -144,7 +163,11 @@ def create_app(
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
     app.add_exception_handler(Exception, unexpected_error)
-    app.add_middleware(BodyLimit, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=settings.limits.max_body_bytes,
+        max_inflight_bytes=settings.limits.max_inflight_body_bytes,
+    )
     # Added last, so it runs first: an unauthenticated request is refused before its body.
     keys = settings.auth.keys()
     app.add_middleware(ApiKeys, keys=keys, protect_metrics=settings.auth.protect_metrics)

@@ -92,6 +92,10 @@ class LimitSettings(BaseModel):
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
     """Largest request body; bigger ones get 413 before they are read whole. Raise it for
     large binary batches, at the cost of memory per concurrent request."""
+    max_inflight_body_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
+    """Most body bytes being received at once by one process (by declared length); more is
+    answered 503 at once. With ``max_body_bytes`` it bounds what bodies in flight may cost:
+    40 clients that each declare 64 MiB get 16 in, the rest a 503."""
     max_image_pixels: int = Field(default=40_000_000, gt=0)
     """Largest decoded image (width x height); protects against decompression bombs."""
     max_image_aspect_ratio: float = Field(default=32.0, ge=1)
