@@ -26,7 +26,6 @@ from app.handlers import check_uploads
 from app.models import LoadedModel
 from app.protocol import (
     InferRequest,
-    Regions,
     RequestedOutput,
     classify,
     decode_request,
@@ -50,7 +49,8 @@ class Slot:
     index: int
     view: memoryview
     engine_holds: bool = False
-    """Set while the engine may still read it (a cancelled request): not reusable yet."""
+    """Set while the engine may still read it (sent, not answered): not reusable yet."""
+    returned: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,17 +63,13 @@ class Answer:
     outputs: list[tuple[RequestedOutput, np.ndarray]]
     headers: dict[str, str] | None = None
     content: bytes | None = None
-    """The encoded response, where another process encoded it already."""
-    regions: Regions | None = None
-    """Where outputs asked for in shared memory are written."""
+    """The encoded response (the data plane encodes it as part of the request's work)."""
 
     def encode(self) -> tuple[bytes, dict[str, str]]:
         """The response body and its HTTP headers."""
         if self.content is not None and self.headers is not None:
             return self.content, self.headers
-        return encode_response(
-            self.model, self.version, self.request_id, self.outputs, self.regions
-        )
+        return encode_response(self.model, self.version, self.request_id, self.outputs)
 
 
 class Plane(Protocol):
@@ -89,8 +85,6 @@ class Plane(Protocol):
     def is_ready(self) -> bool: ...
     @property
     def max_images(self) -> int: ...
-    @property
-    def body_timeout_s(self) -> float: ...
     async def start(self) -> None: ...
     def begin_drain(self) -> None: ...
     def drain_time_left(self) -> float: ...
@@ -128,14 +122,37 @@ class Plane(Protocol):
     ) -> tuple[str, str, list[Any]]: ...
 
 
-class DataPlane:
+class PlaneState:
+    """What every plane keeps the same way: the drain's clock and the request limits."""
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.models = Registry(settings)
-        self.regions = SharedRegions()
         self.failed: BaseException | None = None
         self.draining = False
         self._drain_deadline = 0.0
+
+    def begin_drain(self) -> None:
+        """From now on readiness is false and new inference requests get 503; the drain
+        timeout starts. Sets plain attributes only, so a signal handler may call it."""
+        if not self.draining:
+            self.draining = True
+            self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
+
+    def drain_time_left(self) -> float:
+        """Seconds left of the drain timeout (0 before a drain begins)."""
+        return max(0.0, self._drain_deadline - time.monotonic())
+
+    @property
+    def max_images(self) -> int:
+        """Most images one upload request may carry (the form parser stops past it)."""
+        return self.settings.limits.max_images_per_request
+
+
+class DataPlane(PlaneState):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.models = Registry(settings)
+        self.regions = SharedRegions()
         # Requests inside the data plane (decoding, queued, executing): what a drain waits
         # for. (A batcher counts its own queued and executing requests, for its gauge.)
         self._active = 0
@@ -149,16 +166,9 @@ class DataPlane:
         await self.models.load_all()
 
     def begin_drain(self) -> None:
-        """From now on readiness is false and new inference requests get 503; the drain
-        timeout starts. Sets plain attributes only, so a signal handler may call it."""
-        if not self.draining:
-            self.draining = True
-            self.models.stopping.set()
-            self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
-
-    def drain_time_left(self) -> float:
-        """Seconds left of the drain timeout (0 before a drain begins)."""
-        return max(0.0, self._drain_deadline - time.monotonic())
+        """As ``PlaneState.begin_drain``, and a build running in a worker thread stops."""
+        self.models.stopping.set()
+        super().begin_drain()
 
     async def drain(self) -> None:
         """Begin draining, wait until every accepted request has its answer or the drain
@@ -193,16 +203,6 @@ class DataPlane:
         """False once loading failed or a model stopped on an unrecoverable engine fault: the
         process cannot heal itself, so liveness fails and the orchestrator restarts it."""
         return self.failed is None and self.models.healthy
-
-    @property
-    def body_timeout_s(self) -> float:
-        """How long a request body may take to arrive whole."""
-        return self.settings.limits.body_timeout_s
-
-    @property
-    def max_images(self) -> int:
-        """Most images one upload request may carry (the form parser stops past it)."""
-        return self.settings.limits.max_images_per_request
 
     async def check(self, name: str, version: str | None = None) -> None:
         """Raise what a request to this model would get (404, 503) before its body is read."""
@@ -357,7 +357,12 @@ class DataPlane:
                 inputs, rows, key, timeout, request.priority, client
             )
             shaped = [(out, shape_output(model, out, outputs)) for out in wanted]
-            return Answer(model.name, model.version, request.id, shaped, regions=self.regions)
+            # Encoded here, inside the measured work: an output region too small for its
+            # output is this request's 400, counted as such, not a success.
+            content, headers = encode_response(
+                model.name, model.version, request.id, shaped, self.regions
+            )
+            return Answer(model.name, model.version, request.id, shaped, headers, content)
 
         return await self._measured(model, work)
 

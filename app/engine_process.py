@@ -22,6 +22,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from app.channel import ChannelClosed, receive, send
 from app.dataplane import DataPlane
 from app.errors import StokerError
@@ -39,6 +41,7 @@ class Connection:
         self.arena: mmap.mmap | None = None
         self.slot_bytes = 0
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self.answered: set[int] = set()
 
     def attach(self, name: str, slot_bytes: int) -> None:
         """Map the front end's arena (``/dev/shm/<name>``) without owning it: the front end
@@ -68,8 +71,30 @@ class Connection:
             self.arena = None
 
 
-def forget(tasks: dict[int, asyncio.Task[None]], number: int, _: object) -> None:
-    tasks.pop(number, None)
+CANCELLED = {"error": "cancelled", "status": 499, "reason": "cancelled"}
+
+
+def send_reply(
+    writer: asyncio.StreamWriter, number: int, header: dict[str, Any], data: bytes
+) -> None:
+    """Send one answer; one that cannot be encoded is answered 500, never left unanswered."""
+    if writer.is_closing():
+        return
+    try:
+        send(writer, {**header, "id": number}, data)
+    except (TypeError, ValueError) as error:  # orjson: something not JSON in the header
+        log.error("engine answer %d could not be encoded: %r", number, error)
+        send(writer, {"error": "internal server error", "status": 500, "id": number})
+
+
+def finished(connection: Connection, number: int, task: asyncio.Task[None]) -> None:
+    """A request's task is done. One cancelled before it ever ran (its cancel frame was
+    read in the same turn) has sent nothing: answer it here, so the front end frees its
+    slot."""
+    connection.tasks.pop(number, None)
+    if task.cancelled() and number not in connection.answered:
+        send_reply(connection.writer, number, CANCELLED, b"")
+    connection.answered.discard(number)
 
 
 class EngineServer:
@@ -94,7 +119,7 @@ class EngineServer:
                 number = header.get("id", -1)
                 task = asyncio.create_task(self._answer(connection, number, header, payload))
                 connection.tasks[number] = task
-                task.add_done_callback(partial(forget, connection.tasks, number))
+                task.add_done_callback(partial(finished, connection, number))
         except ChannelClosed:
             pass
         finally:
@@ -117,12 +142,12 @@ class EngineServer:
         except StokerError as error:
             reply = {"error": error.message, "status": error.status, "reason": error.reason}
         except asyncio.CancelledError:
-            reply = {"error": "cancelled", "status": 499, "reason": "cancelled"}
+            reply = CANCELLED
         except Exception as error:
             log.error("engine call %s failed: %r", header.get("op"), error, exc_info=error)
             reply = {"error": "internal server error", "status": 500, "reason": "other"}
-        if not connection.writer.is_closing():
-            send(connection.writer, {**reply, "id": number}, data)
+        connection.answered.add(number)
+        send_reply(connection.writer, number, reply, data)
 
     async def _call(
         self, connection: Connection, header: dict[str, Any], payload: bytes
@@ -162,7 +187,8 @@ class EngineServer:
             model, answered, predictions = await plane.classify_images(
                 name, version, uploads, header.get("k"), str(header.get("client", ""))
             )
-            return {"model": model, "version": answered, "predictions": predictions}, b""
+            # The answers go in the payload: k labels per image can be megabytes.
+            return {"model": model, "version": answered}, orjson.dumps(predictions)
         if op == "hello":
             connection.attach(str(header["arena"]), int(header["slot"]))
             return {"value": "hello"}, b""

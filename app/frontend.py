@@ -18,14 +18,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from app.channel import ChannelClosed, receive, send
-from app.dataplane import Answer, Slot
+from app.dataplane import Answer, PlaneState, Slot
 from app.errors import StokerError, Unavailable
 from app.settings import Settings
 
@@ -46,7 +49,9 @@ class RemoteError(StokerError):
 class Arena:
     """Shared memory this front end lends to requests, ``slots`` pieces of ``slot_bytes``."""
 
-    def __init__(self, slots: int, slot_bytes: int, share: int = 1) -> None:
+    def __init__(
+        self, slots: int, slot_bytes: int, share: int = 1, name: str | None = None
+    ) -> None:
         # /dev/shm is a tmpfs with a size (64 MB in a default Docker container): writing past
         # it kills the process with SIGBUS, so the arena takes at most half of what is free,
         # split over the ``share`` front ends, and fewer slots when that is less.
@@ -62,7 +67,13 @@ class Arena:
             )
             slots = int(fits)
         self.slot_bytes = slot_bytes
-        self.memory = shared_memory.SharedMemory(create=True, size=max(1, slots * slot_bytes))
+        if name is not None:
+            # A fixed name: what a crashed predecessor left is replaced, not leaked.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        self.memory = shared_memory.SharedMemory(
+            name=name, create=True, size=max(1, slots * slot_bytes)
+        )
         self._free = list(range(slots))
 
     @property
@@ -78,6 +89,10 @@ class Arena:
         return Slot(index, self.memory.buf[start : start + self.slot_bytes])
 
     def give_back(self, slot: Slot) -> None:
+        """Make a slot lendable again (once: a second call is a no-op)."""
+        if slot.returned:
+            return
+        slot.returned = True
         slot.view.release()
         self._free.append(slot.index)
 
@@ -97,17 +112,15 @@ def shm_bytes_free(root: str = "/dev/shm") -> int:
     return stats.f_bavail * stats.f_frsize
 
 
-class RemotePlane:
+class RemotePlane(PlaneState):
     """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
 
-    def __init__(self, settings: Settings, control: Path) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, control: Path, arena: str | None = None) -> None:
+        super().__init__(settings)
         self.control = control
         front = settings.server
-        self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends)
-        self.failed: BaseException | None = None
-        self.draining = False
-        self._drain_deadline = 0.0
+        self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
+        self._stopping = False
         self._state: dict[str, Any] = {"alive": False, "ready": False}
         self._writer: asyncio.StreamWriter | None = None
         self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
@@ -142,13 +155,20 @@ class RemotePlane:
                 if future is not None and not future.done():
                     future.set_result((header, payload))
         except ChannelClosed as gone:
-            log.error("the engine process closed the control channel: %s", gone)
+            if not self._stopping:
+                log.error("the engine process closed the control channel: %s", gone)
         finally:
             self._state = {"alive": False, "ready": False}
+            if self._writer is not None:
+                self._writer.close()  # no request is sent into a channel nobody reads
             for future in self._waiting.values():
                 if not future.done():
                     future.set_exception(Unavailable("the engine process is gone"))
             self._waiting.clear()
+            if not self._stopping:
+                # This front end cannot serve without the engine: end it (a drain, as on
+                # SIGTERM), so the supervisor starts a fresh one or stops with the engine.
+                os.kill(os.getpid(), signal.SIGTERM)
 
     async def _poll(self) -> None:
         while True:
@@ -184,14 +204,6 @@ class RemotePlane:
         reply, _ = await self._call({"op": op, **fields})
         return reply["value"]
 
-    def begin_drain(self) -> None:
-        if not self.draining:
-            self.draining = True
-            self._drain_deadline = time.monotonic() + self.settings.server.drain_timeout_s
-
-    def drain_time_left(self) -> float:
-        return max(0.0, self._drain_deadline - time.monotonic())
-
     async def drain(self) -> None:
         """Refuse new requests; wait for this front end's in-flight ones (the engine answers
         or fails them within its own drain timeout)."""
@@ -201,6 +213,7 @@ class RemotePlane:
                 await self._idle.wait()
 
     async def stop(self) -> None:
+        self._stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -219,14 +232,6 @@ class RemotePlane:
     @property
     def is_ready(self) -> bool:
         return bool(self._state.get("ready")) and not self.draining
-
-    @property
-    def body_timeout_s(self) -> float:
-        return self.settings.limits.body_timeout_s
-
-    @property
-    def max_images(self) -> int:
-        return self.settings.limits.max_images_per_request
 
     async def check(self, name: str, version: str | None = None) -> None:
         """Nothing up front: the engine answers 404 or 503 once the body is read (a round
@@ -288,15 +293,23 @@ class RemotePlane:
             raise Unavailable("server is shutting down; retry on another replica")
         self._active += 1
         self._idle.clear()
-        number, future = self._request(header, payload)
         try:
-            reply, data = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            assert self._writer is not None
-            send(self._writer, {"op": "cancel", "of": number})
+            number, future = self._request(header, payload)
             if slot is not None:
+                # The engine may read the slot from now until its answer arrives.
                 slot.engine_holds = True
+            reply, data = await asyncio.shield(future)
+            if slot is not None:
+                slot.engine_holds = False  # answered: the caller gives it back when done
+        except asyncio.CancelledError:
+            if self._writer is not None and not self._writer.is_closing():
+                send(self._writer, {"op": "cancel", "of": number})
+            if slot is not None:
                 future.add_done_callback(lambda _: self.arena.give_back(slot))
+            raise
+        except BaseException:
+            if slot is not None:
+                slot.engine_holds = False  # the engine is gone: nothing reads it any more
             raise
         finally:
             self._active -= 1
@@ -362,8 +375,9 @@ class RemotePlane:
                 header["slot"] = slot.index
             else:
                 payload = b"".join(uploads)
-            reply, _ = await self._tracked(header, payload, slot)
+            reply, data = await self._tracked(header, payload, slot)
         finally:
             if slot is not None and not slot.engine_holds:
                 self.arena.give_back(slot)
-        return reply["model"], reply["version"], reply["predictions"]
+        predictions: list[Any] = orjson.loads(data)
+        return reply["model"], reply["version"], predictions

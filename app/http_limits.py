@@ -31,6 +31,7 @@ _REASONS = {
     503: b"Service Unavailable",
 }
 HEALTH_PREFIX = b"/v2/health/"
+REFUSAL_LINGER_S = 1.0
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -38,7 +39,9 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._header_bytes = 0
+        self._header_bytes = 0  # the URL and the complete headers, exactly
+        self._partial_bytes = 0  # what the reads of a still-incomplete head brought
+        self._began_in_read = False
         self._header_count = 0
         self._refused = False
         self._over_capacity = False
@@ -76,7 +79,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
         head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
         self.transport.write(head + b"connection: close\r\n\r\n" + body)
-        self.transport.close()
+        # Closing with unread bytes would reset the connection and lose the answer: what
+        # still arrives is read and dropped (data_received) until the close a moment later.
+        self.loop.call_later(REFUSAL_LINGER_S, self.transport.close)
 
     # -- protocol callbacks
 
@@ -89,31 +94,58 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def _check_size(self) -> None:
+        if self._header_bytes + self._partial_bytes > self.limits.max_header_bytes:
+            limit = self.limits.max_header_bytes
+            self._refuse(431, f"the request line and headers exceed {limit} bytes")
+
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        self._began_in_read = False
         super().data_received(data)
-        # httptools hands a header over only once it is complete, so what a request's head
-        # costs is counted here, as bytes arrive, while its headers are incomplete.
-        if not self._headers_done and not self._refused:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.limits.max_header_bytes:
-                limit = self.limits.max_header_bytes
-                self._refuse(431, f"the request line and headers exceed {limit} bytes")
+        if self._refused:
+            return
+        if not self._headers_done:
+            # httptools hands a header over only once it is complete, so a head that is
+            # still incomplete is also counted by the bytes its reads brought (not in the
+            # read where it began, which may hold the end of the previous request's body).
+            if not self._began_in_read:
+                self._partial_bytes += len(data)
+            self._check_size()
+        elif (
+            self._header_timer is None
+            and self.timeout_keep_alive_task is None
+            and (self.cycle is None or self.cycle.response_complete)
+        ):
+            # Bytes between requests (a bare CRLF) stopped uvicorn's keep-alive timer
+            # without starting a request: the header timer holds the connection to account.
+            self._arm()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
+        self._partial_bytes = 0
+        self._began_in_read = True
         self._header_count = 0
         self._headers_done = False
         self._arm()
 
+    def on_url(self, url: bytes) -> None:
+        self._header_bytes += len(url)
+        self._check_size()
+        if not self._refused:
+            super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
+        self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self._header_count > self.limits.max_headers:
             self._refuse(431, f"more than {self.limits.max_headers} request headers")
             return
-        super().on_header(name, value)
+        self._check_size()
+        if not self._refused:
+            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._headers_done = True

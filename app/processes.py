@@ -113,7 +113,15 @@ def run_server(
     return 1 if failed else 0
 
 
-def front_end_main(settings: Settings, control: str, listener: socket.socket, number: int) -> None:
+def arena_name(supervisor: int, number: int) -> str:
+    """The /dev/shm name of front end ``number``'s arena: fixed, so a restart replaces what a
+    crashed predecessor left instead of leaking it."""
+    return f"stoker-{supervisor}-{number}"
+
+
+def front_end_main(
+    settings: Settings, control: str, listener: socket.socket, number: int, arena: str
+) -> None:
     """A front-end process: the routes over a ``RemotePlane``, on the shared listener."""
     from app.frontend import RemotePlane
     from app.server import create_app
@@ -125,7 +133,9 @@ def front_end_main(settings: Settings, control: str, listener: socket.socket, nu
 
     def make_app(on_fatal: Callable[[], None]) -> FastAPI:
         return create_app(
-            settings, on_fatal=on_fatal, make_plane=lambda: RemotePlane(settings, Path(control))
+            settings,
+            on_fatal=on_fatal,
+            make_plane=lambda: RemotePlane(settings, Path(control), arena),
         )
 
     raise SystemExit(run_server(settings, make_app, sockets=[listener]))
@@ -166,7 +176,7 @@ def serve_processes(settings: Settings) -> int:
     def start_front_end(number: int) -> BaseProcess:
         process = context.Process(
             target=front_end_main,
-            args=(settings, control, listener, number),
+            args=(settings, control, listener, number, arena_name(os.getpid(), number)),
             name=f"stoker-front-end-{number}",
         )
         process.start()
@@ -218,6 +228,9 @@ def serve_processes(settings: Settings) -> int:
             code = 1
         listener.close()
         scratch.cleanup()
+        for number in fronts:  # what a killed front end could not unlink
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{arena_name(os.getpid(), number)}")
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code

@@ -19,7 +19,7 @@ from starlette.datastructures import UploadFile
 
 from app import __version__
 from app.dataplane import Plane
-from app.errors import BadRequest, RequestTimeout
+from app.errors import BadRequest
 from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
@@ -98,14 +98,14 @@ UPFRONT_BODY_BYTES = 4 * 1024 * 1024
 
 
 async def read_body(
-    request: Request, into: memoryview | None = None, timeout_s: float | None = None
+    request: Request, into: memoryview | None = None
 ) -> bytes | bytearray | memoryview:
     """The whole body. With a declared length, each chunk is copied once into one buffer as it
     arrives, instead of being kept and joined at the end; the buffer starts at the declared
     length up to ``UPFRONT_BODY_BYTES`` and at most doubles as bytes arrive, so memory follows
     what was received, never what was declared. ``into``: a buffer at least as long as the
     declared length to read into instead (a shared-memory slot); the body is then a view of
-    it. ``timeout_s``: the whole body must arrive within it, else 408."""
+    it. (How long it may take is ``BodyLimit``'s business, for every route.)"""
     declared = request.headers.get("content-length")
     if declared is None or not declared.isdigit():
         return await request.body()
@@ -115,21 +115,15 @@ async def read_body(
     else:
         buffer = bytearray(min(length, UPFRONT_BODY_BYTES))
     filled = 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                end = filled + len(chunk)
-                if end > length:
-                    raise BadRequest("request body is longer than its Content-Length")
-                if end > len(buffer):
-                    assert isinstance(buffer, bytearray)
-                    buffer.extend(bytes(min(length, max(end, 2 * len(buffer))) - len(buffer)))
-                buffer[filled:end] = chunk
-                filled = end
-    except TimeoutError:
-        raise RequestTimeout(
-            f"{filled} of {length} body bytes arrived in {timeout_s:g} s"
-        ) from None
+    async for chunk in request.stream():
+        end = filled + len(chunk)
+        if end > length:
+            raise BadRequest("request body is longer than its Content-Length")
+        if end > len(buffer):
+            assert isinstance(buffer, bytearray)
+            buffer.extend(bytes(min(length, max(end, 2 * len(buffer))) - len(buffer)))
+        buffer[filled:end] = chunk
+        filled = end
     if filled != length:
         raise BadRequest("request body is shorter than its Content-Length")
     return buffer[:length] if isinstance(buffer, memoryview) else buffer
@@ -299,9 +293,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
     async with plane.body_buffer(
         int(declared) if declared and declared.isdigit() else None
     ) as slot:
-        body = await read_body(
-            request, slot.view if slot is not None else None, plane.body_timeout_s
-        )
+        body = await read_body(request, slot.view if slot is not None else None)
         work = plane.infer(name, version, body, length, slot, client_of(request))
         answer = await unless_disconnected(request, work)
     if answer is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -16,7 +17,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import __version__
 from app.auth import ApiKeys
 from app.dataplane import DataPlane, Plane
-from app.errors import BadRequest, PayloadTooLarge, StokerError, client_text
+from app.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    StokerError,
+    Unavailable,
+    client_text,
+)
 from app.routes import json_response, router
 from app.settings import Settings
 
@@ -24,16 +32,32 @@ log = logging.getLogger(__name__)
 
 
 class BodyLimit:
-    """Refuse bodies over the limit with 413 before they are read whole: at once when the
-    declared Content-Length is too big, else as soon as the streamed bytes pass it. And 503
-    when the bodies being received at once would pass ``max_inflight_bytes`` (counted by
-    declaration, released when the request ends), so many large uploads cannot add up."""
+    """What a request body may cost, for every route, before the application reads it:
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int) -> None:
+    - 413 when it is over ``max_bytes``: at once when ``Content-Length`` says so, else as soon
+      as the streamed bytes pass it;
+    - 503 at once when the bodies being received would pass ``max_inflight_bytes`` in all
+      (declared lengths reserved up front; a chunked body counted as its bytes arrive);
+    - 408 when it has not arrived whole within ``timeout_s`` of the request's start, however
+      slowly it trickles (the connection and its reservation are freed then).
+    """
+
+    def __init__(
+        self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int, timeout_s: float
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_inflight_bytes = max_inflight_bytes
+        self.timeout_s = timeout_s
         self.inflight = 0
+
+    def _full(self, more: int) -> str | None:
+        if more and self.inflight + more > self.max_inflight_bytes:
+            return (
+                f"{self.inflight} body bytes are being received already (at most "
+                f"{self.max_inflight_bytes}); retry later"
+            )
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,32 +73,47 @@ class BodyLimit:
                 await json_response({"error": message}, 413)(scope, receive, send)
                 return
         size = int(declared) if declared is not None else 0
-        if size and self.inflight + size > self.max_inflight_bytes:
-            message = (
-                f"{self.inflight} body bytes are being received already (at most "
-                f"{self.max_inflight_bytes}); retry later"
-            )
-            await json_response({"error": message}, 503)(scope, receive, send)
+        full = self._full(size)
+        if full is not None:
+            await json_response({"error": full}, 503)(scope, receive, send)
             return
-        self.inflight += size
-        try:
-            await self._limited(scope, receive, send)
-        finally:
-            self.inflight -= size
-
-    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        reserved = size
+        self.inflight += reserved
         received = 0
+        complete = False
+        deadline = time.monotonic() + self.timeout_s
 
         async def limited() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, reserved, complete
+            if complete:  # after the body: only the disconnect is left to wait for
+                return await receive()
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"{received} of {size or 'the'} body bytes arrived in {self.timeout_s:g} s"
+                ) from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = len(message.get("body", b""))
+                received += chunk
                 if received > self.max_bytes:
                     raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
+                if received > reserved:  # chunked, or longer than declared
+                    full = self._full(received - reserved)
+                    if full is not None:
+                        raise Unavailable(full)
+                    self.inflight += received - reserved
+                    reserved = received
+                complete = not message.get("more_body", False)
+            else:
+                complete = True
             return message
 
-        await self.app(scope, limited, send)
+        try:
+            await self.app(scope, limited, send)
+        finally:
+            self.inflight -= reserved
 
 
 async def stoker_error(_: Request, exc: Exception) -> Response:
@@ -167,6 +206,7 @@ def create_app(
         BodyLimit,
         max_bytes=settings.limits.max_body_bytes,
         max_inflight_bytes=settings.limits.max_inflight_body_bytes,
+        timeout_s=settings.limits.body_timeout_s,
     )
     # Added last, so it runs first: an unauthenticated request is refused before its body.
     keys = settings.auth.keys()

@@ -15,12 +15,15 @@ import contextlib
 import mmap
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from app.errors import BadRequest, NotFound
 
 SHM_ROOT = Path("/dev/shm")
+# The server's own arenas (front ends' slots; Python's default names): never a client region.
+PRIVATE_PREFIXES = ("stoker-", "psm_")
 MAX_REGIONS = 256
 _KEY = re.compile(r"/?[A-Za-z0-9_.-]{1,200}")
 
@@ -63,13 +66,21 @@ class SharedRegions:
                 raise BadRequest(f'shared memory "{field}" must be a non-negative integer')
         if byte_size == 0:
             raise BadRequest('shared memory "byte_size" must be positive')
-        path = self._root / key.lstrip("/")
+        leaf = key.lstrip("/")
+        if leaf.startswith(PRIVATE_PREFIXES):
+            raise BadRequest(f"shared memory key {key!r} is the server's own")
         try:
-            descriptor = os.open(path, os.O_RDWR)
+            # Never through a link: a key names a file in /dev/shm itself.
+            descriptor = os.open(self._root / leaf, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as error:
             raise BadRequest(f"cannot open shared memory key {key!r}: {error.strerror}") from None
         try:
-            size = os.fstat(descriptor).st_size
+            facts = os.fstat(descriptor)
+            if not stat.S_ISREG(facts.st_mode) or facts.st_uid != os.getuid():
+                raise BadRequest(
+                    f"shared memory key {key!r} is not a region this server's user created"
+                )
+            size = facts.st_size
             if offset + byte_size > size:
                 raise BadRequest(
                     f"shared memory key {key!r} holds {size} bytes; offset {offset} + "

@@ -66,19 +66,14 @@ def live(server: Server) -> float:
 
 
 def test_a_huge_header_is_refused_as_it_arrives(server: Server) -> None:
+    """256 KiB of one header, never finished: the 431 comes while the head is incomplete."""
     sock = connect(server)
     sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
-    sent = 0
-    try:
-        while sent < 8 * 1024 * 1024:  # stops when the server has answered and closed
-            sock.sendall(b"a" * 65536)
-            sent += 65536
-    except (BrokenPipeError, ConnectionResetError):
-        pass
+    for _ in range(4):
+        sock.sendall(b"a" * 65536)
     answer = response_of(sock)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert b'"error":"the request line and headers exceed 65536 bytes"' in answer
-    assert sent < 8 * 1024 * 1024  # refused long before all of it
     assert live(server) < 0.1
 
 
@@ -186,3 +181,34 @@ def test_the_queue_is_bounded_by_rows(tmp_path: Path) -> None:
         assert "rows waiting, at most 64" in refusal.json()["error"]
     finally:
         assert stop_server(running) == 0
+
+
+def test_a_big_head_in_one_read_is_refused_too(server: Server) -> None:
+    sock = connect(server)
+    big = b"X-Big: " + b"a" * 100_000 + b"\r\n"
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    answer = response_of(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+
+
+def test_bytes_between_requests_do_not_hold_a_connection_forever(server: Server) -> None:
+    sock = connect(server)
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    first = b""
+    while not first.endswith(b'{"live":true}'):
+        first += sock.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200 ")
+    sock.sendall(b"\r\n")  # stops uvicorn's keep-alive timer without starting a request
+    started = time.monotonic()
+    assert response_of(sock) == b""  # closed by the header timer
+    assert time.monotonic() - started < 8.0
+
+
+def test_an_upload_that_never_comes_gets_408(server: Server) -> None:
+    sock = connect(server)
+    sock.sendall(
+        b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+        b"Content-Length: 100000\r\n\r\n\xff\xd8"
+    )
+    answer = response_of(sock)
+    assert b" 408 " in answer.split(b"\r\n")[0], answer[:300]

@@ -244,3 +244,18 @@ def test_the_supervisor_stops_when_the_engine_dies(tmp_path: Path) -> None:
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+
+
+def test_a_megabyte_answer_crosses_and_the_front_end_stays(
+    front_ends: Server, coffee_jpeg: bytes
+) -> None:
+    """16 images with k=1000: the labels come to more than a megabyte, which travels as the
+    frame's payload (a descriptor that big would have been a broken channel)."""
+    files = [("image", (f"{i}.jpg", coffee_jpeg, "image/jpeg")) for i in range(16)]
+    answer = httpx.post(f"{front_ends.url}/infer?k=1000", files=files, timeout=60)
+    assert answer.status_code == 200, answer.text[:300]
+    predictions = answer.json()["predictions"]
+    assert len(predictions) == 16 and all(len(p) == 1000 for p in predictions)
+    assert len(answer.content) > 1 << 20
+    for _ in range(6):  # every front end still serves
+        assert httpx.get(f"{front_ends.url}/v2/health/ready").status_code == 200

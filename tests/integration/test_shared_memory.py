@@ -6,6 +6,7 @@ client created; no tensor byte travels in the HTTP body.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -92,6 +93,14 @@ def test_bad_registrations_and_requests_are_refused_with_the_reason(
             client.register_system_shared_memory("gone", "/stoker_no_such_key", 64)
         with pytest.raises(InferenceServerException, match="one name of letters"):
             client.register_system_shared_memory("escape", "/../../etc/passwd", 64)
+        os.symlink(f"/dev/shm/stoker_in_{tag}", f"/dev/shm/stoker_link_{tag}")
+        try:
+            with pytest.raises(InferenceServerException, match="cannot open shared memory key"):
+                client.register_system_shared_memory("link", f"/stoker_link_{tag}", 64)
+        finally:
+            os.unlink(f"/dev/shm/stoker_link_{tag}")
+        with pytest.raises(InferenceServerException, match="is the server's own"):
+            client.register_system_shared_memory("arena", "/stoker-1-0", 64)
         with pytest.raises(InferenceServerException, match="runs past it"):
             client.register_system_shared_memory("big", f"/stoker_in_{tag}", 8192)
         client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 64)

@@ -1,0 +1,109 @@
+"""The engine process's control server over a real Unix socket, with a real data plane on the
+tiny model: it answers every request exactly once, a cancelled one included, and what cannot
+cross the channel as a descriptor crosses as payload."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import onnx
+import orjson
+import yaml
+
+from app.channel import receive, send
+from app.dataplane import DataPlane
+from app.engine_process import EngineServer
+from app.settings import Settings
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+
+T = TypeVar("T")
+
+
+def body(x: np.ndarray) -> bytes:
+    tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}
+    return orjson.dumps({"inputs": [tensor]})
+
+
+def with_engine(
+    tmp_path: Path,
+    talk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[T]],
+) -> T:
+    folder = tmp_path / "repo" / "tiny"
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 8}))
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+    )
+    path = str(tmp_path / "engine.sock")
+
+    async def main() -> T:
+        plane = DataPlane(settings)
+        await plane.start()
+        server = await asyncio.start_unix_server(EngineServer(plane).serve, path=path)
+        try:
+            reader, writer = await asyncio.open_unix_connection(path)
+            try:
+                return await asyncio.wait_for(talk(reader, writer), 20)
+            finally:
+                writer.close()
+        finally:
+            server.close()
+            await plane.stop()
+
+    return asyncio.run(main())
+
+
+def test_an_inference_is_answered_with_its_encoded_response(tmp_path: Path) -> None:
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        send(writer, {"op": "infer", "id": 7, "name": "tiny", "header_length": None}, body(x))
+        return await receive(reader)
+
+    header, payload = with_engine(tmp_path, talk)
+    assert header["id"] == 7 and header["model"] == "tiny" and header["version"] == "fp32"
+    outputs = {o["name"]: o for o in orjson.loads(payload)["outputs"]}
+    np.testing.assert_allclose(
+        np.array(outputs["y"]["data"]).reshape(2, 3), x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5
+    )
+
+
+def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> None:
+    """The request and its cancel in one write: the engine reads both in one turn, so the
+    request's task is cancelled before it ever ran; the front end must still hear of it."""
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        x = np.ones((1, 4), np.float32)
+        send(writer, {"op": "infer", "id": 1, "name": "tiny", "header_length": None}, body(x))
+        send(writer, {"op": "cancel", "of": 1})
+        send(writer, {"op": "state", "id": 2})
+        answers: dict[int, dict[str, Any]] = {}
+        while len(answers) < 2:
+            header, _ = await receive(reader)
+            answers[header["id"]] = header
+        return answers
+
+    answers = with_engine(tmp_path, talk)
+    assert answers[1]["status"] == 499 and answers[1]["error"] == "cancelled"
+    assert answers[2]["alive"] is True
+
+
+def test_errors_keep_their_status_and_unknown_calls_are_500(tmp_path: Path) -> None:
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        send(writer, {"op": "infer", "id": 1, "name": "nope", "header_length": None}, b"{}")
+        send(writer, {"op": "teleport", "id": 2})
+        got: dict[int, dict[str, Any]] = {}
+        while len(got) < 2:
+            header, _ = await receive(reader)
+            got[header["id"]] = header
+        return got
+
+    got = with_engine(tmp_path, talk)
+    assert got[1]["status"] == 404 and "unknown model" in got[1]["error"]
+    assert got[2]["status"] == 500 and got[2]["error"] == "internal server error"
