@@ -27,6 +27,7 @@ import orjson
 from app.channel import ChannelClosed, receive, send
 from app.dataplane import DataPlane
 from app.errors import StokerError
+from app.metrics import http_refused
 from app.settings import Settings
 from app.shared_memory import SHM_ROOT
 
@@ -193,6 +194,8 @@ class EngineServer:
             connection.attach(str(header["arena"]), int(header["slot"]))
             return {"value": "hello"}, b""
         if op == "state":
+            for status, reason, count in header.get("refused", ()):
+                http_refused(int(status), str(reason), float(count))
             return {"alive": plane.alive, "ready": plane.is_ready}, b""
         if op == "metrics":
             return {}, await plane.metrics_text()

@@ -30,6 +30,7 @@ import orjson
 from app.channel import ChannelClosed, receive, send
 from app.dataplane import Answer, PlaneState, Slot
 from app.errors import StokerError, Unavailable
+from app.metrics import http_refusal_counts
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -171,9 +172,18 @@ class RemotePlane(PlaneState):
                 os.kill(os.getpid(), signal.SIGTERM)
 
     async def _poll(self) -> None:
+        """The engine's state every ``POLL_S``; with it, what this front end refused since
+        the last poll, which the engine adds to its ``/metrics`` (the one source)."""
+        sent: dict[tuple[str, str], float] = {}
         while True:
+            counts = http_refusal_counts()
+            refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
+            refused = [item for item in refused if item[2]]
             try:
-                self._state, _ = await asyncio.wait_for(self._call({"op": "state"}), 2.0)
+                self._state, _ = await asyncio.wait_for(
+                    self._call({"op": "state", "refused": refused}), 2.0
+                )
+                sent = counts
             except (StokerError, TimeoutError):
                 self._state = {"alive": False, "ready": False}
             await asyncio.sleep(POLL_S)

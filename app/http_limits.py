@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.metrics import http_refused
 from app.settings import LimitSettings
 
 _REASONS = {
@@ -66,14 +67,14 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._headers_done:  # a new connection that never sent a byte
             self.transport.close()
         else:
-            self._refuse(
-                408, f"request headers not received within {self.limits.header_timeout_s:g} s"
-            )
+            limit = self.limits.header_timeout_s
+            self._refuse(408, f"request headers not received within {limit:g} s", "header_timeout")
 
-    def _refuse(self, status: int, message: str) -> None:
+    def _refuse(self, status: int, message: str, reason: str) -> None:
         if self._refused or self.transport.is_closing():
             return
         self._refused = True
+        http_refused(status, reason)
         self._disarm()
         body = orjson.dumps({"error": message})
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
@@ -97,7 +98,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def _check_size(self) -> None:
         if self._header_bytes + self._partial_bytes > self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
-            self._refuse(431, f"the request line and headers exceed {limit} bytes")
+            self._refuse(431, f"the request line and headers exceed {limit} bytes", "header_bytes")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -141,7 +142,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._header_count += 1
         self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self._header_count > self.limits.max_headers:
-            self._refuse(431, f"more than {self.limits.max_headers} request headers")
+            limit = self.limits.max_headers
+            self._refuse(431, f"more than {limit} request headers", "header_count")
             return
         self._check_size()
         if not self._refused:
@@ -153,10 +155,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._refused:
             return
         if self._over_capacity and not self.url.startswith(HEALTH_PREFIX):
-            self._refuse(
-                503,
-                f"this server holds {self.limits.max_connections} connections; retry later",
-            )
+            limit = self.limits.max_connections
+            self._refuse(503, f"this server holds {limit} connections; retry later", "connections")
             return
         super().on_headers_complete()
 

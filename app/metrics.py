@@ -108,6 +108,29 @@ def model_unavailable(model: str, version: str, reason: str) -> None:
     MODEL_UNAVAILABLE.labels(model, version, reason).set(1)
 
 
+HTTP_REFUSALS = Counter(
+    "stoker_http_refusals_total",
+    "Requests refused by the server's limits before they reached a model, by status and "
+    "reason: header_bytes, header_count, header_timeout, connections (431, 408, 503 from the "
+    "HTTP layer), body_bytes, body_timeout, inflight_bytes (413, 408, 503 for bodies).",
+    ("status", "reason"),
+)
+
+
+def http_refused(status: int, reason: str, count: float = 1) -> None:
+    HTTP_REFUSALS.labels(str(status), reason).inc(count)
+
+
+def http_refusal_counts() -> dict[tuple[str, str], float]:
+    """This process's refusal counts so far, by (status, reason)."""
+    counts = {}
+    for family in HTTP_REFUSALS.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                counts[(sample.labels["status"], sample.labels["reason"])] = sample.value
+    return counts
+
+
 # GPU gauges, labelled ``gpu`` (the NVML index), read through NVML at scrape time.
 GPU_METRICS: dict[str, str] = {
     "stoker_gpu_utilization_ratio": "Fraction of NVML's last sample period in which a kernel "

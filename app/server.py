@@ -25,6 +25,7 @@ from app.errors import (
     Unavailable,
     client_text,
 )
+from app.metrics import http_refused
 from app.routes import json_response, router
 from app.settings import Settings
 
@@ -70,11 +71,13 @@ class BodyLimit:
                 return
             if int(declared) > self.max_bytes:
                 message = f"request body of {int(declared)} bytes exceeds {self.max_bytes}"
+                http_refused(413, "body_bytes")
                 await json_response({"error": message}, 413)(scope, receive, send)
                 return
         size = int(declared) if declared is not None else 0
         full = self._full(size)
         if full is not None:
+            http_refused(503, "inflight_bytes")
             await json_response({"error": full}, 503)(scope, receive, send)
             return
         reserved = size
@@ -91,6 +94,7 @@ class BodyLimit:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     message = await receive()
             except TimeoutError:
+                http_refused(408, "body_timeout")
                 raise RequestTimeout(
                     f"{received} of {size or 'the'} body bytes arrived in {self.timeout_s:g} s"
                 ) from None
@@ -98,10 +102,12 @@ class BodyLimit:
                 chunk = len(message.get("body", b""))
                 received += chunk
                 if received > self.max_bytes:
+                    http_refused(413, "body_bytes")
                     raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
                 if received > reserved:  # chunked, or longer than declared
                     full = self._full(received - reserved)
                     if full is not None:
+                        http_refused(503, "inflight_bytes")
                         raise Unavailable(full)
                     self.inflight += received - reserved
                     reserved = received

@@ -16,7 +16,7 @@ import onnx
 import pytest
 
 from tests.conftest import TINY_CONFIG, slow_onnx, tiny_onnx
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 MAX_CONNECTIONS = 12
 
@@ -212,3 +212,23 @@ def test_an_upload_that_never_comes_gets_408(server: Server) -> None:
     )
     answer = response_of(sock)
     assert b" 408 " in answer.split(b"\r\n")[0], answer[:300]
+
+
+def test_every_refusal_above_is_counted(server: Server) -> None:
+    """Run last in this module: each kind of refusal made by the tests above shows in
+    ``stoker_http_refusals_total`` with its status and reason."""
+    samples = metric_samples(server)
+    counted = {
+        (dict(labels)["status"], dict(labels)["reason"]): value
+        for (name, labels), value in samples.items()
+        if name == "stoker_http_refusals_total"
+    }
+    for key in [
+        ("431", "header_bytes"),
+        ("431", "header_count"),
+        ("408", "header_timeout"),
+        ("408", "body_timeout"),
+        ("503", "inflight_bytes"),
+        ("503", "connections"),
+    ]:
+        assert counted.get(key, 0) >= 1, (key, counted)

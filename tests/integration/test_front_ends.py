@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -259,3 +260,16 @@ def test_a_megabyte_answer_crosses_and_the_front_end_stays(
     assert len(answer.content) > 1 << 20
     for _ in range(6):  # every front end still serves
         assert httpx.get(f"{front_ends.url}/v2/health/ready").status_code == 200
+
+
+def test_a_front_ends_refusals_reach_the_engines_metrics(front_ends: Server) -> None:
+    host, port = front_ends.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        fields = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
+        sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+        assert sock.recv(100).startswith(b"HTTP/1.1 431 ")
+    key = ("stoker_http_refusals_total", (("reason", "header_count"), ("status", "431")))
+    deadline = time.monotonic() + 5
+    while metric_samples(front_ends).get(key, 0) < 1:
+        assert time.monotonic() < deadline, "the refusal never reached /metrics"
+        time.sleep(0.1)
