@@ -266,6 +266,9 @@ async def run(settings: Settings, control: Path) -> int:
 
 def main(settings: Settings, control: str) -> None:
     """The engine process's entry point (spawned by ``app.processes``)."""
+    from app.processes import supervised
+
+    supervised()
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",

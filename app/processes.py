@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import math
 import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 # A front end that dies this soon after its start is failing to start, not crashing: the
 # supervisor backs off instead of spinning.
 RESTART_BACKOFF_S = 1.0
+PR_SET_PDEATHSIG = 1
 
 
 def run_server(
@@ -113,6 +116,21 @@ def run_server(
     return 1 if failed else 0
 
 
+def supervised() -> None:
+    """Called first in a child (the engine, a front end): it gets SIGTERM, and drains, when
+    the supervisor dies however it dies (Linux's parent-death signal), so a killed
+    supervisor never leaves servers behind holding the port; and it leaves the terminal's
+    process group, so a Ctrl-C reaches the supervisor alone, which then stops the children
+    once, in order."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor died before the signal was armed
+
+
 def arena_name(supervisor: int, number: int) -> str:
     """The /dev/shm name of front end ``number``'s arena: fixed, so a restart replaces what a
     crashed predecessor left instead of leaking it."""
@@ -123,6 +141,7 @@ def front_end_main(
     settings: Settings, control: str, listener: socket.socket, number: int, arena: str
 ) -> None:
     """A front-end process: the routes over a ``RemotePlane``, on the shared listener."""
+    supervised()
     from app.frontend import RemotePlane
     from app.server import create_app
 

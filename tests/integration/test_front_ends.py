@@ -273,3 +273,26 @@ def test_a_front_ends_refusals_reach_the_engines_metrics(front_ends: Server) -> 
     while metric_samples(front_ends).get(key, 0) < 1:
         assert time.monotonic() < deadline, "the refusal never reached /metrics"
         time.sleep(0.1)
+
+
+def test_a_killed_supervisor_leaves_no_server_behind(tmp_path: Path) -> None:
+    """SIGKILL to the supervisor (an OOM kill): the engine and the front ends get SIGTERM
+    from the kernel, drain and exit; the port is free again."""
+    model = tmp_path / "repository" / "tiny"
+    model.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(model / "model.onnx"))
+    (model / "config.yaml").write_text(TINY_CONFIG)
+    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    log = server.log.read_text()
+    children = front_end_pids(server.log)
+    children.append(int(re.findall(r"engine process \(pid (\d+)\)", log)[0]))
+    server.process.kill()
+    server.process.wait()
+    deadline = time.monotonic() + 30
+    alive = children
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert alive == [], f"still running: {alive}"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/v2/health/live", timeout=2)
