@@ -46,6 +46,9 @@ class Pending:
     """``time.monotonic()`` past which it is answered 504 and must not reach a runner."""
     dispatched: bool = False
     client: str = ""
+    work: int = 0
+    """Its input elements: what the work bound counts (rows of one model can differ in
+    cost when a dimension is dynamic)."""
     start: float = 0.0
     """Its start tag in the fair order (start-time fair queuing by rows, per client)."""
 
@@ -128,8 +131,9 @@ class Batcher:
         self._waiting: dict[str, int] = {}
         self._virtual = 0.0
         self._max_queued_rows = policy.max_queue_rows
-        # Rows per second one runner clears, from the batches run so far (None: none yet).
-        self._rows_per_s: float | None = None
+        # Input elements per second one runner clears, from the batches run so far.
+        self._work_per_s: float | None = None
+        self._queued_work = 0
         self._arrived = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -196,6 +200,7 @@ class Batcher:
             future=asyncio.get_running_loop().create_future(),
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             client=client,
+            work=sum(int(np.size(value)) for value in inputs.values()),
         )
         self._admit_rows(rows, client)
         pending.start = max(self._finish.get(client, 0.0), self._virtual)
@@ -204,6 +209,7 @@ class Batcher:
         self._levels[pending.level].append(pending)
         self._queued += 1
         self._queued_rows += rows
+        self._queued_work += pending.work
         self._in_flight += 1
         self._idle.clear()
         self._arrived.set()
@@ -221,6 +227,7 @@ class Batcher:
                 self._levels[pending.level].remove(pending)
                 self._queued -= 1
                 self._queued_rows -= pending.rows
+                self._queued_work -= pending.work
                 self._left(pending)
             self._in_flight -= 1
             if self._in_flight == 0:
@@ -243,14 +250,16 @@ class Batcher:
                 self._left(pending)
             self._queued -= len(batch.requests)
             self._queued_rows -= batch.rows
+            self._queued_work -= sum(p.work for p in batch.requests)
             task = asyncio.create_task(self._execute(runner, batch))
             self._executions.add(task)
             task.add_done_callback(self._executions.discard)
 
     def _admit_rows(self, rows: int, client: str) -> None:
-        """429 when the rows already waiting pass ``max_queue_rows``, or when the rows that
-        would be served before this request (in fair order: a light client's request jumps
-        most of a flood's) would take the runners longer than ``max_queue_work_s``."""
+        """429 when the rows already waiting pass ``max_queue_rows``, or when the work that
+        would be served before this request (input elements, in fair order: a light client's
+        request jumps most of a flood's) would take the runners longer than
+        ``max_queue_work_s`` at the rate measured so far."""
         waiting = self._queued_rows
         if not waiting:
             return
@@ -261,12 +270,12 @@ class Batcher:
                 f"waiting, at most {limit}); retry later"
             )
         budget = self._policy.max_queue_work_s
-        if budget and self._rows_per_s:
-            rate = self._rows_per_s * self._pool.size
-            seconds = waiting / rate
+        if budget and self._work_per_s:
+            rate = self._work_per_s * self._pool.size
+            seconds = self._queued_work / rate
             if seconds > budget:  # refined: what is served before this client
                 start = max(self._finish.get(client, 0.0), self._virtual)
-                ahead = sum(p.rows for level in self._levels for p in level if p.start <= start)
+                ahead = sum(p.work for level in self._levels for p in level if p.start <= start)
                 seconds = ahead / rate
             if seconds > budget:
                 raise QueueFull(
@@ -367,10 +376,11 @@ class Batcher:
         else:
             self._metrics.batch_executed(times)
             seconds = times.compute_input + times.compute_infer + times.compute_output
-            if seconds > 0:
-                rate = times.rows / seconds
-                known = self._rows_per_s
-                self._rows_per_s = rate if known is None else 0.8 * known + 0.2 * rate
+            work = sum(p.work for p in requests)
+            if seconds > 0 and work > 0:
+                rate = work / seconds
+                known = self._work_per_s
+                self._work_per_s = rate if known is None else 0.8 * known + 0.2 * rate
             for pending, result in zip(requests, outputs, strict=True):
                 if not pending.future.done():
                     pending.future.set_result(result)

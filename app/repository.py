@@ -39,10 +39,10 @@ class DynamicBatching(BaseModel):
     """Rows waiting beyond this are refused with 429 (a request of 32 rows costs 32 of 1);
     0: no bound by rows, only by work (``max_queue_work_s``)."""
     max_queue_work_s: float = Field(default=5.0, ge=0)
-    """A request is refused with 429 at once when the rows already waiting would keep the
-    runners busy longer than this (estimated from the batches run so far), instead of
-    queueing for half a minute; 0: no bound by work. Clients with a deadline shorter than
-    this get 504 rather than 429 when the queue is that deep."""
+    """A request is refused with 429 at once when the work already waiting ahead of it would
+    keep the runners busy longer than this (input elements, at the rate of the batches run
+    so far), instead of queueing for half a minute; 0: no bound by work. Clients with a
+    deadline shorter than this get 504 rather than 429 when the queue is that deep."""
     default_timeout_us: int = Field(default=30_000_000, ge=0)
     """Deadline of a request that does not set ``timeout``; 0 means no deadline."""
     priority_levels: int = Field(default=1, ge=1)
