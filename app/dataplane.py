@@ -61,15 +61,13 @@ class Answer:
     version: str
     request_id: str | None
     outputs: list[tuple[RequestedOutput, np.ndarray]]
-    headers: dict[str, str] | None = None
-    content: bytes | None = None
+    headers: dict[str, str]
+    content: bytes
     """The encoded response (the data plane encodes it as part of the request's work)."""
 
     def encode(self) -> tuple[bytes, dict[str, str]]:
         """The response body and its HTTP headers."""
-        if self.content is not None and self.headers is not None:
-            return self.content, self.headers
-        return encode_response(self.model, self.version, self.request_id, self.outputs)
+        return self.content, self.headers
 
 
 class Plane(Protocol):

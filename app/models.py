@@ -12,6 +12,7 @@ all load models through here.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import tempfile
@@ -233,7 +234,7 @@ def load_engine(
     overrides the config's (the naive baseline runs one)."""
     variant, _, options = build(model, precision, backend, store, cancelled)
     if runners is not None:
-        options = EngineOptions(**{**options.__dict__, "runners": runners})
+        options = dataclasses.replace(options, runners=runners)
     engine = backends.loader(backend)(variant, model.spec, options)
     return engine, InputPolicy.decide(model.entry, model.spec, engine)
 
@@ -308,6 +309,30 @@ def gpu_decoder(
     return queue
 
 
+def handler_context(
+    model: ModelSource,
+    labels: list[str] | None,
+    settings: Settings,
+    metrics: ModelMetrics,
+    policy: InputPolicy,
+    decoder: images.DecodeQueue | None = None,
+) -> HandlerContext:
+    """What a model's upload handler is made with."""
+    config = model.entry.config
+    prep = config.preprocess
+    return HandlerContext(
+        name=config.name,
+        spec=model.spec,
+        preprocess=prep.with_datatype("UINT8") if prep else None,
+        postprocess=config.postprocess,
+        labels=labels,
+        limits=settings.limits,
+        metrics=metrics,
+        normalised_by_engine=policy.on_device,
+        decoder=decoder,
+    )
+
+
 async def load(
     model: ModelSource,
     precision: str,
@@ -331,18 +356,7 @@ async def load(
         pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
         await pool.warm()
         decoder = gpu_decoder(entry, backend, settings, metrics)
-        prep = config.preprocess
-        context = HandlerContext(
-            name=config.name,
-            spec=model.spec,
-            preprocess=prep.with_datatype("UINT8") if prep else None,
-            postprocess=config.postprocess,
-            labels=labels,
-            limits=settings.limits,
-            metrics=metrics,
-            normalised_by_engine=policy.on_device,
-            decoder=decoder,
-        )
+        context = handler_context(model, labels, settings, metrics, policy, decoder)
         handler = handler_for(config.handler, context)
     except BaseException:
         if decoder is not None:

@@ -25,7 +25,7 @@ from fastapi import FastAPI, Request, Response
 from app import models
 from app.dataplane import requested_outputs, validate_inputs
 from app.errors import BadRequest, NotFound, StokerError
-from app.handlers import HandlerContext, ImageClassifier, check_uploads
+from app.handlers import Handler, check_uploads, handler_for
 from app.metrics import ModelMetrics
 from app.protocol import classify, decode_request, encode_response
 from app.repository import discover
@@ -44,7 +44,7 @@ class Model:
     executor: ThreadPoolExecutor
     labels: list[str] | None
     inputs: models.InputPolicy
-    uploads: ImageClassifier | None
+    uploads: Handler | None
     settings: Settings
 
     async def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -63,20 +63,9 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
     precision = entry.config.default_precision
     engine, policy = models.load_engine(model, precision, chosen, store, runners=1)
     labels = entry.labels()
-    prep = entry.config.preprocess
-    uploads = None
-    if prep is not None:
-        context = HandlerContext(
-            name=entry.config.name,
-            spec=model.spec,
-            preprocess=prep.with_datatype("UINT8"),
-            postprocess=entry.config.postprocess,
-            labels=labels,
-            limits=settings.limits,
-            metrics=ModelMetrics(f"naive-{entry.config.name}", precision),
-            normalised_by_engine=policy.on_device,
-        )
-        uploads = ImageClassifier(context)
+    metrics = ModelMetrics(f"naive-{entry.config.name}", precision)
+    context = models.handler_context(model, labels, settings, metrics, policy)
+    uploads = handler_for(entry.config.handler, context)
     runner = engine.new_runner()
     return Model(
         model.spec, runner, ThreadPoolExecutor(1, "naive"), labels, policy, uploads, settings
