@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -26,6 +27,7 @@ from app.handlers import check_uploads
 from app.models import LoadedModel
 from app.protocol import (
     InferRequest,
+    Regions,
     RequestedOutput,
     classify,
     decode_request,
@@ -44,9 +46,10 @@ THREADED_DECODE_BYTES = 256 * 1024
 
 @dataclass
 class Slot:
-    """A lent piece of shared memory a request body is read into (``app.frontend``)."""
+    """A lent piece of shared memory a request body is read into (``app.frontend``): at
+    ``offset`` in its front end's arena, ``len(view)`` bytes."""
 
-    index: int
+    offset: int
     view: memoryview
     engine_holds: bool = False
     """Set while the engine may still read it (sent, not answered): not reusable yet."""
@@ -68,6 +71,94 @@ class Answer:
     def encode(self) -> tuple[bytes, dict[str, str]]:
         """The response body and its HTTP headers."""
         return self.content, self.headers
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What decoding and validating a V2 request for one served model version takes: the
+    model's tensors, which input also takes UINT8 pixels, its priority levels. A front end
+    holds a copy (``as_json``/``from_json``) and decodes requests itself, so only tensors
+    reach the engine."""
+
+    model: str
+    version: str
+    spec: ModelSpec
+    pixels: str | None
+    priority_levels: int
+
+    @classmethod
+    def of(cls, model: LoadedModel) -> Contract:
+        levels = model.entry.config.dynamic_batching.priority_levels
+        return cls(model.name, model.version, model.spec, model.inputs.pixels, levels)
+
+    def as_json(self) -> dict[str, Any]:
+        def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+            return [[t.name, t.datatype, list(t.shape)] for t in specs]
+
+        spec = self.spec
+        return {
+            "model": self.model,
+            "version": self.version,
+            "name": spec.name,
+            "inputs": tensors(spec.inputs),
+            "outputs": tensors(spec.outputs),
+            "max_batch_size": spec.max_batch_size,
+            "pixels": self.pixels,
+            "priority_levels": self.priority_levels,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Contract:
+        def tensors(items: list[list[Any]]) -> tuple[TensorSpec, ...]:
+            return tuple(TensorSpec(n, d, tuple(shape)) for n, d, shape in items)
+
+        spec = ModelSpec(
+            value["name"],
+            tensors(value["inputs"]),
+            tensors(value["outputs"]),
+            int(value["max_batch_size"]),
+        )
+        return cls(
+            value["model"], value["version"], spec, value["pixels"], value["priority_levels"]
+        )
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A V2 request decoded and validated against its model's ``Contract``."""
+
+    request: InferRequest
+    rows: int
+    wanted: list[RequestedOutput]
+
+
+def decode_infer(
+    contract: Contract,
+    body: bytes | bytearray | memoryview,
+    header_length: int | None,
+    max_json_depth: int,
+    regions: Regions | None,
+) -> Decoded:
+    """Decode a V2 request and check it against the model: inputs, rows, outputs,
+    priority. Every refusal is a ``BadRequest``."""
+    spec = contract.spec
+    request = decode_request(body, header_length, spec, max_json_depth, regions)
+    rows = validate_inputs(spec, request.inputs, contract.pixels)
+    wanted = requested_outputs(spec, request)
+    if request.priority > contract.priority_levels:
+        raise BadRequest(
+            f"priority {request.priority} exceeds the model's {contract.priority_levels} level(s)"
+        )
+    return Decoded(request, rows, wanted)
+
+
+class Scheduling(Protocol):
+    """A request's scheduling parameters (an ``InferRequest`` has them)."""
+
+    @property
+    def timeout_us(self) -> int | None: ...
+    @property
+    def priority(self) -> int: ...
 
 
 class Plane(Protocol):
@@ -328,33 +419,22 @@ class DataPlane(PlaneState):
         (``slot``: the shared-memory slot the body was read into, for a plane in another
         process; ignored here.)"""
         model = self.models.get(name, version)
+        contract = Contract.of(model)
 
         async def work() -> Answer:
             arrived = time.monotonic()
             # Under overload most requests are refused: refuse before decoding, not after.
             model.batcher.admit()
             depth = self.settings.limits.max_json_depth
+            decode = partial(decode_infer, contract, body, header_length, depth, self.regions)
             if len(body) > THREADED_DECODE_BYTES:
-                request = await asyncio.to_thread(
-                    decode_request, body, header_length, model.spec, depth, self.regions
-                )
+                decoded = await asyncio.to_thread(decode)
             else:
-                request = decode_request(body, header_length, model.spec, depth, self.regions)
-            rows = validate_inputs(model.spec, request.inputs, model.inputs.pixels)
-            # The key of what the engine gets: normalised pixels batch with FP32 requests.
-            inputs = model.inputs.for_engine(request.inputs)
-            key = batch_key(model.spec, inputs)
-            wanted = requested_outputs(model.spec, request)
-            levels = model.entry.config.dynamic_batching.priority_levels
-            if request.priority > levels:
-                raise BadRequest(
-                    f"priority {request.priority} exceeds the model's {levels} level(s)"
-                )
-            timeout = time_left(model.timeout_s(request.timeout_us), arrived)
-            outputs = await model.batcher.infer(
-                inputs, rows, key, timeout, request.priority, client
+                decoded = decode()
+            request = decoded.request
+            shaped = await self._batched(
+                model, request.inputs, decoded.rows, decoded.wanted, request, client, arrived
             )
-            shaped = [(out, shape_output(model, out, outputs)) for out in wanted]
             # Encoded here, inside the measured work: an output region too small for its
             # output is this request's 400, counted as such, not a success.
             content, headers = encode_response(
@@ -363,6 +443,59 @@ class DataPlane(PlaneState):
             return Answer(model.name, model.version, request.id, shaped, headers, content)
 
         return await self._measured(model, work)
+
+    def contract(self, name: str, version: str | None = None) -> Contract:
+        """What a front end needs to decode requests for this model version itself."""
+        return Contract.of(self.models.get(name, version))
+
+    async def run(
+        self,
+        name: str,
+        version: str | None,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        wanted: Sequence[RequestedOutput],
+        request: Scheduling,
+        client: str = "",
+    ) -> tuple[str, str, list[tuple[RequestedOutput, np.ndarray]]]:
+        """A request a front end decoded and validated (``decode_infer``): its tensors
+        through the batcher; the outputs it asked for, shaped, for the front end to encode.
+        Counted and measured as ``infer`` counts them, from here on."""
+        model = self.models.get(name, version)
+
+        async def work() -> list[tuple[RequestedOutput, np.ndarray]]:
+            arrived = time.monotonic()
+            model.batcher.admit()
+            return await self._batched(model, inputs, rows, wanted, request, client, arrived)
+
+        return model.name, model.version, await self._measured(model, work)
+
+    def count_failures(
+        self, name: str, version: str, reason: str, count: int, seconds: float
+    ) -> None:
+        """Requests a front end refused before they reached the engine (a request it could
+        not decode): counted with this model's own failures."""
+        with contextlib.suppress(StokerError):
+            self.models.get(name, version).metrics.request_failed(reason, seconds, count)
+
+    async def _batched(
+        self,
+        model: LoadedModel,
+        inputs: dict[str, np.ndarray],
+        rows: int,
+        wanted: Sequence[RequestedOutput],
+        request: Scheduling,
+        client: str,
+        arrived: float,
+    ) -> list[tuple[RequestedOutput, np.ndarray]]:
+        # The key of what the engine gets: normalised pixels batch with FP32 requests.
+        engine_inputs = model.inputs.for_engine(inputs)
+        key = batch_key(model.spec, engine_inputs)
+        timeout = time_left(model.timeout_s(request.timeout_us), arrived)
+        outputs = await model.batcher.infer(
+            engine_inputs, rows, key, timeout, request.priority, client
+        )
+        return [(out, shape_output(model, out, outputs)) for out in wanted]
 
     async def classify_images(
         self,

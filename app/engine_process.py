@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import signal
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from app.channel import ChannelClosed, receive, send
 from app.dataplane import DataPlane
 from app.errors import StokerError
 from app.metrics import http_refused
+from app.protocol import RequestedOutput, pack_tensor, unpack_tensor
 from app.settings import Settings
 from app.shared_memory import SHM_ROOT
 
@@ -54,15 +56,18 @@ class Connection:
             self.arena = mmap.mmap(file.fileno(), 0)
         self.slot_bytes = slot_bytes
 
-    def slot(self, index: int, length: int) -> memoryview:
+    def slot(self, place: list[int], length: int | None = None) -> memoryview:
+        """The piece of the arena a front end lent a request, ``[offset, capacity]``, or its
+        first ``length`` bytes."""
         if self.arena is None:
             raise ValueError("no arena: the front end did not say hello")
-        if not index >= 0 or (index + 1) * self.slot_bytes > len(self.arena):
-            raise ValueError(f"slot {index} is outside the arena")
-        if not 0 <= length <= self.slot_bytes:
-            raise ValueError(f"{length} bytes do not fit a slot")
-        start = index * self.slot_bytes
-        return memoryview(self.arena)[start : start + length]
+        offset, capacity = (int(n) for n in place)
+        size = capacity if length is None else length
+        if not 0 <= size <= capacity <= self.slot_bytes:
+            raise ValueError(f"{size} bytes do not fit a slot of {capacity}")
+        if offset < 0 or offset + capacity > len(self.arena):
+            raise ValueError(f"slot at {offset} is outside the arena")
+        return memoryview(self.arena)[offset : offset + size]
 
     def close(self) -> None:
         if self.arena is not None:
@@ -73,6 +78,14 @@ class Connection:
 
 
 CANCELLED = {"error": "cancelled", "status": 499, "reason": "cancelled"}
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """A decoded request's timeout and priority, as the front end sent them."""
+
+    timeout_us: int | None
+    priority: int
 
 
 def send_reply(
@@ -155,7 +168,11 @@ class EngineServer:
     ) -> tuple[dict[str, Any], bytes]:
         plane, op = self.plane, header.get("op")
         name, version = header.get("name"), header.get("version")
+        if op == "run":
+            return await self._run(connection, header, payload)
         if op == "infer":
+            # A request the front end did not decode (it names shared-memory regions, which
+            # the engine holds): the body as it came.
             body: bytes | memoryview = payload
             if "slot" in header:
                 body = connection.slot(header["slot"], header["length"])
@@ -172,10 +189,12 @@ class EngineServer:
                 "version": answer.version,
                 "headers": headers,
             }
-            if "slot" in header and len(content) <= connection.slot_bytes:
+            if "slot" in header and len(content) <= header["slot"][1]:
                 connection.slot(header["slot"], len(content))[:] = content
                 return reply | {"slot_length": len(content)}, b""
             return reply, content
+        if op == "describe":
+            return {"value": plane.contract(str(name), version).as_json()}, b""
         if op == "classify":
             sizes: list[int] = header["sizes"]
             source: bytes | memoryview = payload
@@ -196,6 +215,8 @@ class EngineServer:
         if op == "state":
             for status, reason, count in header.get("refused", ()):
                 http_refused(int(status), str(reason), float(count))
+            for model, answered, reason, count, seconds in header.get("failed", ()):
+                plane.count_failures(model, answered, reason, int(count), float(seconds))
             return {"alive": plane.alive, "ready": plane.is_ready}, b""
         if op == "metrics":
             return {}, await plane.metrics_text()
@@ -218,6 +239,41 @@ class EngineServer:
         if op == "shm_status":
             return {"value": await plane.shm_status(name)}, b""
         raise ValueError(f"unknown engine call {op!r}")
+
+    async def _run(
+        self, connection: Connection, header: dict[str, Any], payload: bytes
+    ) -> tuple[dict[str, Any], bytes]:
+        """Tensors a front end decoded: read where it put them (its slot, or the payload),
+        batched and run; the outputs written back into the slot when they fit."""
+        source = connection.slot(header["slot"]) if "slot" in header else memoryview(payload)
+        inputs = {
+            name: unpack_tensor(name, datatype, shape, source[at : at + size])
+            for name, datatype, shape, at, size in header["inputs"]
+        }
+        wanted = [RequestedOutput(name, True, int(k)) for name, k in header["outputs"]]
+        model, version, shaped = await self.plane.run(
+            str(header["name"]),
+            header.get("version"),
+            inputs,
+            int(header["rows"]),
+            wanted,
+            Scheduling(header.get("timeout_us"), int(header.get("priority", 0))),
+            str(header.get("client", "")),
+        )
+        described, chunks, at = [], [], 0
+        for out, array in shaped:
+            datatype, chunk = pack_tensor(out.name, array)
+            described.append([datatype, list(array.shape), at, len(chunk)])
+            chunks.append(chunk)
+            at += len(chunk)
+        reply: dict[str, Any] = {"model": model, "version": version, "outputs": described}
+        if "slot" in header and at <= header["slot"][1]:
+            view, at = connection.slot(header["slot"]), 0
+            for chunk in chunks:
+                view[at : at + len(chunk)] = chunk
+                at += len(chunk)
+            return reply | {"in_slot": True}, b""
+        return reply, b"".join(chunks)
 
 
 async def run(settings: Settings, control: Path) -> int:

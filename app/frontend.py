@@ -15,22 +15,33 @@ requests at once and waits for its own in-flight ones; the engine drains its que
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 
 from app.channel import ChannelClosed, receive, send
-from app.dataplane import Answer, PlaneState, Slot
+from app.dataplane import (
+    THREADED_DECODE_BYTES,
+    Answer,
+    Contract,
+    PlaneState,
+    Slot,
+    decode_infer,
+)
 from app.errors import StokerError, Unavailable
 from app.metrics import http_refusal_counts
+from app.protocol import encode_response, pack_tensor, unpack_tensor
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,55 +58,83 @@ class RemoteError(StokerError):
         self.reason = reason
 
 
+PAGE = 4096
+
+
 class Arena:
-    """Shared memory this front end lends to requests, ``slots`` pieces of ``slot_bytes``."""
+    """Shared memory this front end lends to request bodies: ``slots x slot_bytes`` bytes in
+    4 KiB pages; a body takes the pages it needs (at most ``slot_bytes``), so many small
+    bodies share the arena and a few large ones still fit."""
 
     def __init__(
         self, slots: int, slot_bytes: int, share: int = 1, name: str | None = None
     ) -> None:
         # /dev/shm is a tmpfs with a size (64 MB in a default Docker container): writing past
         # it kills the process with SIGBUS, so the arena takes at most half of what is free,
-        # split over the ``share`` front ends, and fewer slots when that is less.
-        fits = shm_bytes_free() // (2 * max(1, share) * slot_bytes)
-        if fits < slots:
+        # split over the ``share`` front ends.
+        wanted = slots * slot_bytes
+        fits = shm_bytes_free() // (2 * max(1, share))
+        if fits < wanted:
             log.warning(
-                "/dev/shm has room for %d of the %d shared-memory slots of %d bytes; bodies "
-                "that find no slot travel over the control socket (give the container a "
-                "larger /dev/shm: docker --shm-size, or a memory-backed emptyDir)",
+                "/dev/shm has room for %d of the %d bytes of this front end's shared-memory "
+                "arena; bodies that find no room travel over the control socket (give the "
+                "container a larger /dev/shm: docker --shm-size, or a memory-backed emptyDir)",
                 fits,
-                slots,
-                slot_bytes,
+                wanted,
             )
-            slots = int(fits)
-        self.slot_bytes = slot_bytes
+            wanted = int(fits)
+        pages = wanted // PAGE
+        self.slot_bytes = min(slot_bytes, pages * PAGE)
         if name is not None:
             # A fixed name: what a crashed predecessor left is replaced, not leaked.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
         self.memory = shared_memory.SharedMemory(
-            name=name, create=True, size=max(1, slots * slot_bytes)
+            name=name, create=True, size=max(PAGE, pages * PAGE)
         )
-        self._free = list(range(slots))
+        # Free runs of pages, (first page, count), sorted and never adjacent.
+        self._free: list[tuple[int, int]] = [(0, pages)] if pages else []
 
     @property
     def name(self) -> str:
         return self.memory.name
 
+    @property
+    def free_bytes(self) -> int:
+        return sum(count for _, count in self._free) * PAGE
+
     def lend(self, size: int) -> Slot | None:
-        if size > self.slot_bytes or not self._free:
+        """Room for ``size`` bytes (first fit), or None when it is larger than a slot or no
+        run of free pages is long enough."""
+        if size > self.slot_bytes:
             return None
-        index = self._free.pop()
-        start = index * self.slot_bytes
-        assert self.memory.buf is not None
-        return Slot(index, self.memory.buf[start : start + self.slot_bytes])
+        need = max(1, -(-size // PAGE))
+        for i, (first, count) in enumerate(self._free):
+            if count >= need:
+                if count == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (first + need, count - need)
+                start, length = first * PAGE, need * PAGE
+                assert self.memory.buf is not None
+                return Slot(start, self.memory.buf[start : start + length])
+        return None
 
     def give_back(self, slot: Slot) -> None:
-        """Make a slot lendable again (once: a second call is a no-op)."""
+        """Make a slot's pages lendable again (once: a second call is a no-op)."""
         if slot.returned:
             return
         slot.returned = True
+        first, count = slot.offset // PAGE, len(slot.view) // PAGE
         slot.view.release()
-        self._free.append(slot.index)
+        at = bisect.bisect(self._free, (first, 0))
+        if at < len(self._free) and self._free[at][0] == first + count:  # joins the next run
+            count += self._free.pop(at)[1]
+        if at > 0 and sum(self._free[at - 1]) == first:  # and the previous one
+            first, before = self._free[at - 1]
+            self._free[at - 1] = (first, before + count)
+        else:
+            self._free.insert(at, (first, count))
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
@@ -113,6 +152,64 @@ def shm_bytes_free(root: str = "/dev/shm") -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+class ForwardToEngine(Exception):
+    """A request only the engine can decode: it names shared-memory regions."""
+
+
+class EngineRegions:
+    """Stands for the engine's registered shared-memory regions while a front end decodes:
+    a request that names one is sent to the engine as it came (``ForwardToEngine``)."""
+
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
+        raise ForwardToEngine
+
+
+ENGINE_REGIONS = EngineRegions()
+
+
+def address(buffer: bytes | memoryview) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def place_inputs(
+    inputs: dict[str, np.ndarray], slot: Slot | None, body_length: int
+) -> tuple[list[list[Any]], bytes]:
+    """Where the engine finds each input: ``[name, datatype, shape, offset, size]`` in the
+    slot, and the payload (empty when every input is in the slot). Inputs decoded from binary
+    data are views of the slot already and stay where they are; others (JSON) are copied in
+    after the body, or over it when no input lies in it; all go in the payload when they do
+    not fit."""
+    packed = [
+        (name, *pack_tensor(name, array), list(array.shape)) for name, array in inputs.items()
+    ]
+    if slot is not None:
+        capacity = len(slot.view)
+        base = address(slot.view)
+
+        def inside(chunk: bytes | memoryview) -> int | None:
+            at = address(chunk) - base if len(chunk) else 0
+            return at if at >= 0 and at + len(chunk) <= capacity else None
+
+        where = [inside(chunk) for _, _, chunk, _ in packed]
+        cursor = -(-body_length // 64) * 64 if any(at is not None for at in where) else 0
+        copies = [
+            len(chunk) for (_, _, chunk, _), at in zip(packed, where, strict=True) if at is None
+        ]
+        if cursor + sum(copies) <= capacity:
+            described = []
+            for (name, datatype, chunk, shape), at in zip(packed, where, strict=True):
+                if at is None:
+                    slot.view[cursor : cursor + len(chunk)] = chunk
+                    at, cursor = cursor, cursor + len(chunk)
+                described.append([name, datatype, shape, at, len(chunk)])
+            return described, b""
+    described, at = [], 0
+    for name, datatype, chunk, shape in packed:
+        described.append([name, datatype, shape, at, len(chunk)])
+        at += len(chunk)
+    return described, b"".join(chunk for _, _, chunk, _ in packed)
+
+
 class RemotePlane(PlaneState):
     """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
 
@@ -126,6 +223,8 @@ class RemotePlane(PlaneState):
         self._writer: asyncio.StreamWriter | None = None
         self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self._ids = 0
+        self._contracts: dict[tuple[str, str | None], Contract] = {}
+        self._failed: dict[tuple[str, str, str], list[float]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._active = 0
         self._idle = asyncio.Event()
@@ -179,11 +278,23 @@ class RemotePlane(PlaneState):
             counts = http_refusal_counts()
             refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
             refused = [item for item in refused if item[2]]
+            failed = [(key, int(n), total / n) for key, (n, total) in self._failed.items() if n]
             try:
                 self._state, _ = await asyncio.wait_for(
-                    self._call({"op": "state", "refused": refused}), 2.0
+                    self._call(
+                        {
+                            "op": "state",
+                            "refused": refused,
+                            "failed": [[*key, n, mean] for key, n, mean in failed],
+                        }
+                    ),
+                    2.0,
                 )
                 sent = counts
+                for key, n, mean in failed:
+                    entry = self._failed[key]
+                    entry[0] -= n
+                    entry[1] -= n * mean
             except (StokerError, TimeoutError):
                 self._state = {"alive": False, "ready": False}
             await asyncio.sleep(POLL_S)
@@ -329,6 +440,20 @@ class RemotePlane(PlaneState):
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
 
+    async def _contract(self, name: str, version: str | None) -> Contract:
+        """The model version's contract, asked of the engine once (a loaded version's
+        tensors never change while the engine lives; refusals are not kept)."""
+        found = self._contracts.get((name, version))
+        if found is None:
+            found = Contract.from_json(await self._value("describe", name=name, version=version))
+            self._contracts[(name, version)] = found
+        return found
+
+    def _count_failure(self, contract: Contract, reason: str, seconds: float) -> None:
+        entry = self._failed.setdefault((contract.model, contract.version, reason), [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
     async def infer(
         self,
         name: str,
@@ -338,6 +463,69 @@ class RemotePlane(PlaneState):
         slot: Slot | None = None,
         client: str = "",
     ) -> Answer:
+        """Decode and validate the request here, send only its tensors (left where the body
+        put them in the slot, when it has one), and encode the engine's outputs: the engine
+        pays for batching and running, the front ends, in parallel, for the codec."""
+        contract = await self._contract(name, version)
+        started = time.perf_counter()
+        depth = self.settings.limits.max_json_depth
+        decode = partial(decode_infer, contract, body, header_length, depth, ENGINE_REGIONS)
+        try:
+            if len(body) > THREADED_DECODE_BYTES:
+                decoded = await asyncio.to_thread(decode)
+            else:
+                decoded = decode()
+            if any(out.shared is not None for out in decoded.wanted):
+                raise ForwardToEngine
+        except ForwardToEngine:
+            return await self._forward(name, version, body, header_length, slot, client)
+        except StokerError as error:
+            self._count_failure(contract, error.reason, time.perf_counter() - started)
+            raise
+        request = decoded.request
+        described, payload = place_inputs(request.inputs, slot, len(body))
+        header: dict[str, Any] = {
+            "op": "run",
+            "name": contract.model,
+            "version": contract.version,
+            "inputs": described,
+            "rows": decoded.rows,
+            "outputs": [[out.name, out.classification] for out in decoded.wanted],
+            "timeout_us": request.timeout_us,
+            "priority": request.priority,
+            "client": client,
+        }
+        if slot is not None:
+            header["slot"] = [slot.offset, len(slot.view)]
+        try:
+            reply, data = await self._tracked(header, payload, slot)
+        except RemoteError:
+            raise  # the engine counted it
+        except StokerError as error:
+            self._count_failure(contract, error.reason, time.perf_counter() - started)
+            raise
+        source = slot.view if slot is not None and reply.get("in_slot") else memoryview(data)
+        shaped = [
+            (out, unpack_tensor(out.name, datatype, shape, source[at : at + size]))
+            for out, (datatype, shape, at, size) in zip(
+                decoded.wanted, reply["outputs"], strict=True
+            )
+        ]
+        model, answered = reply["model"], reply["version"]
+        content, headers = encode_response(model, answered, request.id, shaped)
+        return Answer(model, answered, request.id, [], headers, content)
+
+    async def _forward(
+        self,
+        name: str,
+        version: str | None,
+        body: bytes | bytearray | memoryview,
+        header_length: int | None,
+        slot: Slot | None,
+        client: str,
+    ) -> Answer:
+        """The body as it came, for the engine to decode: requests that name shared-memory
+        regions (the engine holds the registered regions)."""
         header: dict[str, Any] = {
             "op": "infer",
             "name": name,
@@ -347,7 +535,7 @@ class RemotePlane(PlaneState):
         }
         payload = b""
         if slot is not None and isinstance(body, memoryview):
-            header |= {"slot": slot.index, "length": len(body)}
+            header |= {"slot": [slot.offset, len(slot.view)], "length": len(body)}
         else:
             payload = bytes(body)
         reply, data = await self._tracked(header, payload, slot)
@@ -382,7 +570,7 @@ class RemotePlane(PlaneState):
                 for data in uploads:
                     slot.view[at : at + len(data)] = data
                     at += len(data)
-                header["slot"] = slot.index
+                header["slot"] = [slot.offset, len(slot.view)]
             else:
                 payload = b"".join(uploads)
             reply, data = await self._tracked(header, payload, slot)

@@ -11,12 +11,14 @@ totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
 
 from __future__ import annotations
 
+import bisect
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from engines.devices import nvml
@@ -27,6 +29,70 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 LABELS = ("model", "version")
+
+
+class CountedHistogram(Collector):
+    """A labelled histogram whose ``observe`` takes a count: the requests of one batch share
+    its compute times, so a batch of n requests is one observation of weight n, not n calls
+    (per-request Python is what bounds the engine process). Exposed like a Prometheus
+    histogram: ``_bucket``, ``_sum``, ``_count``."""
+
+    def __init__(
+        self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = labelnames
+        self.bounds = (*buckets, float("inf"))
+        self._series: dict[tuple[str, ...], CountedSeries] = {}
+        self._lock = threading.Lock()
+        REGISTRY.register(self)
+
+    def labels(self, *values: str) -> CountedSeries:
+        with self._lock:
+            series = self._series.get(values)
+            if series is None:
+                series = self._series[values] = CountedSeries(self.bounds)
+            return series
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
+        with self._lock:
+            series = list(self._series.items())
+        for values, one in series:
+            counts, total = one.snapshot()
+            cumulative, buckets = 0.0, []
+            for bound, count in zip(self.bounds, counts, strict=True):
+                cumulative += count
+                buckets.append(
+                    ("+Inf" if bound == float("inf") else repr(float(bound)), cumulative)
+                )
+            family.add_metric(list(values), buckets, total)
+        yield family
+
+
+class CountedSeries:
+    """One label set of a ``CountedHistogram``."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * len(bounds)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, value: float, times: int = 1) -> None:
+        at = bisect.bisect_left(self._bounds, value)
+        with self._lock:
+            self._counts[at] += times
+            self._sum += value * times
+
+    def snapshot(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
+
 
 REQUEST_SUCCESS = Counter(
     "stoker_inference_request_success", "Inference requests answered successfully.", LABELS
@@ -58,19 +124,19 @@ QUEUE_DURATION = Histogram(
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
-COMPUTE_INPUT_DURATION = Histogram(
+COMPUTE_INPUT_DURATION = CountedHistogram(
     "stoker_inference_compute_input_duration_seconds",
     "Per request: forming its batch's inputs (concatenation, host-to-device copies).",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
-COMPUTE_INFER_DURATION = Histogram(
+COMPUTE_INFER_DURATION = CountedHistogram(
     "stoker_inference_compute_infer_duration_seconds",
     "Per request: running its batch on the engine.",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
-COMPUTE_OUTPUT_DURATION = Histogram(
+COMPUTE_OUTPUT_DURATION = CountedHistogram(
     "stoker_inference_compute_output_duration_seconds",
     "Per request: checking and splitting its batch's outputs (device-to-host copies).",
     LABELS,
@@ -232,9 +298,10 @@ class ModelMetrics:
         self._request.observe(seconds)
         self.success.add(seconds)
 
-    def request_failed(self, reason: str, seconds: float) -> None:
-        REQUEST_FAILURE.labels(self.model, self.version, reason).inc()
-        self.fail.add(seconds)
+    def request_failed(self, reason: str, seconds: float, times: int = 1) -> None:
+        """``times`` requests failed for ``reason``, each after ``seconds``."""
+        REQUEST_FAILURE.labels(self.model, self.version, reason).inc(times)
+        self.fail.add(seconds, times)
 
     def images_decoded(self, device: str, count: int) -> None:
         if count:
@@ -256,10 +323,9 @@ class ModelMetrics:
         self._exec_count.inc()
         self._inference_count.inc(times.rows)
         self._batch.observe(times.rows)
-        for _ in range(times.requests):
-            self._input.observe(times.compute_input)
-            self._infer.observe(times.compute_infer)
-            self._output.observe(times.compute_output)
+        self._input.observe(times.compute_input, times.requests)
+        self._infer.observe(times.compute_infer, times.requests)
+        self._output.observe(times.compute_output, times.requests)
         self.compute_input.add(times.compute_input, times.requests)
         self.compute_infer.add(times.compute_infer, times.requests)
         self.compute_output.add(times.compute_output, times.requests)

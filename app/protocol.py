@@ -294,6 +294,22 @@ def encode_response(
     return b"".join([header, *chunks]), headers
 
 
+def pack_tensor(name: str, array: Array) -> tuple[str, bytes | memoryview]:
+    """An array's V2 datatype and its bytes as V2 binary data (little-endian; BYTES elements
+    length-prefixed): zero-copy for a contiguous little-endian array. ``unpack_tensor``
+    reverses it. How tensors cross between processes (``app.engine_process``)."""
+    datatype = _output_datatype(name, array)
+    return datatype, _binary_chunk(name, array, datatype)
+
+
+def unpack_tensor(name: str, datatype: str, shape: Sequence[int], chunk: memoryview) -> Array:
+    """The array ``pack_tensor`` packed: a read-only view of ``chunk`` for fixed-size types."""
+    if datatype not in V2_TO_NUMPY:
+        raise BadRequest(f"tensor {_quote(name)}: unknown datatype {datatype!r}")
+    dims = tuple(int(d) for d in shape)
+    return _from_binary(name, chunk, datatype, prod(dims)).reshape(dims)
+
+
 def classify(scores: Array, k: int, labels: Sequence[str] | None) -> Array:
     """Triton's classification extension: the top-k entries of each row of ``scores``.
 

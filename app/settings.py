@@ -41,11 +41,13 @@ class ServerSettings(BaseModel):
     shm_slot_bytes`` per front end). One event loop takes in about 1 GB/s of bodies and
     1,000 requests/s: a GPU wants 2 to 4."""
     shm_slots: int = Field(default=16, ge=1)
-    """Shared-memory slots per front end: requests of one front end whose bodies travel in
-    shared memory at once; more wait for none, they travel over the control socket."""
+    """Shared-memory arena per front end, in slots: the arena is ``shm_slots x
+    shm_slot_bytes`` bytes, lent to bodies in 4 KiB pages (a 150 KB image takes 37), so it
+    holds many small bodies at once or ``shm_slots`` of the largest. A body that finds no
+    room travels over the control socket."""
     shm_slot_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024)
-    """Size of a slot: the largest body (and answer) that travels in shared memory. 32
-    UINT8 images of 224x224 take 4.8 MB."""
+    """The largest body (and answer) that travels in shared memory. 32 UINT8 images of
+    224x224 take 4.8 MB."""
 
 
 class ModelRepositorySettings(BaseModel):

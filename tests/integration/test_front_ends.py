@@ -1,11 +1,14 @@
 """Front-end processes in front of one engine process (``server.front_ends`` > 1), for real:
 ``stoker serve --front-ends 2`` on a free port, its bodies in shared memory.
 
-Answers are checked against numpy and ONNX Runtime under concurrency well above the
-shared-memory slots (so bodies travel in slots and, when every slot is lent or a body is too
-big for one, over the control socket), metrics keep one set of totals whichever front end
-answers, a killed front end is replaced while the other keeps serving, SIGTERM drains every
-process with no accepted request lost, and the supervisor stops when the engine dies.
+Front ends decode and validate V2 requests themselves and send the engine tensors only.
+Answers are checked against numpy and ONNX Runtime under concurrency well above what the
+shared-memory arena holds (so tensors travel in the arena and, when it is full or a body is too
+big for a slot, over the control socket), in JSON and binary, raw and as classifications;
+metrics keep one set of totals whichever front end answers, a request a front end refuses is
+counted by the engine, a killed front end is replaced while the other keeps serving, SIGTERM
+drains every process with no accepted request lost, and the supervisor stops when the engine
+dies.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ import pytest
 import tritonclient.http as triton
 
 from engines.backends.onnxruntime import cpu_session
-from engines.preprocess import ImagePreprocess, preprocess
+from engines.preprocess import ImagePreprocess, normalize, preprocess
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 ONES = [1.0] * 4
 SLOT_BYTES = 256 * 1024  # one UINT8 224x224 image fits a slot; one FP32 image does not
+# The arena: 2 x 256 KiB per front end, so three UINT8 images fill it.
 ESPRESSO = 967
 
 
@@ -114,6 +118,86 @@ def test_bodies_in_a_slot_and_over_the_socket_answer_alike(
     for name in got:
         np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3, err_msg=name)
         assert int(np.argmax(got[name])) == ESPRESSO
+
+
+def test_more_images_than_the_arena_holds_each_get_their_own_answer(
+    front_ends: Server, efficientnet_dir: Path
+) -> None:
+    """Twelve different UINT8 images at once: three fit a front end's arena, the rest
+    travel over the socket; each answer is ONNX Runtime's for its own image."""
+    rng = np.random.default_rng(11)
+    images = [rng.integers(0, 256, (1, 3, 224, 224), dtype=np.uint8) for _ in range(12)]
+    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
+
+    def one(i: int) -> np.ndarray:
+        client = triton.InferenceServerClient(front_ends.address, network_timeout=120)
+        try:
+            tensor = triton.InferInput("input", [1, 3, 224, 224], "UINT8")
+            tensor.set_data_from_numpy(images[i], binary_data=True)
+            answer: np.ndarray = client.infer("efficientnet_lite0", [tensor]).as_numpy("logits")
+            return answer
+        finally:
+            client.close()
+
+    with ThreadPoolExecutor(12) as pool:
+        answers = list(pool.map(one, range(12)))
+    for image, got in zip(images, answers, strict=True):
+        floats = normalize(image, ImagePreprocess(), np.dtype(np.float32))
+        (want,) = session.run(None, {"input": floats})
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_json_and_classification_answers_are_encoded_by_the_front_end(
+    front_ends: Server, efficientnet_dir: Path, coffee_jpeg: bytes
+) -> None:
+    """A JSON request asking for the top 3 classes in JSON and the logits in binary: what
+    the engine sent back as tensors, encoded in the front end as V2 says."""
+    from app.images import decode
+
+    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
+    floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
+    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
+    (want,) = session.run(None, {"input": floats})
+    client = triton.InferenceServerClient(front_ends.address)
+    try:
+        tensor = triton.InferInput("input", list(pixels.shape), "UINT8")
+        tensor.set_data_from_numpy(pixels, binary_data=False)
+        outputs = [
+            triton.InferRequestedOutput("logits", binary_data=False, class_count=3),
+        ]
+        top = client.infer("efficientnet_lite0", [tensor], outputs=outputs).as_numpy("logits")
+        raw = client.infer(
+            "efficientnet_lite0",
+            [tensor],
+            outputs=[triton.InferRequestedOutput("logits", binary_data=True)],
+        ).as_numpy("logits")
+    finally:
+        client.close()
+    order = np.argsort(-want[0])[:3]
+    entries = [entry.decode() if isinstance(entry, bytes) else entry for entry in top[0]]
+    assert [int(entry.split(":")[1]) for entry in entries] == [int(i) for i in order]
+    assert entries[0].split(":")[2] == "espresso"
+    np.testing.assert_allclose(raw, want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_request_a_front_end_refuses_is_counted_by_the_engine(front_ends: Server) -> None:
+    key = (
+        "stoker_inference_request_failure_total",
+        (("model", "tiny"), ("reason", "invalid"), ("version", "fp32")),
+    )
+    before = metric_samples(front_ends).get(key, 0.0)
+    for _ in range(3):
+        bad = httpx.post(
+            f"{front_ends.url}/v2/models/tiny/infer",
+            json={"inputs": [{"name": "x", "datatype": "INT8", "shape": [1, 4], "data": [1] * 4}]},
+        )
+        assert bad.status_code == 400 and "datatype INT8" in bad.json()["error"]
+    deadline = time.monotonic() + 5
+    while metric_samples(front_ends).get(key, 0.0) - before < 3:
+        assert time.monotonic() < deadline, "the front end's refusals never reached /metrics"
+        time.sleep(0.1)
+    time.sleep(0.6)  # counted once, not again at the next poll
+    assert metric_samples(front_ends)[key] - before == 3
 
 
 def test_uploads_errors_and_metadata_come_from_the_engine(
