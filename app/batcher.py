@@ -65,6 +65,15 @@ class Batch:
         return sum(p.rows for p in self.requests)
 
 
+def expire(pending: Pending, timeout_s: float) -> None:
+    """A request's deadline passed: it is answered 504 now, queued or executing."""
+    if not pending.future.done():
+        where = "executing" if pending.dispatched else "queued"
+        pending.future.set_exception(
+            DeadlineExceeded(f"deadline of {timeout_s:.3f} s exceeded while {where}")
+        )
+
+
 class OutputMismatch(Exception):
     """An engine returned an output whose first dimension is not the batch's row count."""
 
@@ -135,6 +144,11 @@ class Batcher:
         self._work_per_s: float | None = None
         self._queued_work = 0
         self._arrived = asyncio.Event()
+        # Queued rows at which an arrival wakes the dispatcher while it waits out a batch's
+        # delay: below it no batch can be full or reach the largest preferred size, so
+        # re-selecting on every arrival (a scan of the queue each) would change nothing.
+        self._wake_rows = 1
+        self._full_rows = min(self._max_rows, max(self._preferred, default=self._max_rows))
         self._idle = asyncio.Event()
         self._idle.set()
         # Requests queued or executing: what close() waits for, and the pending gauge.
@@ -212,16 +226,18 @@ class Batcher:
         self._queued_work += pending.work
         self._in_flight += 1
         self._idle.clear()
-        self._arrived.set()
+        if self._queued_rows >= self._wake_rows:
+            self._arrived.set()
+        expiry = None
+        if timeout_s is not None:
+            # A timer on the request's own future, not a timeout scope around the wait: one
+            # handle per request instead of a context manager and a task cancellation.
+            expiry = asyncio.get_running_loop().call_later(timeout_s, expire, pending, timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
-                return await pending.future
-        except TimeoutError:
-            where = "executing" if pending.dispatched else "queued"
-            raise DeadlineExceeded(
-                f"deadline of {timeout_s:.3f} s exceeded while {where}"
-            ) from None
+            return await pending.future
         finally:
+            if expiry is not None:
+                expiry.cancel()
             # A request that leaves early (deadline, caller gone) must not reach a runner.
             if not pending.dispatched:
                 self._levels[pending.level].remove(pending)
@@ -242,12 +258,18 @@ class Batcher:
                 self._pool.release(runner)
                 raise
             now = time.monotonic()
+            levels = set()
             for pending in batch.requests:
                 pending.dispatched = True
-                self._levels[pending.level].remove(pending)
+                levels.add(pending.level)
                 self._metrics.queued(now - pending.enqueued)
                 self._virtual = max(self._virtual, pending.start)
                 self._left(pending)
+            for index in levels:  # one pass per level, not a search per request
+                level = self._levels[index]
+                kept = [p for p in level if not p.dispatched]
+                level.clear()
+                level.extend(kept)
             self._queued -= len(batch.requests)
             self._queued_rows -= batch.rows
             self._queued_work -= sum(p.work for p in batch.requests)
@@ -344,11 +366,14 @@ class Batcher:
                 if wait <= 0:
                     return self._cut_to_preferred(batch)
             self._arrived.clear()
+            self._wake_rows = self._full_rows if batch.requests else 1
             try:
                 async with asyncio.timeout(wait):
                     await self._arrived.wait()
             except TimeoutError:
                 pass
+            finally:
+                self._wake_rows = 1
 
     async def _execute(self, runner: Runner, batch: Batch) -> None:
         requests = batch.requests

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from app.channel import ChannelClosed, receive, send
+from app.channel import ChannelClosed, Sender, receive
 from app.dataplane import DataPlane
 from app.errors import StokerError
 from app.metrics import http_refused
@@ -40,7 +40,7 @@ class Connection:
     """One front end: its arena, its requests in progress."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+        self.writer = Sender(writer)
         self.arena: mmap.mmap | None = None
         self.slot_bytes = 0
         self.tasks: dict[int, asyncio.Task[None]] = {}
@@ -88,17 +88,15 @@ class Scheduling:
     priority: int
 
 
-def send_reply(
-    writer: asyncio.StreamWriter, number: int, header: dict[str, Any], data: bytes
-) -> None:
+def send_reply(writer: Sender, number: int, header: dict[str, Any], data: bytes) -> None:
     """Send one answer; one that cannot be encoded is answered 500, never left unanswered."""
     if writer.is_closing():
         return
     try:
-        send(writer, {**header, "id": number}, data)
+        writer.send({**header, "id": number}, data)
     except (TypeError, ValueError) as error:  # orjson: something not JSON in the header
         log.error("engine answer %d could not be encoded: %r", number, error)
-        send(writer, {"error": "internal server error", "status": 500, "id": number})
+        writer.send({"error": "internal server error", "status": 500, "id": number})
 
 
 def finished(connection: Connection, number: int, task: asyncio.Task[None]) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from app.channel import ChannelClosed, receive, send
+from app.channel import ChannelClosed, Sender, receive
 from app.dataplane import (
     THREADED_DECODE_BYTES,
     Answer,
@@ -220,7 +220,7 @@ class RemotePlane(PlaneState):
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
         self._stopping = False
         self._state: dict[str, Any] = {"alive": False, "ready": False}
-        self._writer: asyncio.StreamWriter | None = None
+        self._writer: Sender | None = None
         self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self._ids = 0
         self._contracts: dict[tuple[str, str | None], Contract] = {}
@@ -242,7 +242,7 @@ class RemotePlane(PlaneState):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
-        self._writer = writer
+        self._writer = Sender(writer)
         self._tasks.append(asyncio.create_task(self._read(reader), name="engine-replies"))
         await self._call({"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes})
         self._tasks.append(asyncio.create_task(self._poll(), name="engine-state"))
@@ -309,7 +309,7 @@ class RemotePlane(PlaneState):
             asyncio.get_running_loop().create_future()
         )
         self._waiting[self._ids] = future
-        send(self._writer, {**header, "id": self._ids}, payload)
+        self._writer.send({**header, "id": self._ids}, payload)
         return self._ids, future
 
     async def _call(
@@ -424,7 +424,7 @@ class RemotePlane(PlaneState):
                 slot.engine_holds = False  # answered: the caller gives it back when done
         except asyncio.CancelledError:
             if self._writer is not None and not self._writer.is_closing():
-                send(self._writer, {"op": "cancel", "of": number})
+                self._writer.send({"op": "cancel", "of": number})
             if slot is not None:
                 future.add_done_callback(lambda _: self.arena.give_back(slot))
             raise
