@@ -13,7 +13,8 @@
 # RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; the service runs: BACKEND (torch),
 # ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
 # JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
-# process; N: N front ends before an engine process); SECONDS_PER_WINDOW for gpu_bench.py.
+# process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
+# the naive server; 0 skips); SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -124,6 +125,10 @@ PY
             --model-version fp16 --uint8 --payload v2-binary --rows "${ROWS:-32}" \
             --concurrency none --rate "$rate" --duration "${RATE_DURATION:-8}"
     fi
+    # Batch-1 UINT8 at c=256 against the naive per-request server (the bench starts it).
+    [ "${BATCH1:-1}" = 1 ] && bench "${BATCH1_LIMIT:-60}" service_u8_rows1 --url "$url" --naive \
+        --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
+        --rows 1 --concurrency 256 --duration 5 --warmup 2
     curl -s "$url/metrics" | grep -E "^stoker_gpu_|^stoker_inference_batch_size_(sum|count)" \
         >"$OUT/service_metrics.txt"
     kill -TERM $server 2>/dev/null
