@@ -328,6 +328,8 @@ def main(settings: Settings, control: str) -> None:
         format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
     )
     profile = os.environ.get("STOKER_ENGINE_PROFILE")
+    if os.environ.get("STOKER_PROFILE_DIR"):
+        profile = str(Path(os.environ["STOKER_PROFILE_DIR"]) / "engine.pstats")
     if not profile:
         raise SystemExit(asyncio.run(run(settings, Path(control))))
     # Where the engine's loop spends its time (a diagnostic: pstats file at exit).

@@ -157,7 +157,16 @@ def front_end_main(
             make_plane=lambda: RemotePlane(settings, Path(control), arena),
         )
 
-    raise SystemExit(run_server(settings, make_app, sockets=[listener]))
+    profile = os.environ.get("STOKER_PROFILE_DIR")
+    if not profile:
+        raise SystemExit(run_server(settings, make_app, sockets=[listener]))
+    # Where a front end spends its time (a diagnostic: a pstats file per process at exit).
+    import cProfile
+
+    profiler = cProfile.Profile()
+    code = profiler.runcall(run_server, settings, make_app, sockets=[listener])
+    profiler.dump_stats(Path(profile) / f"front-end-{number}-{os.getpid()}.pstats")
+    raise SystemExit(code)
 
 
 def bind(settings: Settings) -> socket.socket:

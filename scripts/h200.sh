@@ -14,7 +14,8 @@
 # ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
 # JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
 # process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
-# the naive server; 0 skips); SECONDS_PER_WINDOW for gpu_bench.py.
+# the naive server; 0 skips), PROFILE (1: cProfile every server process, summary in
+# profile_summary.txt); SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -94,6 +95,10 @@ if has service; then
     python3 scripts/gpu_repo.py "$repo" >"$OUT/service_repo.log" 2>&1
     port=8123
     url=http://127.0.0.1:$port
+    if [ "${PROFILE:-0}" = 1 ]; then  # cProfile of the engine and every front end
+        mkdir -p "$OUT/profile"
+        export STOKER_PROFILE_DIR=$OUT/profile
+    fi
     STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 400 python3 -m app serve \
         --repository "$repo" --model resnet50 --port $port --front-ends "${FRONT_ENDS:-1}" \
         >"$OUT/service_server.log" 2>&1 &
@@ -134,6 +139,10 @@ PY
     kill -TERM $server 2>/dev/null
     wait $server
     echo "server exit $?"
+    if [ "${PROFILE:-0}" = 1 ]; then
+        unset STOKER_PROFILE_DIR
+        python3 scripts/profile_summary.py "$OUT/profile" --top 25 >"$OUT/profile_summary.txt" 2>&1
+    fi
     unset CUDA_VISIBLE_DEVICES
     if [ -n "$beside" ]; then
         wait "$beside"
@@ -166,4 +175,5 @@ for log in "$OUT"/http_*.log "$OUT"/service_*.log; do
     grep -v -E "^\s*$" "$log"
 done
 [ -f "$OUT/service_metrics.txt" ] && cat "$OUT/service_metrics.txt"
+[ -f "$OUT/profile_summary.txt" ] && head -8 "$OUT/profile_summary.txt"
 [ -f "$OUT/service_server.log" ] && grep -E "loaded and warmed|ERROR|Traceback" "$OUT/service_server.log" | head -5
