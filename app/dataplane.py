@@ -152,6 +152,15 @@ def decode_infer(
     return Decoded(request, rows, wanted)
 
 
+@dataclass(frozen=True)
+class Part:
+    """One decoded request of those ``DataPlane.run`` runs together."""
+
+    inputs: dict[str, np.ndarray]
+    rows: int
+    wanted: Sequence[RequestedOutput]
+
+
 class Scheduling(Protocol):
     """A request's scheduling parameters (an ``InferRequest`` has them)."""
 
@@ -362,9 +371,12 @@ class DataPlane(PlaneState):
 
     # -- inference ----------------------------------------------------------------------
 
-    async def _measured(self, model: LoadedModel, work: Callable[[], Awaitable[T]]) -> T:
-        """Run one request's work, counting its outcome and duration by reason; refuse it
-        with 503 once the server drains, and track it until answered so a drain can wait."""
+    async def _measured(
+        self, model: LoadedModel, work: Callable[[], Awaitable[T]], requests: int = 1
+    ) -> T:
+        """Run the work of one request (or of ``requests`` run together), counting the
+        outcome and duration of each by reason; refuse it with 503 once the server drains,
+        and track it until answered so a drain can wait."""
         started = time.perf_counter()
         self._active += 1
         self._idle.clear()
@@ -373,19 +385,19 @@ class DataPlane(PlaneState):
                 raise Unavailable("server is shutting down; retry on another replica")
             result = await work()
         except StokerError as exc:
-            model.metrics.request_failed(exc.reason, time.perf_counter() - started)
+            model.metrics.request_failed(exc.reason, time.perf_counter() - started, requests)
             raise
         except asyncio.CancelledError:
-            model.metrics.request_failed("cancelled", time.perf_counter() - started)
+            model.metrics.request_failed("cancelled", time.perf_counter() - started, requests)
             raise
         except Exception:
-            model.metrics.request_failed("backend", time.perf_counter() - started)
+            model.metrics.request_failed("backend", time.perf_counter() - started, requests)
             raise
         finally:
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
-        model.metrics.request_succeeded(time.perf_counter() - started)
+        model.metrics.request_succeeded(time.perf_counter() - started, requests)
         return result
 
     def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]:
@@ -452,23 +464,41 @@ class DataPlane(PlaneState):
         self,
         name: str,
         version: str | None,
-        inputs: dict[str, np.ndarray],
-        rows: int,
-        wanted: Sequence[RequestedOutput],
+        parts: Sequence[Part],
         request: Scheduling,
         client: str = "",
-    ) -> tuple[str, str, list[tuple[RequestedOutput, np.ndarray]]]:
-        """A request a front end decoded and validated (``decode_infer``): its tensors
-        through the batcher; the outputs it asked for, shaped, for the front end to encode.
-        Counted and measured as ``infer`` counts them, from here on."""
+    ) -> tuple[str, str, list[list[tuple[RequestedOutput, np.ndarray]]]]:
+        """Requests a front end decoded and validated (``decode_infer``) and gathered: one
+        model, batch key, priority, deadline and client. Their tensors go through the
+        batcher as one entry (rows joined: one queue entry and one future for all of them),
+        and each gets the outputs it asked for, shaped, for the front end to encode. Each
+        request is counted and measured as ``infer`` counts one."""
         model = self.models.get(name, version)
 
-        async def work() -> list[tuple[RequestedOutput, np.ndarray]]:
+        async def work() -> list[list[tuple[RequestedOutput, np.ndarray]]]:
             arrived = time.monotonic()
             model.batcher.admit()
-            return await self._batched(model, inputs, rows, wanted, request, client, arrived)
+            if len(parts) == 1:
+                inputs, rows = parts[0].inputs, parts[0].rows
+            else:
+                inputs = {
+                    key: np.concatenate([part.inputs[key] for part in parts])
+                    for key in parts[0].inputs
+                }
+                rows = sum(part.rows for part in parts)
+            every = [RequestedOutput(t.name, True) for t in model.spec.outputs]
+            raw = await self._batched(model, inputs, rows, every, request, client, arrived)
+            outputs = {out.name: value for out, value in raw}
+            answers, start = [], 0
+            for part in parts:
+                mine = outputs
+                if len(parts) > 1:
+                    mine = {key: value[start : start + part.rows] for key, value in outputs.items()}
+                    start += part.rows
+                answers.append([(out, shape_output(model, out, mine)) for out in part.wanted])
+            return answers
 
-        return model.name, model.version, await self._measured(model, work)
+        return model.name, model.version, await self._measured(model, work, len(parts))
 
     def count_failures(
         self, name: str, version: str, reason: str, count: int, seconds: float

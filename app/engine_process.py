@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from app.channel import ChannelClosed, Sender, receive
-from app.dataplane import DataPlane
+from app.dataplane import DataPlane, Part
 from app.errors import StokerError
 from app.metrics import http_refused
 from app.protocol import RequestedOutput, pack_tensor, unpack_tensor
@@ -241,37 +241,44 @@ class EngineServer:
     async def _run(
         self, connection: Connection, header: dict[str, Any], payload: bytes
     ) -> tuple[dict[str, Any], bytes]:
-        """Tensors a front end decoded: read where it put them (its slot, or the payload),
-        batched and run; the outputs written back into the slot when they fit."""
-        source = connection.slot(header["slot"]) if "slot" in header else memoryview(payload)
-        inputs = {
-            name: unpack_tensor(name, datatype, shape, source[at : at + size])
-            for name, datatype, shape, at, size in header["inputs"]
-        }
-        wanted = [RequestedOutput(name, True, int(k)) for name, k in header["outputs"]]
-        model, version, shaped = await self.plane.run(
+        """Requests a front end decoded and gathered: each read where it put its tensors
+        (its slot, or the payload), run together; each one's outputs written back into its
+        slot when they fit, else into the answer's payload."""
+        items: list[dict[str, Any]] = header["items"]
+        parts = []
+        for item in items:
+            source = connection.slot(item["slot"]) if "slot" in item else memoryview(payload)
+            inputs = {
+                name: unpack_tensor(name, datatype, shape, source[at : at + size])
+                for name, datatype, shape, at, size in item["inputs"]
+            }
+            wanted = [RequestedOutput(name, True, int(k)) for name, k in item["outputs"]]
+            parts.append(Part(inputs, int(item["rows"]), wanted))
+        model, version, answers = await self.plane.run(
             str(header["name"]),
             header.get("version"),
-            inputs,
-            int(header["rows"]),
-            wanted,
+            parts,
             Scheduling(header.get("timeout_us"), int(header.get("priority", 0))),
             str(header.get("client", "")),
         )
-        described, chunks, at = [], [], 0
-        for out, array in shaped:
-            datatype, chunk = pack_tensor(out.name, array)
-            described.append([datatype, list(array.shape), at, len(chunk)])
-            chunks.append(chunk)
-            at += len(chunk)
-        reply: dict[str, Any] = {"model": model, "version": version, "outputs": described}
-        if "slot" in header and at <= header["slot"][1]:
-            view, at = connection.slot(header["slot"]), 0
-            for chunk in chunks:
-                view[at : at + len(chunk)] = chunk
-                at += len(chunk)
-            return reply | {"in_slot": True}, b""
-        return reply, b"".join(chunks)
+        replies, chunks, at = [], [], 0
+        for item, shaped in zip(items, answers, strict=True):
+            packed = [(pack_tensor(out.name, array), array.shape) for out, array in shaped]
+            size = sum(len(chunk) for (_, chunk), _ in packed)
+            in_slot = "slot" in item and size <= item["slot"][1]
+            view = connection.slot(item["slot"]) if in_slot else None
+            where, described = 0 if in_slot else at, []
+            for (datatype, chunk), shape in packed:
+                described.append([datatype, list(shape), where, len(chunk)])
+                if view is not None:
+                    view[where : where + len(chunk)] = chunk
+                else:
+                    chunks.append(chunk)
+                where += len(chunk)
+            if not in_slot:
+                at = where
+            replies.append({"outputs": described, "in_slot": in_slot})
+        return {"model": model, "version": version, "items": replies}, b"".join(chunks)
 
 
 async def run(settings: Settings, control: Path) -> int:

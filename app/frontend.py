@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -210,6 +211,26 @@ def place_inputs(
     return described, b"".join(chunk for _, _, chunk, _ in packed)
 
 
+Reply = asyncio.Future[tuple[dict[str, Any], bytes]]
+CANCELLED_REPLY = {"error": "cancelled", "status": 499, "reason": "cancelled"}
+
+
+@dataclass
+class Gathering:
+    """Decoded requests of one turn of the loop that go to the engine in one frame."""
+
+    shared: dict[str, Any]
+    future: Reply
+    items: list[dict[str, Any]] = field(default_factory=list)
+    payloads: list[bytes] = field(default_factory=list)
+    payload_bytes: int = 0
+    rows: int = 0
+    waiting: int = 0
+    """Requests of it whose callers still wait: when none does, the engine may drop it."""
+    number: int | None = None
+    """Its call number, once sent."""
+
+
 class RemotePlane(PlaneState):
     """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
 
@@ -221,7 +242,9 @@ class RemotePlane(PlaneState):
         self._stopping = False
         self._state: dict[str, Any] = {"alive": False, "ready": False}
         self._writer: Sender | None = None
-        self._waiting: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._waiting: dict[int, Reply] = {}
+        self._gatherings: dict[tuple[Any, ...], Gathering] = {}
+        self._flush_scheduled = False
         self._ids = 0
         self._contracts: dict[tuple[str, str | None], Contract] = {}
         self._failed: dict[tuple[str, str, str], list[float]] = {}
@@ -300,23 +323,21 @@ class RemotePlane(PlaneState):
             await asyncio.sleep(POLL_S)
 
     def _request(
-        self, header: dict[str, Any], payload: bytes = b""
-    ) -> tuple[int, asyncio.Future[tuple[dict[str, Any], bytes]]]:
+        self, header: dict[str, Any], payload: bytes = b"", future: Reply | None = None
+    ) -> int:
+        """Send one call; its answer resolves ``future`` (a new one in ``_waiting``)."""
         if self._writer is None or self._writer.is_closing():
             raise Unavailable("the engine process is not connected")
         self._ids += 1
-        future: asyncio.Future[tuple[dict[str, Any], bytes]] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self._waiting[self._ids] = future
+        self._waiting[self._ids] = future or asyncio.get_running_loop().create_future()
         self._writer.send({**header, "id": self._ids}, payload)
-        return self._ids, future
+        return self._ids
 
     async def _call(
         self, header: dict[str, Any], payload: bytes = b""
     ) -> tuple[dict[str, Any], bytes]:
-        _, future = self._request(header, payload)
-        reply, data = await future
+        number = self._request(header, payload)
+        reply, data = await self._waiting[number]
         if "error" in reply:
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
@@ -415,7 +436,8 @@ class RemotePlane(PlaneState):
         self._active += 1
         self._idle.clear()
         try:
-            number, future = self._request(header, payload)
+            number = self._request(header, payload)
+            future = self._waiting[number]
             if slot is not None:
                 # The engine may read the slot from now until its answer arrives.
                 slot.engine_holds = True
@@ -484,36 +506,125 @@ class RemotePlane(PlaneState):
             raise
         request = decoded.request
         described, payload = place_inputs(request.inputs, slot, len(body))
-        header: dict[str, Any] = {
-            "op": "run",
-            "name": contract.model,
-            "version": contract.version,
+        item: dict[str, Any] = {
             "inputs": described,
             "rows": decoded.rows,
             "outputs": [[out.name, out.classification] for out in decoded.wanted],
+        }
+        if slot is not None and not payload:
+            item["slot"] = [slot.offset, len(slot.view)]
+        shared = {
+            "op": "run",
+            "name": contract.model,
+            "version": contract.version,
             "timeout_us": request.timeout_us,
             "priority": request.priority,
             "client": client,
         }
-        if slot is not None:
-            header["slot"] = [slot.offset, len(slot.view)]
         try:
-            reply, data = await self._tracked(header, payload, slot)
+            reply, data = await self._gathered(contract, shared, item, payload, slot)
         except RemoteError:
             raise  # the engine counted it
         except StokerError as error:
             self._count_failure(contract, error.reason, time.perf_counter() - started)
             raise
-        source = slot.view if slot is not None and reply.get("in_slot") else memoryview(data)
+        source = slot.view if slot is not None and reply["in_slot"] else memoryview(data)
         shaped = [
             (out, unpack_tensor(out.name, datatype, shape, source[at : at + size]))
             for out, (datatype, shape, at, size) in zip(
                 decoded.wanted, reply["outputs"], strict=True
             )
         ]
-        model, answered = reply["model"], reply["version"]
-        content, headers = encode_response(model, answered, request.id, shaped)
-        return Answer(model, answered, request.id, [], headers, content)
+        content, headers = encode_response(contract.model, contract.version, request.id, shaped)
+        return Answer(contract.model, contract.version, request.id, [], headers, content)
+
+    async def _gathered(
+        self,
+        contract: Contract,
+        shared: dict[str, Any],
+        item: dict[str, Any],
+        payload: bytes,
+        slot: Slot | None,
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send a decoded request with the others of this turn of the loop that can share
+        its batch (same model, input row shapes, priority, deadline and client): one frame
+        and one queue entry in the engine for all of them, up to the model's batch size.
+        Returns this request's part of the answer and the answer's payload."""
+        if self.draining:
+            raise Unavailable("server is shutting down; retry on another replica")
+        rows = int(item["rows"])
+        limit = contract.spec.max_batch_size
+        signature = tuple((d[1], tuple(d[2][1:])) for d in item["inputs"])
+        key = (
+            (contract.model, contract.version, shared["timeout_us"], shared["priority"]),
+            shared["client"],
+            signature if limit else object(),  # unbatched models: one request a frame
+        )
+        gathering = self._gatherings.get(key)
+        if gathering is not None and gathering.rows + rows > max(limit, 1):
+            self._send_gathering(key)
+            gathering = None
+        if gathering is None:
+            future = asyncio.get_running_loop().create_future()
+            gathering = self._gatherings[key] = Gathering(shared, future)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._send_gatherings)
+        index = len(gathering.items)
+        if payload:
+            base = gathering.payload_bytes
+            item["inputs"] = [[*d[:3], d[3] + base, d[4]] for d in item["inputs"]]
+            gathering.payloads.append(payload)
+            gathering.payload_bytes += len(payload)
+        gathering.items.append(item)
+        gathering.rows += rows
+        gathering.waiting += 1
+        self._active += 1
+        self._idle.clear()
+        if slot is not None:
+            slot.engine_holds = True  # the engine may read it until the answer arrives
+        try:
+            reply, data = await asyncio.shield(gathering.future)
+            if slot is not None:
+                slot.engine_holds = False  # answered: the caller gives it back when done
+        except asyncio.CancelledError:
+            gathering.waiting -= 1
+            writer = self._writer
+            gone = gathering.waiting == 0 and gathering.number is not None
+            if gone and writer is not None and not writer.is_closing():
+                # Every request of the frame went away: the engine may drop it.
+                writer.send({"op": "cancel", "of": gathering.number})
+            if slot is not None:
+                gathering.future.add_done_callback(lambda _: self.arena.give_back(slot))
+            raise
+        except BaseException:
+            if slot is not None:
+                slot.engine_holds = False  # the engine is gone: nothing reads it any more
+            raise
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+        if "error" in reply:
+            raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
+        part: dict[str, Any] = reply["items"][index]
+        return part, data
+
+    def _send_gatherings(self) -> None:
+        self._flush_scheduled = False
+        for key in list(self._gatherings):
+            self._send_gathering(key)
+
+    def _send_gathering(self, key: tuple[Any, ...]) -> None:
+        gathering = self._gatherings.pop(key)
+        if gathering.waiting == 0:  # all went away before it was sent
+            gathering.future.set_result((CANCELLED_REPLY, b""))
+            return
+        header = {**gathering.shared, "items": gathering.items}
+        try:
+            gathering.number = self._request(header, b"".join(gathering.payloads), gathering.future)
+        except StokerError as error:
+            gathering.future.set_exception(error)
 
     async def _forward(
         self,

@@ -112,7 +112,7 @@ PENDING_REQUESTS = Gauge(
     "Requests accepted by the batcher and not yet answered (queued or executing).",
     LABELS,
 )
-REQUEST_DURATION = Histogram(
+REQUEST_DURATION = CountedHistogram(
     "stoker_inference_request_duration_seconds",
     "From the request's arrival at the model (body read) to its response encoded.",
     LABELS,
@@ -293,10 +293,11 @@ class ModelMetrics:
         for reason in ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"):
             REQUEST_FAILURE.labels(*labels, reason)
 
-    def request_succeeded(self, seconds: float) -> None:
-        self._success.inc()
-        self._request.observe(seconds)
-        self.success.add(seconds)
+    def request_succeeded(self, seconds: float, times: int = 1) -> None:
+        """``times`` requests answered, each after ``seconds``."""
+        self._success.inc(times)
+        self._request.observe(seconds, times)
+        self.success.add(seconds, times)
 
     def request_failed(self, reason: str, seconds: float, times: int = 1) -> None:
         """``times`` requests failed for ``reason``, each after ``seconds``."""

@@ -107,3 +107,46 @@ def test_errors_keep_their_status_and_unknown_calls_are_500(tmp_path: Path) -> N
     got = with_engine(tmp_path, talk)
     assert got[1]["status"] == 404 and "unknown model" in got[1]["error"]
     assert got[2]["status"] == 500 and got[2]["error"] == "internal server error"
+
+
+def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path) -> None:
+    """Three decoded requests of 1, 2 and 3 rows in one frame, their tensors in the payload
+    (no arena): one queue entry (one executed batch of 6 rows), and each item's outputs are
+    its own rows, the third as top-2 classes as it asked."""
+    xs = [np.full((n, 4), float(n), np.float32) for n in (1, 2, 3)]
+    payload, items, at = b"", [], 0
+    for i, x in enumerate(xs):
+        items.append(
+            {
+                "inputs": [["x", "FP32", list(x.shape), at, x.nbytes]],
+                "rows": len(x),
+                "outputs": [["y", 2 if i == 2 else 0]],
+            }
+        )
+        payload += x.tobytes()
+        at += x.nbytes
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        header = {"op": "run", "id": 3, "name": "tiny", "version": None, "items": items}
+        send(writer, header, payload)
+        reply = await receive(reader)
+        send(writer, {"op": "statistics", "id": 4, "name": "tiny"})
+        return reply, await receive(reader)
+
+    (reply, data), (stats, _) = with_engine(tmp_path, talk)
+    assert reply["id"] == 3 and len(reply["items"]) == 3
+    from app.protocol import unpack_tensor
+
+    got = []
+    for part in reply["items"]:
+        assert part["in_slot"] is False
+        ((datatype, shape, start, size),) = part["outputs"]
+        got.append(unpack_tensor("y", datatype, shape, memoryview(data)[start : start + size]))
+    for x, y in zip(xs[:2], got[:2], strict=True):
+        np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+    scores = xs[2] @ TINY_WEIGHTS + TINY_BIAS
+    assert got[2].shape == (3, 2)
+    assert [int(e.split(b":")[1]) for e in got[2][0]] == list(np.argsort(-scores[0])[:2])
+    (model,) = stats["value"]
+    assert model["execution_count"] == 1 and model["inference_count"] == 6
+    assert model["inference_stats"]["success"]["count"] == 3
