@@ -68,7 +68,16 @@ class HandlerContext:
 
 def top_k(scores: np.ndarray, k: int, labels: list[str] | None) -> list[dict[str, Any]]:
     k = min(k, scores.shape[-1])
-    order = np.argsort(-scores, kind="stable")[:k]
+    if k < scores.shape[-1]:
+        # The k best without sorting every class, ties in index order as a stable sort
+        # gives them: all better than the k-th score, then the first of those equal to it.
+        negated = -scores
+        kth = np.partition(negated, k - 1)[k - 1]
+        above = np.flatnonzero(negated < kth)
+        best = np.concatenate([above, np.flatnonzero(negated == kth)[: k - len(above)]])
+        order = best[np.lexsort((best, negated[best]))]
+    if k == scores.shape[-1] or len(order) < k:  # all of them, or NaN among the scores
+        order = np.argsort(-scores, kind="stable")[:k]
     return [
         {
             "label": labels[i] if labels and i < len(labels) else str(i),

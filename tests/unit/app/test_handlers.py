@@ -150,3 +150,14 @@ def test_a_model_that_is_not_an_image_classifier_serves_uploads_through_its_hand
     assert [a["sum"] for a in answers] == [10.0, 0.5, -4.0]
     x = np.array([[1, 2, 3, 4], [0.5, 0, 0, 0], [-1, -1, -1, -1]], np.float32)
     np.testing.assert_allclose([a["y"] for a in answers], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+
+
+def test_top_k_orders_as_a_stable_sort_of_every_class_ties_included() -> None:
+    rng = np.random.default_rng(3)
+    for k in (1, 5, 999, 1000, 2000):
+        scores = rng.integers(0, 50, 1000).astype(np.float32)  # many ties
+        for nan in (False, True):
+            if nan:
+                scores[7] = np.nan
+            got = [entry["index"] for entry in top_k(scores, k, None)]
+            assert got == [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
