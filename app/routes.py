@@ -286,6 +286,12 @@ INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
     responses=INFER_RESPONSES,
 )
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    return await infer_response(request, name, version)
+
+
+async def infer_response(request: Request, name: str, version: str | None) -> Response:
+    """A V2 inference request's response (raises ``StokerError`` for the error answers):
+    the route's work, which ``app.server.InferFastPath`` calls without FastAPI's routing."""
     plane = plane_of(request)
     await plane.check(name, version)  # 404 or 503 before the body is read
     length = header_length(request)
