@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
+from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Unavailable
 from app.metrics import BatchTimes, ModelMetrics
 from app.pool import RunnerPool
 from app.repository import DynamicBatching
-from engines.base import FatalEngineError, Runner
+from engines.base import FatalEngineError, Runner, out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -391,11 +391,17 @@ class Batcher:
                 type(exc).__name__,
                 exc,
             )
+            failure: StokerError = EngineError(f"inference failed: {type(exc).__name__}: {exc}")
+            if out_of_memory(exc) and not isinstance(exc, FatalEngineError):
+                # Out of memory is this batch's answer, not the runner's end: 503, so the
+                # client retries (here, once memory is free, or on another replica).
+                failure = Unavailable(
+                    f"out of memory for a batch of {batch.rows} rows of model "
+                    f"{self._metrics.model!r}; retry"
+                )
             for pending in requests:
                 if not pending.future.done():
-                    pending.future.set_exception(
-                        EngineError(f"inference failed: {type(exc).__name__}: {exc}")
-                    )
+                    pending.future.set_exception(failure)
             if isinstance(exc, FatalEngineError):
                 self._fail(exc)
         else:

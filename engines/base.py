@@ -79,5 +79,23 @@ class FatalEngineError(Exception):
     """
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """Whether a runner's error is an allocation that failed (torch's ``OutOfMemoryError``,
+    CUDA's ``cudaErrorMemoryAllocation``, ONNX Runtime's failed allocation, ``MemoryError``):
+    this batch did not fit the memory left, which says nothing of the next one."""
+    if isinstance(error, MemoryError):
+        return True
+    text = f"{type(error).__name__} {error}".lower()
+    return any(
+        mark in text
+        for mark in (
+            "outofmemoryerror",
+            "out of memory",
+            "cudaerrormemoryallocation",
+            "failed to allocate memory",
+        )
+    )
+
+
 class Loader(Protocol):
     def __call__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> Engine: ...

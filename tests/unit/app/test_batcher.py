@@ -36,6 +36,8 @@ class FakeRunner:
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.engine.gate.wait(timeout=10)
         x = inputs["x"]
+        if self.engine.fits is not None and len(x) > self.engine.fits:
+            raise self.engine.too_big(f"cannot allocate {len(x)} rows")
         self.engine.batches.append(x.copy())
         y = x * 2
         if self.engine.drop_a_row:
@@ -56,6 +58,9 @@ class FakeEngine:
         self.gate.set()
         self.batches: list[np.ndarray] = []
         self.drop_a_row = False
+        self.fits: int | None = None
+        """Batches of more rows raise ``too_big`` (an allocation that failed)."""
+        self.too_big: Callable[[str], Exception] = MemoryError
 
     def new_runner(self) -> FakeRunner:
         return FakeRunner(self)
@@ -258,6 +263,37 @@ def test_output_with_wrong_rows_fails_that_batch_only() -> None:
             await infer(batcher, rows(2))
         engine.drop_a_row = False
         np.testing.assert_array_equal(await infer(batcher, rows(2)), rows(2) * 2)
+
+    run(scenario, max_queue_delay_us=0)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda text: __import__("torch").cuda.OutOfMemoryError(f"CUDA out of memory: {text}"),
+        lambda text: RuntimeError(f"Failed to allocate memory for requested buffer: {text}"),
+        MemoryError,
+    ],
+    ids=["torch", "onnxruntime", "MemoryError"],
+)
+def test_out_of_memory_fails_that_batch_with_503_and_the_runner_serves_on(
+    error: Callable[[str], Exception],
+) -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        engine.fits, engine.too_big = 4, error
+        with pytest.raises(Unavailable, match="out of memory for a batch of 6 rows"):
+            await infer(batcher, rows(6))
+        np.testing.assert_array_equal(await infer(batcher, rows(3)), rows(3) * 2)
+        assert batcher.failed is None
+
+    run(scenario, max_queue_delay_us=0)
+
+
+def test_an_error_that_is_not_about_memory_stays_a_500() -> None:
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        engine.fits, engine.too_big = 4, ValueError
+        with pytest.raises(EngineError, match="inference failed: ValueError"):
+            await infer(batcher, rows(6))
 
     run(scenario, max_queue_delay_us=0)
 
