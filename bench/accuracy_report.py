@@ -12,6 +12,9 @@ import dataclasses
 import hashlib
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -82,13 +85,48 @@ def rows_of(files: list[Path], prep: ImagePreprocess) -> np.ndarray:
     return np.stack(rows)
 
 
+RESIDENT_PROBE = """
+import os, sys
+import numpy as np
+import onnxruntime as ort
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+batch = np.load(sys.argv[3])
+options = ort.SessionOptions()
+options.intra_op_num_threads = int(sys.argv[2])
+before = resident()
+session = ort.InferenceSession(sys.argv[1], options, providers=["CPUExecutionProvider"])
+session.run(None, {sys.argv[4]: batch})
+print(resident() - before)
+"""
+
+
+def resident_cost(path: Path, input_name: str, batch: np.ndarray) -> int | None:
+    """Resident memory a fresh process grows by when it loads ``path`` in ONNX Runtime and
+    runs ``batch`` once (weights, arena, buffers): measured in a process of its own, because
+    in this one the sessions before it leave freed memory that the next one reuses. None
+    where ``/proc`` does not exist."""
+    if not Path("/proc/self/statm").exists():
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        saved = Path(scratch) / "batch.npy"
+        np.save(saved, batch)
+        threads = str(os.cpu_count() or 1)
+        probe = [sys.executable, "-c", RESIDENT_PROBE, str(path), threads, str(saved), input_name]
+        done = subprocess.run(probe, capture_output=True, text=True, check=True, timeout=600)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
 def throughput(
     models: dict[str, Path], row: np.ndarray, input_name: str, batches: list[int], rounds: int = 5
-) -> dict[str, dict[int, float]]:
-    """Images per second per model and batch size. A shared, noisy machine drifts over a
-    run, so the models are timed in interleaved rounds (every model once per round) and each
-    figure is the median of its rounds."""
+) -> tuple[dict[str, dict[int, float]], dict[str, int | None]]:
+    """Images per second per model and batch size, and the resident memory each model costs
+    once loaded and run at the largest batch (``resident_cost``). A shared, noisy machine drifts
+    over a run, so the models are timed in interleaved rounds (every model once per round)
+    and each figure is the median of its rounds."""
     threads = os.cpu_count() or 1
+    largest = np.repeat(row[None], max(batches), axis=0)
+    memory = {name: resident_cost(path, input_name, largest) for name, path in models.items()}
     sessions = {name: accuracy.session(path, threads=threads) for name, path in models.items()}
     samples: dict[tuple[str, int], list[float]] = {}
     for batch in batches:
@@ -104,10 +142,11 @@ def throughput(
                 rate = batch * runs / (time.perf_counter() - started)
                 samples.setdefault((name, batch), []).append(rate)
             print(f"  img/s at batch {batch}: round {round_}/{rounds}")
-    return {
+    speeds = {
         name: {batch: statistics.median(samples[(name, batch)]) for batch in batches}
         for name in models
     }
+    return speeds, memory
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -194,11 +233,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         results.append(result)
         paths[name] = path
     print(f"timing {len(paths)} variants at batch {', '.join(map(str, batches))}")
-    speeds = throughput(paths, data[0], plan.input_name, batches)
+    speeds, memory = throughput(paths, data[0], plan.input_name, batches)
     for result in results:
         gate = result.pop("gate")
         for batch in batches:
             result[f"img/s@{batch}"] = speeds[result["precision"]][batch]
+        name = result["precision"]
+        result["model MB"] = paths[name].stat().st_size / 1e6
+        resident = memory[name]
+        result[f"resident MB@{max(batches)}"] = "-" if resident is None else resident / 1e6
         result["gate"] = gate
     args.out.mkdir(parents=True, exist_ok=True)
     header = (
@@ -206,7 +249,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
         f"calibration: {calibration_note}; INT8 recipe {chosen.describe()}; backend "
         f"{backend}; {os.cpu_count()} CPU threads; img/s are medians of 5 interleaved "
-        f"rounds; {time.strftime('%Y-%m-%d')}.\n\n"
+        f"rounds; model MB: the ONNX file; resident MB: what a fresh process grew by when it "
+        f"loaded the variant in ONNX Runtime and ran it once at batch {max(batches)} "
+        f"(weights, arena, buffers); {time.strftime('%Y-%m-%d')}.\n\n"
     )
     table = markdown_table(results)
     (args.out / "accuracy.md").write_text(header + table)
@@ -236,7 +281,8 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         for column in columns:
             value = result.get(column, "")
             if isinstance(value, float):
-                value = f"{value:.1f}" if column.startswith("img/s") else f"{value:.4f}"
+                wide = column.startswith(("img/s", "model MB", "resident MB"))
+                value = f"{value:.1f}" if wide else f"{value:.4f}"
             cells.append(str(value))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -48,5 +48,12 @@ def test_accuracy_report_compares_precisions_and_calibrators(
     fp32 = rows[0].split("|")
     assert fp32[2].strip() == "1.0000" and fp32[3].strip() == "0.0000"
     assert float(fp32[4]) >= 0.5  # top-1 of the espresso and tabby crops
+    columns = [c.strip() for c in table.splitlines()[4].split("|")]
+    model_mb = float(fp32[columns.index("model MB")])
+    resident = float(fp32[columns.index("resident MB@1")])
+    # EfficientNet-Lite0 FP32 weighs ~19 MB; its session holds at least its weights.
+    assert 10 < model_mb < 40 and resident >= 0.5 * model_mb
+    int8 = rows[1].split("|")
+    assert float(int8[columns.index("model MB")]) < 0.5 * model_mb
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert "img/s at batch 1: round 5/5" in capsys.readouterr().out
