@@ -51,6 +51,9 @@ class Pending:
     cost when a dimension is dynamic)."""
     start: float = 0.0
     """Its start tag in the fair order (start-time fair queuing by rows, per client)."""
+    requests: int = 1
+    """Client requests it stands for (a front end gathers several into one entry): what the
+    queue bound, the pending gauge and the per-request metrics count."""
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
@@ -108,7 +111,7 @@ def run_batch(
     finished = time.perf_counter()
     return split, BatchTimes(
         rows=sum(rows),
-        requests=len(rows),
+        requests=len(rows),  # entries; ``_execute`` counts the requests they stand for
         compute_input=ran - start,
         compute_infer=done - ran,
         compute_output=finished - done,
@@ -179,14 +182,15 @@ class Batcher:
             priority = self._policy.default_priority_level or levels
         return min(priority, levels) - 1
 
-    def admit(self) -> None:
-        """Raise now what ``infer`` would refuse with (503 failed or closing, 429 full), so that
-        a caller can refuse before spending CPU on decoding a request it cannot queue."""
+    def admit(self, requests: int = 1) -> None:
+        """Raise now what ``infer`` would refuse ``requests`` with (503 failed or closing, 429
+        full), so that a caller can refuse before spending CPU on decoding what it cannot
+        queue."""
         if self.failed is not None:
             raise Unavailable(f"model {self._metrics.model!r} failed; retry on another replica")
         if self._closing:
             raise Unavailable(f"model {self._metrics.model!r} is not accepting requests")
-        if self._queued >= self._policy.max_queue_size:
+        if self._queued + requests > self._policy.max_queue_size:
             raise QueueFull(
                 f"queue of model {self._metrics.model!r} is full "
                 f"({self._policy.max_queue_size} requests); retry later"
@@ -200,11 +204,13 @@ class Batcher:
         timeout_s: float | None,
         priority: int = 0,
         client: str = "",
+        requests: int = 1,
     ) -> Tensors:
-        """Queue one request and wait for its outputs, split to its own rows. ``client``
-        (an address) is whom it is fair to: a client with many requests waiting does not
-        delay one with few by more than about one of its own requests per batch."""
-        self.admit()
+        """Queue one request (or ``requests`` gathered into one entry, their rows joined)
+        and wait for its outputs, split to its own rows. ``client`` (an address) is whom it
+        is fair to: a client with many requests waiting does not delay one with few by more
+        than about one of its own requests per batch."""
+        self.admit(requests)
         pending = Pending(
             inputs=inputs,
             rows=rows,
@@ -215,16 +221,17 @@ class Batcher:
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             client=client,
             work=sum(int(np.size(value)) for value in inputs.values()),
+            requests=requests,
         )
         self._admit_rows(rows, client)
         pending.start = max(self._finish.get(client, 0.0), self._virtual)
         self._finish[client] = pending.start + rows
         self._waiting[client] = self._waiting.get(client, 0) + 1
         self._levels[pending.level].append(pending)
-        self._queued += 1
+        self._queued += requests
         self._queued_rows += rows
         self._queued_work += pending.work
-        self._in_flight += 1
+        self._in_flight += requests
         self._idle.clear()
         if self._queued_rows >= self._wake_rows:
             self._arrived.set()
@@ -241,11 +248,11 @@ class Batcher:
             # A request that leaves early (deadline, caller gone) must not reach a runner.
             if not pending.dispatched:
                 self._levels[pending.level].remove(pending)
-                self._queued -= 1
+                self._queued -= pending.requests
                 self._queued_rows -= pending.rows
                 self._queued_work -= pending.work
                 self._left(pending)
-            self._in_flight -= 1
+            self._in_flight -= pending.requests
             if self._in_flight == 0:
                 self._idle.set()
 
@@ -262,7 +269,7 @@ class Batcher:
             for pending in batch.requests:
                 pending.dispatched = True
                 levels.add(pending.level)
-                self._metrics.queued(now - pending.enqueued)
+                self._metrics.queued(now - pending.enqueued, pending.requests)
                 self._virtual = max(self._virtual, pending.start)
                 self._left(pending)
             for index in levels:  # one pass per level, not a search per request
@@ -270,7 +277,7 @@ class Batcher:
                 kept = [p for p in level if not p.dispatched]
                 level.clear()
                 level.extend(kept)
-            self._queued -= len(batch.requests)
+            self._queued -= sum(p.requests for p in batch.requests)
             self._queued_rows -= batch.rows
             self._queued_work -= sum(p.work for p in batch.requests)
             task = asyncio.create_task(self._execute(runner, batch))
@@ -333,16 +340,21 @@ class Batcher:
         if not self._batched:
             batch.requests.append(first)
             return batch, True
-        rows = 0
+        rows, overflow = 0, False
         for level in ordered:
             for pending in level:
                 if pending.key != first.key or pending.expired(now):
                     continue
                 if rows + pending.rows > self._max_rows:
-                    return batch, True
+                    # It waits for the next batch (where it is the oldest); a smaller entry
+                    # behind it may still fill this one (gathered entries are not split).
+                    overflow = True
+                    continue
                 batch.requests.append(pending)
                 rows += pending.rows
-        return batch, rows == self._max_rows
+                if rows == self._max_rows:
+                    return batch, True
+        return batch, overflow
 
     def _cut_to_preferred(self, batch: Batch) -> Batch:
         rows, cut = 0, 0
@@ -405,6 +417,7 @@ class Batcher:
             if isinstance(exc, FatalEngineError):
                 self._fail(exc)
         else:
+            times.requests = sum(p.requests for p in requests)
             self._metrics.batch_executed(times)
             seconds = times.compute_input + times.compute_infer + times.compute_output
             work = sum(p.work for p in requests)

@@ -25,15 +25,6 @@ class ChannelClosed(ConnectionError):
     """The other process went away."""
 
 
-def send(writer: asyncio.StreamWriter, header: dict[str, Any], payload: bytes = b"") -> None:
-    """Queue one frame (written whole: no await between its parts, so tasks never interleave
-    frames on one connection)."""
-    encoded = orjson.dumps(header)
-    writer.write(_LENGTHS.pack(len(encoded), len(payload)) + encoded)
-    if payload:
-        writer.write(payload)
-
-
 class Sender:
     """The frames of one turn of the event loop, written in one go at its end.
 

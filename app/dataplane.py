@@ -161,15 +161,6 @@ class Part:
     wanted: Sequence[RequestedOutput]
 
 
-class Scheduling(Protocol):
-    """A request's scheduling parameters (an ``InferRequest`` has them)."""
-
-    @property
-    def timeout_us(self) -> int | None: ...
-    @property
-    def priority(self) -> int: ...
-
-
 class Plane(Protocol):
     """What the routes call: this process's ``DataPlane``, or, in a front-end process, the
     ``app.frontend.RemotePlane`` that forwards to the engine process."""
@@ -445,7 +436,13 @@ class DataPlane(PlaneState):
                 decoded = decode()
             request = decoded.request
             shaped = await self._batched(
-                model, request.inputs, decoded.rows, decoded.wanted, request, client, arrived
+                model,
+                request.inputs,
+                decoded.rows,
+                decoded.wanted,
+                (request.timeout_us, request.priority),
+                client,
+                arrived,
             )
             # Encoded here, inside the measured work: an output region too small for its
             # output is this request's 400, counted as such, not a success.
@@ -465,7 +462,8 @@ class DataPlane(PlaneState):
         name: str,
         version: str | None,
         parts: Sequence[Part],
-        request: Scheduling,
+        timeout_us: int | None,
+        priority: int,
         client: str = "",
     ) -> tuple[str, str, list[list[tuple[RequestedOutput, np.ndarray]]]]:
         """Requests a front end decoded and validated (``decode_infer``) and gathered: one
@@ -477,7 +475,7 @@ class DataPlane(PlaneState):
 
         async def work() -> list[list[tuple[RequestedOutput, np.ndarray]]]:
             arrived = time.monotonic()
-            model.batcher.admit()
+            model.batcher.admit(len(parts))
             if len(parts) == 1:
                 inputs, rows = parts[0].inputs, parts[0].rows
             else:
@@ -487,7 +485,9 @@ class DataPlane(PlaneState):
                 }
                 rows = sum(part.rows for part in parts)
             every = [RequestedOutput(t.name, True) for t in model.spec.outputs]
-            raw = await self._batched(model, inputs, rows, every, request, client, arrived)
+            raw = await self._batched(
+                model, inputs, rows, every, (timeout_us, priority), client, arrived, len(parts)
+            )
             outputs = {out.name: value for out, value in raw}
             answers, start = [], 0
             for part in parts:
@@ -514,16 +514,19 @@ class DataPlane(PlaneState):
         inputs: dict[str, np.ndarray],
         rows: int,
         wanted: Sequence[RequestedOutput],
-        request: Scheduling,
+        scheduling: tuple[int | None, int],
         client: str,
         arrived: float,
+        requests: int = 1,
     ) -> list[tuple[RequestedOutput, np.ndarray]]:
+        """Through the batcher; ``scheduling``: the request's timeout (us) and priority."""
+        timeout_us, priority = scheduling
         # The key of what the engine gets: normalised pixels batch with FP32 requests.
         engine_inputs = model.inputs.for_engine(inputs)
         key = batch_key(model.spec, engine_inputs)
-        timeout = time_left(model.timeout_s(request.timeout_us), arrived)
+        timeout = time_left(model.timeout_s(timeout_us), arrived)
         outputs = await model.batcher.infer(
-            engine_inputs, rows, key, timeout, request.priority, client
+            engine_inputs, rows, key, timeout, priority, client, requests
         )
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 

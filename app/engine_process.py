@@ -18,7 +18,6 @@ import logging
 import mmap
 import os
 import signal
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -78,14 +77,6 @@ class Connection:
 
 
 CANCELLED = {"error": "cancelled", "status": 499, "reason": "cancelled"}
-
-
-@dataclass(frozen=True)
-class Scheduling:
-    """A decoded request's timeout and priority, as the front end sent them."""
-
-    timeout_us: int | None
-    priority: int
 
 
 def send_reply(writer: Sender, number: int, header: dict[str, Any], data: bytes) -> None:
@@ -258,7 +249,8 @@ class EngineServer:
             str(header["name"]),
             header.get("version"),
             parts,
-            Scheduling(header.get("timeout_us"), int(header.get("priority", 0))),
+            header.get("timeout_us"),
+            int(header.get("priority", 0)),
             str(header.get("client", "")),
         )
         replies, chunks, at = [], [], 0

@@ -40,7 +40,7 @@ from app.dataplane import (
     Slot,
     decode_infer,
 )
-from app.errors import StokerError, Unavailable
+from app.errors import EngineError, StokerError, Unavailable
 from app.metrics import http_refusal_counts
 from app.protocol import encode_response, pack_tensor, unpack_tensor
 from app.settings import Settings
@@ -85,7 +85,8 @@ class Arena:
             )
             wanted = int(fits)
         pages = wanted // PAGE
-        self.slot_bytes = min(slot_bytes, pages * PAGE)
+        # Whole pages: a body lent the pages it needs never exceeds what the engine allows.
+        self.slot_bytes = min(slot_bytes, pages * PAGE) // PAGE * PAGE
         if name is not None:
             # A fixed name: what a crashed predecessor left is replaced, not leaked.
             with contextlib.suppress(FileNotFoundError):
@@ -325,12 +326,13 @@ class RemotePlane(PlaneState):
     def _request(
         self, header: dict[str, Any], payload: bytes = b"", future: Reply | None = None
     ) -> int:
-        """Send one call; its answer resolves ``future`` (a new one in ``_waiting``)."""
+        """Send one call; its answer resolves ``future`` (a new one in ``_waiting``). What
+        cannot be sent raises, and then nothing waits for an answer."""
         if self._writer is None or self._writer.is_closing():
             raise Unavailable("the engine process is not connected")
         self._ids += 1
-        self._waiting[self._ids] = future or asyncio.get_running_loop().create_future()
         self._writer.send({**header, "id": self._ids}, payload)
+        self._waiting[self._ids] = future or asyncio.get_running_loop().create_future()
         return self._ids
 
     async def _call(
@@ -554,7 +556,8 @@ class RemotePlane(PlaneState):
             raise Unavailable("server is shutting down; retry on another replica")
         rows = int(item["rows"])
         limit = contract.spec.max_batch_size
-        signature = tuple((d[1], tuple(d[2][1:])) for d in item["inputs"])
+        # The engine joins gathered inputs by name: the same names, datatypes, row shapes.
+        signature = tuple(sorted((d[0], d[1], tuple(d[2][1:])) for d in item["inputs"]))
         key = (
             (contract.model, contract.version, shared["timeout_us"], shared["priority"]),
             shared["client"],
@@ -617,14 +620,23 @@ class RemotePlane(PlaneState):
 
     def _send_gathering(self, key: tuple[Any, ...]) -> None:
         gathering = self._gatherings.pop(key)
-        if gathering.waiting == 0:  # all went away before it was sent
+        if gathering.waiting == 0:  # all went away before it was sent: the engine never knew
+            shared = gathering.shared
+            entry = self._failed.setdefault(
+                (shared["name"], shared["version"], "cancelled"), [0, 0.0]
+            )
+            entry[0] += len(gathering.items)
             gathering.future.set_result((CANCELLED_REPLY, b""))
             return
         header = {**gathering.shared, "items": gathering.items}
         try:
-            gathering.number = self._request(header, b"".join(gathering.payloads), gathering.future)
+            payload = b"".join(gathering.payloads)
+            gathering.number = self._request(header, payload, gathering.future)
         except StokerError as error:
             gathering.future.set_exception(error)
+        except Exception as error:  # a header orjson cannot encode: a bug, answered as one
+            log.error("a frame for the engine could not be sent: %r", error)
+            gathering.future.set_exception(EngineError("internal server error"))
 
     async def _forward(
         self,

@@ -114,11 +114,12 @@ PENDING_REQUESTS = Gauge(
 )
 REQUEST_DURATION = CountedHistogram(
     "stoker_inference_request_duration_seconds",
-    "From the request's arrival at the model (body read) to its response encoded.",
+    "From the request's arrival at the model (body read) to its response encoded; with "
+    "front ends, from its arrival in the engine (decoded by the front end) to its outputs.",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
-QUEUE_DURATION = Histogram(
+QUEUE_DURATION = CountedHistogram(
     "stoker_inference_queue_duration_seconds",
     "Time a request waited in the batcher queue before its batch was dispatched.",
     LABELS,
@@ -311,9 +312,10 @@ class ModelMetrics:
     def decode_batch(self, images: int) -> None:
         self._decode_batch.observe(images)
 
-    def queued(self, seconds: float) -> None:
-        self._queue.observe(seconds)
-        self.queue.add(seconds)
+    def queued(self, seconds: float, times: int = 1) -> None:
+        """``times`` requests waited ``seconds`` in the queue (one gathered entry)."""
+        self._queue.observe(seconds, times)
+        self.queue.add(seconds, times)
 
     def count_pending(self, source: Callable[[], int]) -> None:
         """The pending-requests gauge reads ``source`` (the batcher's own count of its queued

@@ -398,3 +398,24 @@ def test_the_deadline_counts_from_arrival_so_decoding_spends_it(server: Server) 
     assert answer.status_code == 504
     assert answer.json() == {"error": "deadline of 0.1 ms passed while decoding"}
     assert metric_samples(server).get(key, 0.0) == before
+
+
+def test_the_infer_path_answers_what_its_route_declares(server: Server) -> None:
+    """``POST .../infer`` is answered without FastAPI's router (``InferFastPath``): the
+    path is decoded as the router decodes it, and what is not a POST on an infer path still
+    gets the router's answers."""
+    url = server.url
+    good = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}]}
+    encoded = httpx.post(f"{url}/v2/models/t%69ny/versions/fp32/infer", json=good)
+    assert encoded.status_code == 200 and encoded.json()["model_name"] == "tiny"
+    wrong_method = httpx.get(f"{url}/v2/models/tiny/infer")
+    assert wrong_method.status_code == 405 and set(wrong_method.json()) == {"error"}
+    bad_length = httpx.post(
+        f"{url}/v2/models/tiny/infer",
+        json=good,
+        headers={"Inference-Header-Content-Length": "many"},
+    )
+    assert bad_length.status_code == 400
+    assert bad_length.json() == {"error": "inference-header-content-length must be an integer"}
+    empty_version = httpx.post(f"{url}/v2/models/tiny/versions//infer", json=good)
+    assert empty_version.status_code == 404 and set(empty_version.json()) == {"error"}

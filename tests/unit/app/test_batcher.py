@@ -392,3 +392,42 @@ def test_one_client_keeps_arrival_order() -> None:
 
     engine = run(scenario, max_queue_delay_us=0)
     assert [b[0, 0] for b in engine.batches[1:]] == [0.0, 20.0]
+
+
+def test_a_gathered_entry_counts_as_the_requests_it_stands_for() -> None:
+    """One entry standing for 3 requests (a front end's gathering): the queue bound and the
+    metrics count 3 requests, the batch its rows."""
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        gathered = asyncio.create_task(batcher.infer({"x": rows(3)}, 3, ((1,),), 5.0, requests=3))
+        await asyncio.sleep(0.02)
+        assert batcher.queued == 3
+        with pytest.raises(QueueFull):  # max_queue_size 4: one more request fits, not two
+            await batcher.infer({"x": rows(2)}, 2, ((1,),), 5.0, requests=2)
+        engine.gate.set()
+        np.testing.assert_array_equal((await gathered)["y"], rows(3) * 2)
+        await first
+        stats = batcher._metrics.statistics()["inference_stats"]
+        assert isinstance(stats, dict)
+        assert stats["queue"]["count"] == 4  # the blocker and the three
+        assert stats["compute_infer"]["count"] == 4
+
+    run(scenario, max_queue_delay_us=0, max_queue_size=4)
+
+
+def test_an_entry_that_does_not_fit_waits_while_a_smaller_one_fills_the_batch() -> None:
+    """Entries are not split: with 5, 5 and 3 rows queued and 8 to a batch, the first batch
+    takes 5 + 3 and the second 5 (not 5, then 5, then 3)."""
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        first = await occupy(batcher, engine)
+        tasks = [asyncio.create_task(infer(batcher, rows(n, 10 * n))) for n in (5, 5, 3)]
+        await asyncio.sleep(0.02)
+        engine.gate.set()
+        for task, n in zip(tasks, (5, 5, 3), strict=True):
+            np.testing.assert_array_equal(await task, rows(n, 10 * n) * 2)
+        await first
+
+    engine = run(scenario, max_queue_delay_us=0)
+    assert batch_sizes(engine) == [1, 8, 5]

@@ -14,7 +14,7 @@ import onnx
 import orjson
 import yaml
 
-from app.channel import receive, send
+from app.channel import Sender, receive
 from app.dataplane import DataPlane
 from app.engine_process import EngineServer
 from app.settings import Settings
@@ -63,7 +63,8 @@ def test_an_inference_is_answered_with_its_encoded_response(tmp_path: Path) -> N
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
-        send(writer, {"op": "infer", "id": 7, "name": "tiny", "header_length": None}, body(x))
+        out = Sender(writer)  # the frames of one turn in one write
+        out.send({"op": "infer", "id": 7, "name": "tiny", "header_length": None}, body(x))
         return await receive(reader)
 
     header, payload = with_engine(tmp_path, talk)
@@ -79,10 +80,11 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
     request's task is cancelled before it ever ran; the front end must still hear of it."""
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        out = Sender(writer)  # the frames of one turn in one write
         x = np.ones((1, 4), np.float32)
-        send(writer, {"op": "infer", "id": 1, "name": "tiny", "header_length": None}, body(x))
-        send(writer, {"op": "cancel", "of": 1})
-        send(writer, {"op": "state", "id": 2})
+        out.send({"op": "infer", "id": 1, "name": "tiny", "header_length": None}, body(x))
+        out.send({"op": "cancel", "of": 1})
+        out.send({"op": "state", "id": 2})
         answers: dict[int, dict[str, Any]] = {}
         while len(answers) < 2:
             header, _ = await receive(reader)
@@ -96,8 +98,9 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
 
 def test_errors_keep_their_status_and_unknown_calls_are_500(tmp_path: Path) -> None:
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
-        send(writer, {"op": "infer", "id": 1, "name": "nope", "header_length": None}, b"{}")
-        send(writer, {"op": "teleport", "id": 2})
+        out = Sender(writer)  # the frames of one turn in one write
+        out.send({"op": "infer", "id": 1, "name": "nope", "header_length": None}, b"{}")
+        out.send({"op": "teleport", "id": 2})
         got: dict[int, dict[str, Any]] = {}
         while len(got) < 2:
             header, _ = await receive(reader)
@@ -127,10 +130,11 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
         at += x.nbytes
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        out = Sender(writer)  # the frames of one turn in one write
         header = {"op": "run", "id": 3, "name": "tiny", "version": None, "items": items}
-        send(writer, header, payload)
+        out.send(header, payload)
         reply = await receive(reader)
-        send(writer, {"op": "statistics", "id": 4, "name": "tiny"})
+        out.send({"op": "statistics", "id": 4, "name": "tiny"})
         return reply, await receive(reader)
 
     (reply, data), (stats, _) = with_engine(tmp_path, talk)

@@ -7,6 +7,8 @@ decoded by the real V2 codec from bodies read into a lent slot, as a front end r
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -183,3 +185,137 @@ def test_a_request_naming_a_shared_memory_region_goes_to_the_engine() -> None:
 def test_a_contract_survives_the_trip_to_a_front_end() -> None:
     again = Contract.from_json(orjson.loads(orjson.dumps(CONTRACT.as_json())))
     assert again == CONTRACT
+
+
+def test_slot_copies_that_do_not_fit_go_in_the_payload() -> None:
+    arena = Arena(slots=1, slot_bytes=PAGE)
+    try:
+        body = orjson.dumps(
+            {
+                "inputs": [
+                    {"name": "a", "datatype": "FP32", "shape": [300, 4], "data": [0.5] * 1200},
+                    {"name": "b", "datatype": "INT64", "shape": [300, 2], "data": [3] * 600},
+                ]
+            }
+        )
+        slot = arena.lend(PAGE)  # a page: the body fits, its 9,600 bytes of tensors do not
+        assert slot is not None
+        contract = Contract(
+            "two", "fp32", ModelSpec("two", SPEC.inputs, SPEC.outputs, 512), None, 1
+        )
+        decoded = decode_infer(contract, body, None, 64, ENGINE_REGIONS)
+        described, payload = place_inputs(decoded.request.inputs, slot, len(body))
+        assert len(payload) == 300 * 4 * 4 + 300 * 2 * 8
+        got = engine_reads(described, memoryview(payload))
+        np.testing.assert_array_equal(got["a"], np.full((300, 4), 0.5, np.float32))
+        np.testing.assert_array_equal(got["b"], np.full((300, 2), 3))
+    finally:
+        arena.close()
+
+
+def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
+    tmp_path: Path,
+) -> None:
+    """A real front-end plane before a real engine server (the tiny model): five requests
+    started in one turn of the loop, three binary in the arena and two JSON too large for
+    a slot (over the socket, their tensors in the frame's payload), reach the engine as one
+    frame of five items; each gets its own rows; one whose caller leaves while the frame is
+    in the engine leaves the others answered, and every page of the arena is free again."""
+    import asyncio
+
+    import onnx
+    import yaml
+
+    from app.dataplane import DataPlane
+    from app.engine_process import EngineServer
+    from app.frontend import RemotePlane
+    from app.settings import Settings
+    from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+
+    folder = tmp_path / "repo" / "tiny"
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(
+        yaml.safe_dump({"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 0}})
+    )
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+        server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE},  # type: ignore[arg-type]
+    )
+    control = tmp_path / "engine.sock"
+    frames: list[int] = []
+
+    def binary(x: np.ndarray) -> bytes:
+        header = orjson.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape),
+                         "parameters": {"binary_data_size": x.nbytes}}]}
+        )  # fmt: skip
+        return header + x.tobytes()
+
+    def json_body(x: np.ndarray) -> bytes:
+        tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.tolist()}
+        # An id longer than a slot: the body travels over the socket.
+        return orjson.dumps({"id": "j" * (20 * PAGE), "inputs": [tensor]})
+
+    xs = [np.full((n, 4), float(n), np.float32) for n in (1, 2, 3, 20, 30)]
+
+    async def main() -> list[np.ndarray | None]:
+        release, arrived = asyncio.Event(), asyncio.Event()
+
+        class Held(EngineServer):
+            """Holds each frame until the test lets it go."""
+
+            async def _run(self, connection: Any, header: dict[str, Any], payload: bytes) -> Any:
+                frames.append(len(header["items"]))
+                arrived.set()
+                await release.wait()
+                return await super()._run(connection, header, payload)
+
+        plane = DataPlane(settings)
+        await plane.start()
+        server = await asyncio.start_unix_server(Held(plane).serve, path=str(control))
+        front = RemotePlane(settings, control)
+        await front.start()
+        await front._contract("tiny", None)  # asked once, before the five
+
+        async def one(i: int) -> np.ndarray:
+            x = xs[i]
+            body = binary(x) if i < 3 else json_body(x)
+            async with front.body_buffer(len(body)) as slot:
+                view: bytes | memoryview = body
+                if slot is not None:
+                    slot.view[: len(body)] = body
+                    view = slot.view[: len(body)]
+                assert (slot is None) == (i >= 3)
+                length = len(body) - x.nbytes if i < 3 else None
+                answer = await front.infer("tiny", None, view, length, slot)
+            document = orjson.loads(answer.content)
+            return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
+
+        try:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(5)]
+            await arrived.wait()
+            tasks[1].cancel()  # its caller leaves while the frame is in the engine
+            await asyncio.sleep(0.01)
+            release.set()
+            answers: list[np.ndarray | None] = []
+            for task in tasks:
+                try:
+                    answers.append(await task)
+                except asyncio.CancelledError:
+                    answers.append(None)
+            await asyncio.sleep(0.05)
+            assert front.arena.free_bytes == 2 * 16 * PAGE
+            return answers
+        finally:
+            await front.stop()
+            server.close()
+            await plane.stop()
+
+    answers = asyncio.run(main())
+    assert frames == [5]
+    assert answers[1] is None
+    for x, y in zip(xs, answers, strict=True):
+        if y is not None:
+            np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
