@@ -209,6 +209,7 @@ def test_slot_copies_that_do_not_fit_go_in_the_payload() -> None:
         got = engine_reads(described, memoryview(payload))
         np.testing.assert_array_equal(got["a"], np.full((300, 4), 0.5, np.float32))
         np.testing.assert_array_equal(got["b"], np.full((300, 2), 3))
+        arena.give_back(slot)
     finally:
         arena.close()
 
