@@ -44,6 +44,11 @@ MAX_JSON_DEPTH = _MAX_DIMS
 # The Python types orjson produces that each datatype accepts in JSON "data".
 _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
+# Numeric JSON data numpy converts exactly as the element-wise path does (BF16 is left out:
+# ml_dtypes rounds a float64 through float32, Python floats directly).
+_FAST_TYPES = (_INTEGERS | _FLOATS) - {"BF16"}
+_FAST_JSON_BYTES = 64 * 1024
+_NUMBER_CHARACTERS = b"0123456789.eE-+,[] \n\r\t"
 _KNOWN = ", ".join(V2_TO_NUMPY)
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 
@@ -220,7 +225,15 @@ def decode_request(
     if not _is_count(priority):
         raise BadRequest('"priority" must be a non-negative integer')
 
-    inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth, regions)
+    # A large JSON header with no JSON boolean anywhere lets numeric data take the fast path
+    # (``_numbers``): the one check numpy's own conversion cannot make is a boolean among
+    # numbers, and the text says there is none.
+    plain = False
+    if len(header) >= _FAST_JSON_BYTES:
+        # What is left once the characters of numbers go: "true" and "false" lose their "e".
+        rest = bytes(header).translate(None, _NUMBER_CHARACTERS)
+        plain = b"tru" not in rest and b"fals" not in rest
+    inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth, regions, plain)
     outputs = _decode_outputs(document.get("outputs"), binary_data_output, regions)
     return InferRequest(
         id=request_id,
@@ -393,7 +406,11 @@ def _shared(parameters: dict[str, Any], where: str, data_too: bool) -> tuple[str
 
 
 def _decode_inputs(
-    entries: Any, binary: memoryview, max_depth: int, regions: Regions | None = None
+    entries: Any,
+    binary: memoryview,
+    max_depth: int,
+    regions: Regions | None = None,
+    plain: bool = False,
 ) -> dict[str, Array]:
     if type(entries) is not list or not entries:
         raise BadRequest('"inputs" must be a non-empty list')
@@ -432,7 +449,7 @@ def _decode_inputs(
         if size is None and not has_data:
             raise BadRequest(f'input {_quote(name)} has neither "data" nor "binary_data_size"')
         if size is None:
-            array = _from_json(name, entry["data"], datatype, count, max_depth)
+            array = _from_json(name, entry["data"], datatype, count, max_depth, plain)
         else:
             if not _is_count(size):
                 raise BadRequest(
@@ -497,9 +514,15 @@ def _shape(name: str, shape: Any) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _from_json(name: str, data: Any, datatype: str, count: int, max_depth: int) -> Array:
+def _from_json(
+    name: str, data: Any, datatype: str, count: int, max_depth: int, plain: bool = False
+) -> Array:
     if type(data) is not list:
         raise BadRequest(f'input {_quote(name)}: "data" must be a list')
+    if plain:
+        fast = _numbers(data, datatype, count, max_depth)
+        if fast is not None:
+            return fast
     values = _flatten(name, data, max_depth)
     kinds = set(map(type, values))
     if len(values) != count:
@@ -526,6 +549,34 @@ def _from_json(name: str, data: Any, datatype: str, count: int, max_depth: int) 
             return np.array(values, dtype=V2_TO_NUMPY[datatype])
     except OverflowError:
         raise BadRequest(f"input {_quote(name)}: a value is out of range for {datatype}") from None
+
+
+def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Array | None:
+    """Regular nested numeric ``data`` converted by numpy in one C call, or None for anything
+    else (ragged, strings, nulls, too deep, out of range, floats for an integer type), which
+    the element-wise path then decodes or refuses with its own message. Only for data known
+    to hold no boolean (numpy would read ``true`` as 1). Three to four times faster on an
+    image's 150,528 numbers; the property tests check it against the element-wise path."""
+    if datatype not in _FAST_TYPES:
+        return None
+    try:
+        array = np.array(data)
+    except (ValueError, OverflowError, RecursionError):
+        return None
+    if array.size != count or array.ndim > max_depth:
+        return None
+    target = V2_TO_NUMPY[datatype]
+    if datatype in _FLOATS:
+        if array.dtype.kind not in "if":
+            return None
+        with np.errstate(over="ignore"):
+            return array.astype(target).reshape(-1)
+    if array.dtype.kind != "i":
+        return None
+    limits = np.iinfo(target.type)  # type: ignore[type-var]
+    if array.size and (array.min() < limits.min or array.max() > limits.max):
+        return None
+    return array.astype(target).reshape(-1)
 
 
 def _flatten(name: str, data: list[Any], max_depth: int) -> list[Any]:

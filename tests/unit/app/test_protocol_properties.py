@@ -399,3 +399,88 @@ def test_any_depth_is_refused_or_decoded(depth: int) -> None:
         return
     assert depth <= MAX_JSON_DEPTH
     assert request.inputs["x"].tolist() == [[1.0, 2.0, 3.0, 4.0]]
+
+
+NUMBERS = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.integers(-300, 300),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(-1e6, 1e6, allow_nan=False),
+)
+LEAVES = st.one_of(NUMBERS, NUMBERS, NUMBERS, st.none(), st.text(max_size=3))
+
+
+def regular(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Nested lists, mostly regular (every row the same length), sometimes ragged."""
+    return st.recursive(
+        st.lists(leaves, min_size=0, max_size=6),
+        lambda inner: st.one_of(
+            st.integers(1, 4).flatmap(lambda n: st.lists(inner, min_size=n, max_size=n)),
+            st.lists(inner, min_size=1, max_size=3),
+        ),
+        max_leaves=40,
+    )
+
+
+def decoded_or_refused(
+    data: Any, datatype: str, count: int, plain: bool
+) -> tuple[str, np.ndarray | None]:
+    from app.protocol import _from_json
+
+    try:
+        return "ok", _from_json("x", data, datatype, count, 8, plain)
+    except BadRequest:
+        return "refused", None
+
+
+@FUZZ
+@given(data=regular(LEAVES), datatype=st.sampled_from([d for d in DATATYPES if d != "BYTES"]))
+def test_numeric_json_fast_path_decodes_as_the_element_wise_path(data: Any, datatype: str) -> None:
+    """Data without booleans (what the fast path is allowed for) decodes to the same array
+    whether numpy converts it in one call or the element-wise path walks it: same dtype,
+    same values, or refused by both."""
+
+    def leaves(value: Any) -> int:
+        return sum(leaves(v) for v in value) if type(value) is list else 1
+
+    count = leaves(data)
+    for elements in {count, 1, 6}:
+        fast = decoded_or_refused(data, datatype, elements, plain=True)
+        slow = decoded_or_refused(data, datatype, elements, plain=False)
+        assert fast[0] == slow[0], (data, datatype, elements, fast, slow)
+        if fast[1] is not None and slow[1] is not None:
+            assert fast[1].dtype == slow[1].dtype
+            np.testing.assert_array_equal(fast[1], slow[1])
+
+
+def test_the_fast_path_is_taken_for_regular_numbers_and_declines_the_rest() -> None:
+    from app.protocol import _numbers
+
+    got = _numbers([[1.5, 2], [3, 4]], "FP32", 4, 8)
+    assert got is not None and got.dtype == np.float32
+    np.testing.assert_array_equal(got, [1.5, 2, 3, 4])
+    assert _numbers([[1, 2], [3]], "FP32", 3, 8) is None  # ragged
+    assert _numbers([1.5, 2], "INT32", 2, 8) is None  # a float for an integer type
+    assert _numbers([300], "INT8", 1, 8) is None  # out of range: the element-wise 400
+    assert _numbers([1, "2"], "FP32", 2, 8) is None  # a string
+    assert _numbers([[[1]]], "FP32", 1, 2) is None  # deeper than allowed
+
+
+def test_a_boolean_among_many_numbers_is_still_refused() -> None:
+    """A large JSON body (the fast path's size) with one ``true`` in FP32 data: refused, as
+    the element-wise path refuses it; without it the same body decodes."""
+    spec = ModelSpec("m", (TensorSpec("x", "FP32", (-1,)),), (TensorSpec("y", "FP32", (-1,)),))
+    values: list[Any] = [0.5] * 20_000
+    clean = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [20_000],
+                                      "data": values}]})  # fmt: skip
+    assert len(clean) > 64 * 1024
+    np.testing.assert_array_equal(decode_request(clean, None, spec).inputs["x"], values)
+    values[1234] = True
+    dirty = orjson.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [20_000],
+                                      "data": values}]})  # fmt: skip
+    try:
+        decode_request(dirty, None, spec)
+    except BadRequest as refused:
+        assert "not all FP32 values" in refused.message
+    else:
+        raise AssertionError("a JSON boolean passed as an FP32 value")
