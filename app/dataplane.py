@@ -363,7 +363,11 @@ class DataPlane(PlaneState):
     # -- inference ----------------------------------------------------------------------
 
     async def _measured(
-        self, model: LoadedModel, work: Callable[[], Awaitable[T]], requests: int = 1
+        self,
+        model: LoadedModel,
+        work: Callable[[], Awaitable[T]],
+        requests: int = 1,
+        timed: bool = True,
     ) -> T:
         """Run the work of one request (or of ``requests`` run together), counting the
         outcome and duration of each by reason; refuse it with 503 once the server drains,
@@ -388,7 +392,7 @@ class DataPlane(PlaneState):
             self._active -= 1
             if self._active == 0:
                 self._idle.set()
-        model.metrics.request_succeeded(time.perf_counter() - started, requests)
+        model.metrics.request_succeeded(time.perf_counter() - started, requests, timed)
         return result
 
     def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]:
@@ -498,7 +502,18 @@ class DataPlane(PlaneState):
                 answers.append([(out, shape_output(model, out, mine)) for out in part.wanted])
             return answers
 
-        return model.name, model.version, await self._measured(model, work, len(parts))
+        # The front end times these from the body read to the encoded answer and sends the
+        # durations with its state poll (``add_request_durations``): one definition of the
+        # request duration in every process model.
+        answered = await self._measured(model, work, len(parts), timed=False)
+        return model.name, model.version, answered
+
+    def add_request_durations(
+        self, name: str, version: str, counts: list[int], total: float
+    ) -> None:
+        """Durations a front end measured for requests it sent through ``run``."""
+        with contextlib.suppress(StokerError):
+            self.models.get(name, version).metrics.add_request_durations(counts, total)
 
     def count_failures(
         self, name: str, version: str, reason: str, count: int, seconds: float

@@ -206,6 +206,8 @@ class EngineServer:
                 http_refused(int(status), str(reason), float(count))
             for model, answered, reason, count, seconds in header.get("failed", ()):
                 plane.count_failures(model, answered, reason, int(count), float(seconds))
+            for model, answered, counts, total in header.get("durations", ()):
+                plane.add_request_durations(model, answered, counts, float(total))
             return {"alive": plane.alive, "ready": plane.is_ready}, b""
         if op == "metrics":
             return {}, await plane.metrics_text()

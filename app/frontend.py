@@ -41,7 +41,7 @@ from app.dataplane import (
     decode_infer,
 )
 from app.errors import EngineError, StokerError, Unavailable
-from app.metrics import http_refusal_counts
+from app.metrics import CountedSeries, http_refusal_counts, request_durations
 from app.protocol import encode_response, pack_tensor, unpack_tensor
 from app.settings import Settings
 
@@ -249,6 +249,7 @@ class RemotePlane(PlaneState):
         self._ids = 0
         self._contracts: dict[tuple[str, str | None], Contract] = {}
         self._failed: dict[tuple[str, str, str], list[float]] = {}
+        self._durations: dict[tuple[str, str], CountedSeries] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._active = 0
         self._idle = asyncio.Event()
@@ -303,6 +304,9 @@ class RemotePlane(PlaneState):
             refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
             refused = [item for item in refused if item[2]]
             failed = [(key, int(n), total / n) for key, (n, total) in self._failed.items() if n]
+            # Request durations since the last poll: a fresh series takes the next ones.
+            timed, self._durations = self._durations, {}
+            durations = [[*key, *series.snapshot()] for key, series in timed.items()]
             try:
                 self._state, _ = await asyncio.wait_for(
                     self._call(
@@ -310,6 +314,7 @@ class RemotePlane(PlaneState):
                             "op": "state",
                             "refused": refused,
                             "failed": [[*key, n, mean] for key, n, mean in failed],
+                            "durations": durations,
                         }
                     ),
                     2.0,
@@ -321,6 +326,9 @@ class RemotePlane(PlaneState):
                     entry[1] -= n * mean
             except (StokerError, TimeoutError):
                 self._state = {"alive": False, "ready": False}
+                for which, series in timed.items():  # not delivered: kept for the next poll
+                    buckets, total = series.snapshot()
+                    self._durations.setdefault(which, request_durations()).merge(buckets, total)
             await asyncio.sleep(POLL_S)
 
     def _request(
@@ -538,6 +546,11 @@ class RemotePlane(PlaneState):
             )
         ]
         content, headers = encode_response(contract.model, contract.version, request.id, shaped)
+        key = (contract.model, contract.version)
+        series = self._durations.get(key)
+        if series is None:
+            series = self._durations[key] = request_durations()
+        series.observe(time.perf_counter() - started)
         return Answer(contract.model, contract.version, request.id, [], headers, content)
 
     async def _gathered(

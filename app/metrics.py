@@ -93,6 +93,21 @@ class CountedSeries:
         with self._lock:
             return list(self._counts), self._sum
 
+    def merge(self, counts: list[int], total: float) -> None:
+        """Add another series' observations (``snapshot`` of one with the same bounds)."""
+        if len(counts) != len(self._counts):
+            raise ValueError(f"{len(counts)} buckets for a series of {len(self._counts)}")
+        with self._lock:
+            for i, count in enumerate(counts):
+                self._counts[i] += int(count)
+            self._sum += float(total)
+
+
+def request_durations() -> CountedSeries:
+    """A series with the request-duration buckets, for a front end to time its requests in
+    and send to the engine (``ModelMetrics.add_request_durations``)."""
+    return CountedSeries(REQUEST_DURATION.bounds)
+
 
 REQUEST_SUCCESS = Counter(
     "stoker_inference_request_success", "Inference requests answered successfully.", LABELS
@@ -114,8 +129,8 @@ PENDING_REQUESTS = Gauge(
 )
 REQUEST_DURATION = CountedHistogram(
     "stoker_inference_request_duration_seconds",
-    "From the request's arrival at the model (body read) to its response encoded; with "
-    "front ends, from its arrival in the engine (decoded by the front end) to its outputs.",
+    "From the request's arrival at the model (body read) to its response encoded (with front "
+    "ends, timed in the front end that decoded and encoded it).",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
@@ -294,11 +309,20 @@ class ModelMetrics:
         for reason in ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"):
             REQUEST_FAILURE.labels(*labels, reason)
 
-    def request_succeeded(self, seconds: float, times: int = 1) -> None:
-        """``times`` requests answered, each after ``seconds``."""
+    def request_succeeded(self, seconds: float, times: int = 1, timed: bool = True) -> None:
+        """``times`` requests answered, each after ``seconds``. ``timed`` False: a front end
+        times them from its own start to its encoded answer (``add_request_durations``)."""
         self._success.inc(times)
-        self._request.observe(seconds, times)
-        self.success.add(seconds, times)
+        if timed:
+            self._request.observe(seconds, times)
+            self.success.add(seconds, times)
+        else:
+            self.success.count += times
+
+    def add_request_durations(self, counts: list[int], total: float) -> None:
+        """The durations a front end measured for requests counted ``timed=False``."""
+        self._request.merge(counts, total)
+        self.success.ns += int(total * 1e9)
 
     def request_failed(self, reason: str, seconds: float, times: int = 1) -> None:
         """``times`` requests failed for ``reason``, each after ``seconds``."""

@@ -223,7 +223,11 @@ def test_uploads_errors_and_metadata_come_from_the_engine(
 
 def test_metrics_keep_one_set_of_totals_across_front_ends(front_ends: Server) -> None:
     key = ("stoker_inference_request_success_total", (("model", "tiny"), ("version", "fp32")))
-    before = metric_samples(front_ends).get(key, 0.0)
+    time.sleep(0.6)  # what earlier tests' requests left in a front end reaches the engine
+    first = metric_samples(front_ends)
+    before = first.get(key, 0.0)
+    durations_before = first.get(("stoker_inference_request_duration_seconds_count", key[1]), 0.0)
+    sum_before = first.get(("stoker_inference_request_duration_seconds_sum", key[1]), 0.0)
     client = triton.InferenceServerClient(front_ends.address)
     try:
         for _ in range(40):  # new connections land on either front end
@@ -233,6 +237,17 @@ def test_metrics_keep_one_set_of_totals_across_front_ends(front_ends: Server) ->
     # Scraped through several connections, hence several front ends: the same totals.
     seen = {metric_samples(front_ends)[key] - before for _ in range(6)}
     assert seen == {40.0}
+    # Their durations, timed in the front ends, reach the engine's histogram with the poll.
+    timed = ("stoker_inference_request_duration_seconds_count", key[1])
+    deadline = time.monotonic() + 5
+    while metric_samples(front_ends).get(timed, 0.0) - durations_before < 40:
+        assert time.monotonic() < deadline, "the front ends' durations never reached /metrics"
+        time.sleep(0.1)
+    time.sleep(0.6)  # and once only
+    samples = metric_samples(front_ends)
+    assert samples[timed] - durations_before == 40
+    total = ("stoker_inference_request_duration_seconds_sum", key[1])
+    assert 0 < samples[total] - sum_before < 40 * 5.0
 
 
 def front_end_pids(log: Path) -> list[int]:

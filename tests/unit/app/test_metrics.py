@@ -249,3 +249,30 @@ def test_the_default_registry_exports_the_gpu_gauges() -> None:
     text = generate_latest(REGISTRY).decode()
     names = {f.name for f in text_string_to_metric_families(text)}
     assert set(GPU_METRICS) <= names
+
+
+def test_durations_timed_elsewhere_join_the_request_histogram_once() -> None:
+    """Requests a front end timed: the engine counts them untimed, then merges the front
+    end's series; the histogram and the statistics then say what one process would."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from app.metrics import ModelMetrics, request_durations
+
+    metrics = ModelMetrics("timed-elsewhere", "fp32")
+    metrics.request_succeeded(0.001, 3, timed=False)
+    series = request_durations()
+    for seconds in (0.004, 0.004, 0.2):
+        series.observe(seconds)
+    metrics.add_request_durations(*series.snapshot())
+    found = {}
+    for family in text_string_to_metric_families(generate_latest().decode()):
+        for sample in family.samples:
+            if sample.labels.get("model") == "timed-elsewhere":
+                found[(sample.name, sample.labels.get("le"))] = sample.value
+    assert found[("stoker_inference_request_duration_seconds_count", None)] == 3
+    assert found[("stoker_inference_request_duration_seconds_bucket", "0.005")] == 2
+    assert found[("stoker_inference_request_duration_seconds_sum", None)] == pytest.approx(0.208)
+    stats = metrics.statistics()["inference_stats"]
+    assert isinstance(stats, dict)
+    assert stats["success"] == {"count": 3, "ns": 208_000_000}
