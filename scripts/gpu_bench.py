@@ -326,6 +326,58 @@ def bench_graphs(paths: dict[str, Path], seconds: float) -> None:
         engine.close()
 
 
+def replay_rate(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, seconds: float) -> float:
+    """Images/s of ``fn(x)`` captured in one CUDA graph and replayed (GPU time only)."""
+    stream = torch.cuda.Stream()
+    with torch.no_grad(), torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(x)
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
+        fn(x)
+    rows = x.shape[0]
+
+    def window(limit: float) -> float:
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < limit:
+            for _ in range(5):
+                graph.replay()
+            reps += 5
+            torch.cuda.synchronize()
+        return reps * rows / (time.perf_counter() - t0)
+
+    return windows(window, seconds)
+
+
+def bench_compiled(path: Path, seconds: float, mode: str = "max-autotune-no-cudagraphs") -> None:
+    """#13's first candidate: the converted ResNet-50 (fp16, channels last) through
+    ``torch.compile`` (Inductor's fused kernels, one graph: the converter test checks there
+    is no break), then one CUDA graph per batch, beside the same without compiling and
+    torchvision's model compiled the same way, in one run."""
+    import torchvision
+
+    print(f"== compiled ({mode}) vs graph-only, resnet50 fp16", flush=True)
+    engine = make_engine(path, "fp16", (32, 256))
+    ours = engine.module(0)
+    reference = torchvision.models.resnet50().eval().half().cuda()
+    reference = reference.to(memory_format=torch.channels_last)
+    candidates: dict[str, Callable[[torch.Tensor], Any]] = {
+        "stoker-convert": ours,
+        "stoker-convert+compile": torch.compile(ours, mode=mode, fullgraph=True, dynamic=False),
+        "torchvision+compile": torch.compile(reference, mode=mode, dynamic=False),
+    }
+    for b in (32, 256):
+        x = torch.randn(b, 3, 224, 224, device="cuda").half()
+        x = x.contiguous(memory_format=torch.channels_last)
+        for name, fn in candidates.items():
+            started = time.perf_counter()
+            rate = replay_rate(fn, x, seconds)
+            note = f"compile+capture {time.perf_counter() - started:.0f} s incl. timing"
+            record(Row(name, "fp16", "graph replay (GPU only)", b, rate, "img/s", note))
+    engine.close()
+
+
 def bench_copies() -> None:
     print("== host to device copies, 256 MiB", flush=True)
     nbytes = 256 << 20
@@ -423,6 +475,7 @@ def main() -> None:
         ("gpus", lambda: bench_gpus(resnet, args.seconds)),
         ("reference", lambda: bench_reference(args.seconds)),
         ("copies", bench_copies),
+        ("compiled", lambda: bench_compiled(resnet, args.seconds)),
         (
             "graphs",
             lambda: bench_graphs(

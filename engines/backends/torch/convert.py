@@ -7,6 +7,7 @@ name (``UnsupportedModel``). Pure torch: it runs, and is tested, on the CPU.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,7 +234,7 @@ class OnnxModule(torch.nn.Module):
         if op == "Flatten":
             axis = int(a.get("axis", 1))
 
-            return lambda x: x.reshape(int(np.prod(x.shape[:axis])), -1)
+            return lambda x: x.reshape(math.prod(x.shape[:axis]), -1)
         if op == "Reshape":
             shape = [int(v) for v in self._const(inputs[1]).ravel()]
 

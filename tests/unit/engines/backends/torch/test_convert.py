@@ -904,3 +904,19 @@ def test_efficientnet_lite0_matches_onnxruntime(efficientnet_onnx: Path) -> None
     # observed about 1e-6, so 1e-4 holds on any CPU and still catches a wrong op (>1e-2).
     error = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
     assert error < 1e-4
+
+
+def test_efficientnet_lite0_compiles_whole_and_answers_as_eager(efficientnet_onnx: Path) -> None:
+    """``torch.compile(fullgraph=True)`` of the converted default model: one graph, no
+    break (a fused, compiled runner needs that), and the same logits as eager within float32
+    summation noise. On the CPU here (Inductor's C++ kernels); the GPU path compiles the same
+    module. Found and fixed: Flatten computed its size with numpy, which broke the graph."""
+    from engines.backends.torch.convert import convert
+
+    module = convert(efficientnet_onnx).eval()
+    x = torch.from_numpy(rand(50, 2, 3, 224, 224))
+    with torch.no_grad():
+        (want,) = module(x)
+        (got,) = torch.compile(module, fullgraph=True, dynamic=False)(x)
+    error = float(torch.linalg.norm(got.double() - want.double()) / torch.linalg.norm(want))
+    assert got.shape == (2, 1000) and error < 1e-4
