@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
@@ -219,6 +219,31 @@ class PlaneState:
         self.failed: BaseException | None = None
         self.draining = False
         self._drain_deadline = 0.0
+        # Requests this plane has not answered yet: what a drain waits for.
+        self._active = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.contextmanager
+    def in_flight(self) -> Iterator[None]:
+        """Count a request as unanswered while the block runs (``all_answered`` waits)."""
+        self._active += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._active -= 1
+            if self._active == 0:
+                self._idle.set()
+
+    async def all_answered(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight, for at most ``timeout_s``; whether none is."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def begin_drain(self) -> None:
         """From now on readiness is false and new inference requests get 503; the drain
@@ -242,11 +267,6 @@ class DataPlane(PlaneState):
         super().__init__(settings)
         self.models = Registry(settings)
         self.regions = SharedRegions()
-        # Requests inside the data plane (decoding, queued, executing): what a drain waits
-        # for. (A batcher counts its own queued and executing requests, for its gauge.)
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -264,10 +284,7 @@ class DataPlane(PlaneState):
         timeout passes, then fail what is still queued with 503 (a batch already running
         finishes: a runner's thread cannot be interrupted)."""
         self.begin_drain()
-        try:
-            async with asyncio.timeout(self.drain_time_left()):
-                await self._idle.wait()
-        except TimeoutError:
+        if not await self.all_answered(self.drain_time_left()):
             log.warning("drain timeout: %d request(s) still in flight", self._active)
         await self.models.close_batchers(self.drain_time_left())
 
@@ -373,12 +390,11 @@ class DataPlane(PlaneState):
         outcome and duration of each by reason; refuse it with 503 once the server drains,
         and track it until answered so a drain can wait."""
         started = time.perf_counter()
-        self._active += 1
-        self._idle.clear()
         try:
             if self.draining:
                 raise Unavailable("server is shutting down; retry on another replica")
-            result = await work()
+            with self.in_flight():
+                result = await work()
         except StokerError as exc:
             model.metrics.request_failed(exc.reason, time.perf_counter() - started, requests)
             raise
@@ -388,10 +404,6 @@ class DataPlane(PlaneState):
         except Exception:
             model.metrics.request_failed("backend", time.perf_counter() - started, requests)
             raise
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
         model.metrics.request_succeeded(time.perf_counter() - started, requests, timed)
         return result
 

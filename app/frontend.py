@@ -21,7 +21,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing import shared_memory
@@ -251,9 +251,6 @@ class RemotePlane(PlaneState):
         self._failed: dict[tuple[str, str, str], list[float]] = {}
         self._durations: dict[tuple[str, str], CountedSeries] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     # -- lifecycle
 
@@ -360,9 +357,7 @@ class RemotePlane(PlaneState):
         """Refuse new requests; wait for this front end's in-flight ones (the engine answers
         or fails them within its own drain timeout)."""
         self.begin_drain()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.drain_time_left() + 1.0):
-                await self._idle.wait()
+        await self.all_answered(self.drain_time_left() + 1.0)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -439,38 +434,41 @@ class RemotePlane(PlaneState):
     async def _tracked(
         self, header: dict[str, Any], payload: bytes, slot: Slot | None
     ) -> tuple[dict[str, Any], bytes]:
-        """One request to the engine, counted for the drain; if the caller goes away, the
-        engine is told to drop it, and the slot stays lent until the engine's last word."""
+        """One request to the engine, answered alone (uploads; requests the engine decodes)."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
-        self._active += 1
-        self._idle.clear()
-        try:
-            number = self._request(header, payload)
-            future = self._waiting[number]
+        number = self._request(header, payload)
+        return await self._held(self._waiting[number], slot, lambda: self._cancel(number))
+
+    async def _held(
+        self, future: Reply, slot: Slot | None, leave: Callable[[], None]
+    ) -> tuple[dict[str, Any], bytes]:
+        """Wait for the engine's answer to a call, counted for the drain. ``slot`` stays lent
+        until the engine's last word, even when the caller goes away first (``leave`` then
+        tells the engine, if it may drop the call)."""
+        with self.in_flight():
             if slot is not None:
-                # The engine may read the slot from now until its answer arrives.
-                slot.engine_holds = True
-            reply, data = await asyncio.shield(future)
-            if slot is not None:
-                slot.engine_holds = False  # answered: the caller gives it back when done
-        except asyncio.CancelledError:
-            if self._writer is not None and not self._writer.is_closing():
-                self._writer.send({"op": "cancel", "of": number})
-            if slot is not None:
-                future.add_done_callback(lambda _: self.arena.give_back(slot))
-            raise
-        except BaseException:
-            if slot is not None:
-                slot.engine_holds = False  # the engine is gone: nothing reads it any more
-            raise
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
+                slot.engine_holds = True  # the engine may read it until the answer arrives
+            try:
+                reply, data = await asyncio.shield(future)
+                if slot is not None:
+                    slot.engine_holds = False  # answered: the caller gives it back when done
+            except asyncio.CancelledError:
+                leave()
+                if slot is not None:
+                    future.add_done_callback(lambda _: self.arena.give_back(slot))
+                raise
+            except BaseException:
+                if slot is not None:
+                    slot.engine_holds = False  # the engine is gone: nothing reads it any more
+                raise
         if "error" in reply:
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
+
+    def _cancel(self, number: int) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.send({"op": "cancel", "of": number})
 
     async def _contract(self, name: str, version: str | None) -> Contract:
         """The model version's contract, asked of the engine once (a loaded version's
@@ -595,34 +593,13 @@ class RemotePlane(PlaneState):
         gathering.items.append(item)
         gathering.rows += rows
         gathering.waiting += 1
-        self._active += 1
-        self._idle.clear()
-        if slot is not None:
-            slot.engine_holds = True  # the engine may read it until the answer arrives
-        try:
-            reply, data = await asyncio.shield(gathering.future)
-            if slot is not None:
-                slot.engine_holds = False  # answered: the caller gives it back when done
-        except asyncio.CancelledError:
+
+        def leave() -> None:
             gathering.waiting -= 1
-            writer = self._writer
-            gone = gathering.waiting == 0 and gathering.number is not None
-            if gone and writer is not None and not writer.is_closing():
-                # Every request of the frame went away: the engine may drop it.
-                writer.send({"op": "cancel", "of": gathering.number})
-            if slot is not None:
-                gathering.future.add_done_callback(lambda _: self.arena.give_back(slot))
-            raise
-        except BaseException:
-            if slot is not None:
-                slot.engine_holds = False  # the engine is gone: nothing reads it any more
-            raise
-        finally:
-            self._active -= 1
-            if self._active == 0:
-                self._idle.set()
-        if "error" in reply:
-            raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
+            if gathering.waiting == 0 and gathering.number is not None:
+                self._cancel(gathering.number)  # every request of the frame went away
+
+        reply, data = await self._held(gathering.future, slot, leave)
         part: dict[str, Any] = reply["items"][index]
         return part, data
 

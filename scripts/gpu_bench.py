@@ -275,57 +275,6 @@ def bench_gpus(path: Path, seconds: float) -> None:
         engine.close()
 
 
-def bench_reference(seconds: float) -> None:
-    """torchvision's ResNet-50 the same way (fp16, channels last, one CUDA graph): whether
-    the issue's ceilings reproduce on this machine today, independent of our conversion."""
-    import torchvision
-
-    print("== torchvision resnet50 fp16 channels-last, CUDA graph", flush=True)
-    model = torchvision.models.resnet50().eval().half().cuda()
-    model = model.to(memory_format=torch.channels_last)
-    torch.backends.cudnn.benchmark = True
-    for b in (32, 256):
-        x = torch.randn(b, 3, 224, 224, device="cuda").half()
-        x = x.contiguous(memory_format=torch.channels_last)
-        stream = torch.cuda.Stream()
-        with torch.no_grad(), torch.cuda.stream(stream):
-            for _ in range(3):
-                model(x)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, stream=stream):
-            model(x)
-
-        def window(limit: float, graph: torch.cuda.CUDAGraph = graph, b: int = b) -> float:
-            reps, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < limit:
-                for _ in range(5):
-                    graph.replay()
-                reps += 5
-                torch.cuda.synchronize()
-            return reps * b / (time.perf_counter() - t0)
-
-        ceiling = CEILINGS[("resnet50", "fp16", b)]
-        rate = windows(window, seconds)
-        record(Row("torchvision-rn50", "fp16", "graph replay (GPU only)", b, rate, "img/s",
-                   f"ceiling {ceiling:,} -> {rate / ceiling:.2f}"))  # fmt: skip
-
-
-def bench_graphs(paths: dict[str, Path], seconds: float) -> None:
-    """Graph replay alone, fp16, at batch 32 and 256: the converted model's GPU speed."""
-    for name, path in paths.items():
-        print(f"== {name} fp16 graph replay", flush=True)
-        engine = make_engine(path, "fp16", (32, 256))
-        runner = engine.new_runner()
-        for b in (32, 256):
-            gpu = graph_rate(runner, b, seconds)
-            ceiling = CEILINGS.get((name, "fp16", b))
-            note = f"ceiling {ceiling:,} -> {gpu / ceiling:.2f}" if ceiling else ""
-            record(Row(name, "fp16", "graph replay (GPU only)", b, gpu, "img/s", note))
-        runner.close()
-        engine.close()
-
-
 def replay_rate(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, seconds: float) -> float:
     """Images/s of ``fn(x)`` captured in one CUDA graph and replayed (GPU time only)."""
     stream = torch.cuda.Stream()
@@ -348,6 +297,39 @@ def replay_rate(fn: Callable[[torch.Tensor], Any], x: torch.Tensor, seconds: flo
         return reps * rows / (time.perf_counter() - t0)
 
     return windows(window, seconds)
+
+
+def bench_reference(seconds: float) -> None:
+    """torchvision's ResNet-50 the same way (fp16, channels last, one CUDA graph): whether
+    the issue's ceilings reproduce on this machine today, independent of our conversion."""
+    import torchvision
+
+    print("== torchvision resnet50 fp16 channels-last, CUDA graph", flush=True)
+    model = torchvision.models.resnet50().eval().half().cuda()
+    model = model.to(memory_format=torch.channels_last)
+    torch.backends.cudnn.benchmark = True
+    for b in (32, 256):
+        x = torch.randn(b, 3, 224, 224, device="cuda").half()
+        x = x.contiguous(memory_format=torch.channels_last)
+        ceiling = CEILINGS[("resnet50", "fp16", b)]
+        rate = replay_rate(model, x, seconds)
+        record(Row("torchvision-rn50", "fp16", "graph replay (GPU only)", b, rate, "img/s",
+                   f"ceiling {ceiling:,} -> {rate / ceiling:.2f}"))  # fmt: skip
+
+
+def bench_graphs(paths: dict[str, Path], seconds: float) -> None:
+    """Graph replay alone, fp16, at batch 32 and 256: the converted model's GPU speed."""
+    for name, path in paths.items():
+        print(f"== {name} fp16 graph replay", flush=True)
+        engine = make_engine(path, "fp16", (32, 256))
+        runner = engine.new_runner()
+        for b in (32, 256):
+            gpu = graph_rate(runner, b, seconds)
+            ceiling = CEILINGS.get((name, "fp16", b))
+            note = f"ceiling {ceiling:,} -> {gpu / ceiling:.2f}" if ceiling else ""
+            record(Row(name, "fp16", "graph replay (GPU only)", b, gpu, "img/s", note))
+        runner.close()
+        engine.close()
 
 
 def bench_compiled(path: Path, seconds: float, mode: str = "max-autotune-no-cudagraphs") -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import onnx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -81,6 +82,22 @@ def metric_samples(server: Server) -> dict[tuple[str, tuple[tuple[str, str], ...
         for sample in family.samples:
             found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return found
+
+
+def serve_one_model(
+    tmp_path: Path,
+    name: str,
+    model: onnx.ModelProto,
+    config: str,
+    env: dict[str, str] | None = None,
+) -> Server:
+    """``start_server`` on a repository of one model (``name``: its ONNX graph and
+    config.yaml), written under ``tmp_path``; the log is ``tmp_path / "server.log"``."""
+    folder = tmp_path / "repository" / name
+    folder.mkdir(parents=True)
+    onnx.save(model, str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(config)
+    return start_server(tmp_path / "repository", tmp_path / "server.log", env)
 
 
 def stop_server(server: Server) -> int:

@@ -16,7 +16,13 @@ import onnx
 import pytest
 
 from tests.conftest import TINY_CONFIG, slow_onnx, tiny_onnx
-from tests.integration.conftest import Server, metric_samples, start_server, stop_server
+from tests.integration.conftest import (
+    Server,
+    metric_samples,
+    serve_one_model,
+    start_server,
+    stop_server,
+)
 
 MAX_CONNECTIONS = 12
 
@@ -161,11 +167,7 @@ dynamic_batching:
 
 
 def test_the_queue_is_bounded_by_rows(tmp_path: Path) -> None:
-    model = tmp_path / "repository" / "slow"
-    model.mkdir(parents=True)
-    onnx.save(slow_onnx(256, 8), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(QUEUE_CONFIG)
-    running = start_server(tmp_path / "repository", tmp_path / "server.log")
+    running = serve_one_model(tmp_path, "slow", slow_onnx(256, 8), QUEUE_CONFIG)
     url = f"{running.url}/v2/models/slow/infer"
     m = 512
     body = {

@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import onnx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import configure, slow_onnx
-from tests.integration.conftest import Server, launch_server, start_server
+from tests.integration.conftest import Server, launch_server, serve_one_model
 
 WIDTH = 512
 LAYERS = 16
@@ -65,15 +64,8 @@ class Drained:
 
 
 def start(tmp_path: Path, drain_timeout_s: float) -> Server:
-    model = tmp_path / "repository" / "slow"
-    model.mkdir(parents=True)
-    onnx.save(slow_onnx(WIDTH, LAYERS), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(CONFIG)
-    return start_server(
-        tmp_path / "repository",
-        tmp_path / "server.log",
-        {"STOKER_SERVER__DRAIN_TIMEOUT_S": str(drain_timeout_s)},
-    )
+    env = {"STOKER_SERVER__DRAIN_TIMEOUT_S": str(drain_timeout_s)}
+    return serve_one_model(tmp_path, "slow", slow_onnx(WIDTH, LAYERS), CONFIG, env)
 
 
 def blocker_size(server: Server) -> int:

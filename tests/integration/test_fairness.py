@@ -10,10 +10,9 @@ import time
 from pathlib import Path
 
 import httpx
-import onnx
 
 from tests.conftest import slow_onnx
-from tests.integration.conftest import start_server, stop_server
+from tests.integration.conftest import serve_one_model, stop_server
 
 CONFIG = """\
 max_batch_size: 32
@@ -33,11 +32,7 @@ def body(rows: int) -> dict[str, object]:
 
 
 def test_a_light_client_is_answered_in_about_a_batch_next_to_a_flood(tmp_path: Path) -> None:
-    model = tmp_path / "repository" / "slow"
-    model.mkdir(parents=True)
-    onnx.save(slow_onnx(256, 8), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(CONFIG)
-    server = start_server(tmp_path / "repository", tmp_path / "server.log")
+    server = serve_one_model(tmp_path, "slow", slow_onnx(256, 8), CONFIG)
     url = f"{server.url}/v2/models/slow/infer"
     stop = threading.Event()
     flood_latencies: list[float] = []
@@ -106,11 +101,7 @@ def test_a_64_way_flood_gets_429s_while_a_light_clients_p99_stays_under_a_second
 ) -> None:
     """The defaults: the queue bounded by work (``max_queue_work_s``) and fair between
     clients. The issue's bound: the light client's p99 under 1 s, the flood refused."""
-    model = tmp_path / "repository" / "slow"
-    model.mkdir(parents=True)
-    onnx.save(slow_onnx(256, 8), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(FLOOD_CONFIG)
-    server = start_server(tmp_path / "repository", tmp_path / "server.log")
+    server = serve_one_model(tmp_path, "slow", slow_onnx(256, 8), FLOOD_CONFIG)
     url = f"{server.url}/v2/models/slow/infer"
     try:
         # Calibrate a 32-row batch to ~0.2 s on this machine, whatever it is (a probe big

@@ -32,7 +32,13 @@ import tritonclient.http as triton
 from engines.backends.onnxruntime import cpu_session
 from engines.preprocess import ImagePreprocess, normalize, preprocess
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
-from tests.integration.conftest import Server, metric_samples, start_server, stop_server
+from tests.integration.conftest import (
+    Server,
+    metric_samples,
+    serve_one_model,
+    start_server,
+    stop_server,
+)
 
 ONES = [1.0] * 4
 SLOT_BYTES = 256 * 1024  # one UINT8 224x224 image fits a slot; one FP32 image does not
@@ -62,6 +68,19 @@ def front_ends(
     yield server
     code = stop_server(server)
     assert code == 0, f"exit {code}:\n{server.log.read_text()[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def coffee(efficientnet_dir: Path, coffee_jpeg: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The coffee photo as UINT8 pixels and as normalised FP32 rows, and ONNX Runtime's
+    logits for it: what every answer about it is checked against."""
+    from app.images import decode
+
+    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
+    floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
+    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
+    (want,) = session.run(None, {"input": floats})
+    return pixels, floats, want
 
 
 def tiny_infer(client: triton.InferenceServerClient, x: np.ndarray, binary: bool) -> np.ndarray:
@@ -95,16 +114,11 @@ def test_concurrent_requests_each_get_their_own_answer(front_ends: Server) -> No
 
 
 def test_bodies_in_a_slot_and_over_the_socket_answer_alike(
-    front_ends: Server, efficientnet_dir: Path, coffee_jpeg: bytes
+    front_ends: Server, coffee: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> None:
     """A UINT8 image (150 KB, in a slot) and the same image in FP32 (602 KB, too big for a
     slot: over the control socket) give what ONNX Runtime gives."""
-    from app.images import decode
-
-    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
-    floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
-    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
-    (want,) = session.run(None, {"input": floats})
+    pixels, floats, want = coffee
     client = triton.InferenceServerClient(front_ends.address)
     try:
         got = {}
@@ -148,16 +162,11 @@ def test_more_images_than_the_arena_holds_each_get_their_own_answer(
 
 
 def test_json_and_classification_answers_are_encoded_by_the_front_end(
-    front_ends: Server, efficientnet_dir: Path, coffee_jpeg: bytes
+    front_ends: Server, coffee: tuple[np.ndarray, np.ndarray, np.ndarray]
 ) -> None:
     """A JSON request asking for the top 3 classes in JSON and the logits in binary: what
     the engine sent back as tensors, encoded in the front end as V2 says."""
-    from app.images import decode
-
-    pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
-    floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
-    session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
-    (want,) = session.run(None, {"input": floats})
+    pixels, _, want = coffee
     client = triton.InferenceServerClient(front_ends.address)
     try:
         tensor = triton.InferInput("input", list(pixels.shape), "UINT8")
@@ -291,11 +300,7 @@ dynamic_batching:
 
 
 def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
-    model = tmp_path / "repository" / "slow"
-    model.mkdir(parents=True)
-    onnx.save(slow_onnx(512, 16), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(SLOW_CONFIG)
-    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    server = serve_one_model(tmp_path, "slow", slow_onnx(512, 16), SLOW_CONFIG, front_end_env())
     url = f"{server.url}/v2/models/slow/infer"
 
     def body(value: float, m: int) -> dict[str, object]:
@@ -330,11 +335,7 @@ def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
 
 
 def test_the_supervisor_stops_when_the_engine_dies(tmp_path: Path) -> None:
-    model = tmp_path / "repository" / "tiny"
-    model.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(TINY_CONFIG)
-    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    server = serve_one_model(tmp_path, "tiny", tiny_onnx(), TINY_CONFIG, front_end_env())
     try:
         engine = int(re.findall(r"engine process \(pid (\d+)\)", server.log.read_text())[0])
         os.kill(engine, signal.SIGKILL)
@@ -377,11 +378,7 @@ def test_a_front_ends_refusals_reach_the_engines_metrics(front_ends: Server) -> 
 def test_a_killed_supervisor_leaves_no_server_behind(tmp_path: Path) -> None:
     """SIGKILL to the supervisor (an OOM kill): the engine and the front ends get SIGTERM
     from the kernel, drain and exit; the port is free again."""
-    model = tmp_path / "repository" / "tiny"
-    model.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(model / "model.onnx"))
-    (model / "config.yaml").write_text(TINY_CONFIG)
-    server = start_server(tmp_path / "repository", tmp_path / "server.log", front_end_env())
+    server = serve_one_model(tmp_path, "tiny", tiny_onnx(), TINY_CONFIG, front_end_env())
     log = server.log.read_text()
     children = front_end_pids(server.log)
     children.append(int(re.findall(r"engine process \(pid (\d+)\)", log)[0]))

@@ -28,6 +28,15 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
+async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, dict[str, Any]]:
+    """The next ``count`` answers' headers, by call number (they may come in any order)."""
+    found: dict[int, dict[str, Any]] = {}
+    while len(found) < count:
+        header, _ = await receive(reader)
+        found[header["id"]] = header
+    return found
+
+
 def with_engine(
     tmp_path: Path,
     talk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[T]],
@@ -85,11 +94,7 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
         out.send({"op": "infer", "id": 1, "name": "tiny", "header_length": None}, body(x))
         out.send({"op": "cancel", "of": 1})
         out.send({"op": "state", "id": 2})
-        answers: dict[int, dict[str, Any]] = {}
-        while len(answers) < 2:
-            header, _ = await receive(reader)
-            answers[header["id"]] = header
-        return answers
+        return await replies(reader, 2)
 
     answers = with_engine(tmp_path, talk)
     assert answers[1]["status"] == 499 and answers[1]["error"] == "cancelled"
@@ -101,11 +106,7 @@ def test_errors_keep_their_status_and_unknown_calls_are_500(tmp_path: Path) -> N
         out = Sender(writer)  # the frames of one turn in one write
         out.send({"op": "infer", "id": 1, "name": "nope", "header_length": None}, b"{}")
         out.send({"op": "teleport", "id": 2})
-        got: dict[int, dict[str, Any]] = {}
-        while len(got) < 2:
-            header, _ = await receive(reader)
-            got[header["id"]] = header
-        return got
+        return await replies(reader, 2)
 
     got = with_engine(tmp_path, talk)
     assert got[1]["status"] == 404 and "unknown model" in got[1]["error"]
