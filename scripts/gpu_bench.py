@@ -332,32 +332,50 @@ def bench_graphs(paths: dict[str, Path], seconds: float) -> None:
         engine.close()
 
 
-def bench_compiled(path: Path, seconds: float, mode: str = "max-autotune-no-cudagraphs") -> None:
-    """#13's first candidate: the converted ResNet-50 (fp16, channels last) through
+def bench_compiled(paths: dict[str, Path], seconds: float, modes: list[str]) -> None:
+    """#13's first candidate: the converted graph (fp16, channels last) through
     ``torch.compile`` (Inductor's fused kernels, one graph: the converter test checks there
-    is no break), then one CUDA graph per batch, beside the same without compiling and
-    torchvision's model compiled the same way, in one run."""
+    is no break) in each mode, then one CUDA graph per batch, beside the same without
+    compiling and torchvision's ResNet-50 compiled the same way, in one run. The note gives
+    the compile time (first call at that batch) and the largest difference of the logits
+    from the uncompiled graph's on the same input."""
     import torchvision
 
-    print(f"== compiled ({mode}) vs graph-only, resnet50 fp16", flush=True)
-    engine = make_engine(path, "fp16", (32, 256))
-    ours = engine.module(0)
-    reference = torchvision.models.resnet50().eval().half().cuda()
-    reference = reference.to(memory_format=torch.channels_last)
-    candidates: dict[str, Callable[[torch.Tensor], Any]] = {
-        "stoker-convert": ours,
-        "stoker-convert+compile": torch.compile(ours, mode=mode, fullgraph=True, dynamic=False),
-        "torchvision+compile": torch.compile(reference, mode=mode, dynamic=False),
-    }
-    for b in (32, 256):
-        x = torch.randn(b, 3, 224, 224, device="cuda").half()
-        x = x.contiguous(memory_format=torch.channels_last)
-        for name, fn in candidates.items():
-            started = time.perf_counter()
-            rate = replay_rate(fn, x, seconds)
-            note = f"compile+capture {time.perf_counter() - started:.0f} s incl. timing"
-            record(Row(name, "fp16", "graph replay (GPU only)", b, rate, "img/s", note))
-    engine.close()
+    for name, path in paths.items():
+        print(f"== {name} fp16: compiled ({', '.join(modes)}) vs graph-only", flush=True)
+        engine = make_engine(path, "fp16", (32, 256))
+        ours = engine.module(0)
+        candidates: dict[str, Callable[[torch.Tensor], Any]] = {"stoker-convert": ours}
+        for mode in modes:
+            candidates[f"convert+{mode}"] = torch.compile(
+                ours, mode=mode, fullgraph=True, dynamic=False
+            )
+        if name == "resnet50":
+            reference = torchvision.models.resnet50().eval().half().cuda()
+            reference = reference.to(memory_format=torch.channels_last)
+            candidates["torchvision"] = reference
+            for mode in modes:
+                candidates[f"torchvision+{mode}"] = torch.compile(
+                    reference, mode=mode, dynamic=False
+                )
+        for b in (32, 256):
+            x = torch.randn(b, 3, 224, 224, device="cuda").half()
+            x = x.contiguous(memory_format=torch.channels_last)
+            with torch.no_grad():
+                eager = ours(x)[0].float()
+            for label, fn in candidates.items():
+                started = time.perf_counter()
+                with torch.no_grad():
+                    first = fn(x)
+                torch.cuda.synchronize()
+                compiled_s = time.perf_counter() - started
+                note = f"first call {compiled_s:.1f} s"
+                if label.startswith("convert"):
+                    diff = (first[0].float() - eager).abs().max().item()
+                    note += f", max |logit diff| {diff:.3g}"
+                rate = replay_rate(fn, x, seconds)
+                record(Row(label[:18], "fp16", "graph replay (GPU only)", b, rate, "img/s", note))
+        engine.close()
 
 
 def bench_copies() -> None:
@@ -425,6 +443,8 @@ def main() -> None:
     parser.add_argument(
         "--only", default="models,precisions,served,streams,scaling,reference,copies,jpeg"
     )
+    parser.add_argument("--compile-modes", default="default,max-autotune-no-cudagraphs")
+    parser.add_argument("--compile-models", default="efficientnet_lite0")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -457,7 +477,19 @@ def main() -> None:
         ("gpus", lambda: bench_gpus(resnet, args.seconds)),
         ("reference", lambda: bench_reference(args.seconds)),
         ("copies", bench_copies),
-        ("compiled", lambda: bench_compiled(resnet, args.seconds)),
+        (
+            "compiled",
+            lambda: bench_compiled(
+                {"resnet50": resnet}
+                | {
+                    m: model_path(m, args.models)
+                    for m in args.compile_models.split(",")
+                    if m not in ("", "none")
+                },
+                args.seconds,
+                args.compile_modes.split(","),
+            ),
+        ),
         (
             "graphs",
             lambda: bench_graphs(

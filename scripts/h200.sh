@@ -10,7 +10,8 @@
 # Logs and JSON go to $OUT. With `service`, the GPU tests (TESTS, default all of them) run
 # beside it on the last GPU when there are two (TESTS_BESIDE=1), so one call does both;
 # SKIP_U8=1 leaves out the UINT8 and open-loop runs. Time limits in seconds: TESTS_LIMIT,
-# RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; the service runs: BACKEND (torch),
+# RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; RAW_ONLY and RAW_ARGS (gpu_bench.py's
+# --only and its other arguments); the service runs: BACKEND (torch),
 # ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
 # JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
 # process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
@@ -59,7 +60,7 @@ fi
 if has raw; then
     echo "== raw runner benchmarks"
     timeout "${RAW_LIMIT:-260}" python3 scripts/gpu_bench.py --out "$OUT" \
-        --seconds "${SECONDS_PER_WINDOW:-1.5}" ${RAW_ONLY:+--only "$RAW_ONLY"} \
+        --seconds "${SECONDS_PER_WINDOW:-1.5}" ${RAW_ONLY:+--only "$RAW_ONLY"} ${RAW_ARGS:-} \
         >"$OUT/gpu_bench.log" 2>&1
     echo "gpu_bench exit $?"
 fi
