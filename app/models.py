@@ -175,6 +175,7 @@ def engine_options(
         devices=tuple(config.gpus),
         preferred_batch_sizes=tuple(config.dynamic_batching.preferred_batch_size),
         image=image,
+        gpu=config.gpu,
     )
 
 
@@ -363,7 +364,10 @@ async def load(
             await decoder.close()
         await asyncio.to_thread(pool.close if pool is not None else engine.close)
         raise
-    batcher = Batcher(pool, config.dynamic_batching, metrics, config.max_batch_size)
+    # The engine's spec, not the config's: a GPU engine told to shrink serves a smaller max
+    # batch when the configured one does not fit its memory.
+    spec = engine.spec
+    batcher = Batcher(pool, config.dynamic_batching, metrics, spec.max_batch_size)
     batcher.start()
     log.info(
         "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
@@ -378,5 +382,5 @@ async def load(
         time.perf_counter() - started,
     )
     return LoadedModel(
-        entry, precision, model.spec, backend, pool, batcher, metrics, labels, policy, handler
+        entry, precision, spec, backend, pool, batcher, metrics, labels, policy, handler
     )

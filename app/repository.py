@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engines.devices.options import GpuOptions
 from engines.precision.build import BuildPlan
 from engines.precision.options import Budget, Fp16Options, Int8Options
 from engines.preprocess import ImagePreprocess
@@ -103,6 +104,9 @@ class ModelConfig(BaseModel):
     """How the int8 variant is calibrated and quantized."""
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     """What each variant may cost in accuracy."""
+    gpu: GpuOptions = Field(default_factory=GpuOptions)
+    """GPU backends: compiling the model (torch backend), the share of GPU memory it may take
+    and what happens when its max batch does not fit."""
     inputs: list[TensorSpec] | None = None
     """Overrides the inputs read from the ONNX file: name, datatype and the shape of one row
     (without the batch dimension; -1 for a dynamic dimension)."""

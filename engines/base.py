@@ -9,12 +9,13 @@ lookup in ``engines.backends``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
+from engines.devices.options import GpuOptions
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec
 from engines.store import EngineStore
@@ -57,7 +58,8 @@ class EngineOptions:
     ``devices`` round-robin (one copy of the weights per GPU; empty: GPU 0) and may size
     their batch buckets by ``preferred_batch_sizes``. ``image`` is the model's preprocessing:
     a backend that can normalise on the device accepts UINT8 pixels on the first input and
-    says so in its engine's ``pixel_input``.
+    says so in its engine's ``pixel_input``. ``gpu``: how the model is compiled for and
+    fitted into its GPU (the model config's ``gpu:`` section).
     """
 
     runners: int = 1
@@ -68,6 +70,12 @@ class EngineOptions:
     devices: tuple[int, ...] = ()
     preferred_batch_sizes: tuple[int, ...] = ()
     image: ImagePreprocess | None = None
+    gpu: GpuOptions = field(default_factory=GpuOptions)
+
+
+class ModelDoesNotFit(Exception):
+    """A model whose max batch does not fit the device memory it may use, found at load
+    (the message names the largest batch that fits); it is not served."""
 
 
 class FatalEngineError(Exception):

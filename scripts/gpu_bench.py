@@ -13,6 +13,7 @@ python scripts/gpu_bench.py --out results/ [--seconds 2]
 from __future__ import annotations
 
 import argparse
+import asyncio
 import io
 import json
 import statistics
@@ -378,6 +379,78 @@ def bench_compiled(paths: dict[str, Path], seconds: float, modes: list[str]) -> 
         engine.close()
 
 
+def pool_rate(runners: list[TorchRunner], rows: int, clients: int, seconds: float) -> float:
+    """Images/s through Stoker's batcher and runner pool (no HTTP, no codec): ``clients``
+    coroutines each sending requests of ``rows`` UINT8 images, batches up to the largest
+    bucket, with the runners given."""
+    from app.batcher import Batcher
+    from app.metrics import ModelMetrics
+    from app.pool import RunnerPool
+    from app.repository import DynamicBatching
+
+    engine = runners[0].engine
+    batches = pixels(rows)
+
+    async def window(limit: float) -> float:
+        pool = RunnerPool(engine, list(runners), "bench")
+        largest = engine.buckets[-1]
+        policy = DynamicBatching(max_queue_delay_us=2000, preferred_batch_size=[largest])
+        batcher = Batcher(pool, policy, ModelMetrics("bench", engine.precision), largest)
+        batcher.start()
+        done, stop = [0], time.perf_counter() + limit
+
+        async def client(i: int) -> None:
+            n = i
+            while time.perf_counter() < stop:
+                out = await batcher.infer({"input": batches[n % len(batches)]}, rows, "k", 30.0)
+                done[0] += len(out["logits"])
+                n += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        elapsed = time.perf_counter() - t0
+        await batcher.close(10.0)
+        return done[0] / elapsed
+
+    return windows(lambda limit: asyncio.run(window(limit)), seconds)
+
+
+def bench_runner(name: str, path: Path, seconds: float, mode: str) -> None:
+    """One engine as a GPU config serves it (fp16, UINT8 pixels normalised on the GPU),
+    compiled in ``mode`` or not: startup, GPU memory of the weights and of each runner, graph
+    replay, runners from threads, the batcher and pool over the same runners (rows of 32 and
+    of 256 per request), and batch-1 latency."""
+    from engines.devices.options import GpuOptions
+
+    print(f"== {name} fp16, compile {mode}: runner, pool, latency, memory", flush=True)
+    t0 = time.perf_counter()
+    compile_options = GpuOptions(compile=mode)  # type: ignore[arg-type]
+    engine = make_engine(path, "fp16", (1, 32, 128, 256), gpu=compile_options)
+    runners = [engine.new_runner() for _ in range(2)]
+    what = f"compile {mode}"
+    record(Row(name, "fp16", f"startup, 2 runners ({what})", 0, time.perf_counter() - t0, "s"))
+    record(Row(name, "fp16", "GPU memory: weights", 0, engine.weight_bytes[0] / 2**20, "MiB"))
+    for i, used in enumerate(engine.runner_bytes):
+        record(Row(name, "fp16", f"GPU memory: runner {i + 1} (4 buckets x 2)", 0,
+                   used / 2**20, "MiB"))  # fmt: skip
+    for b in (32, 128, 256):
+        gpu = graph_rate(runners[0], b, seconds)
+        record(Row(name, "fp16", f"graph replay ({what})", b, gpu, "img/s"))
+        two = runner_rate(runners, pixels(b), seconds)
+        record(Row(name, "fp16", f"runner.run UINT8, 2 runners ({what})", b, two, "img/s",
+                   f"/graph {two / gpu:.2f}"))  # fmt: skip
+        loads = {128: ((128, 4),), 256: ((32, 16), (32, 32), (256, 4))}.get(b, ())
+        for rows, clients in loads:
+            rate = pool_rate(runners, rows, clients, seconds)
+            record(Row(name, "fp16", f"pool: {rows} rows/request, c={clients} ({what})",
+                       b, rate, "img/s", f"/runners {rate / two:.2f}"))  # fmt: skip
+    record(Row(name, "fp16", f"latency runner.run UINT8 ({what})", 1,
+               latency_ms(runners[0], pixels(1)[0]), "ms"))  # fmt: skip
+    for r in runners:
+        r.close()
+    engine.close()
+
+
 def bench_copies() -> None:
     print("== host to device copies, 256 MiB", flush=True)
     nbytes = 256 << 20
@@ -445,6 +518,8 @@ def main() -> None:
     )
     parser.add_argument("--compile-modes", default="default,max-autotune-no-cudagraphs")
     parser.add_argument("--compile-models", default="efficientnet_lite0")
+    parser.add_argument("--runner-modes", default="none,default")
+    parser.add_argument("--runner-models", default="resnet50,efficientnet_lite0")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -502,6 +577,16 @@ def main() -> None:
         ),
         ("jpeg", lambda: bench_jpeg(args.seconds)),
     ]
+    for mode in args.runner_modes.split(","):
+        for name in args.runner_models.split(","):
+            steps.append(
+                (
+                    "runner",
+                    lambda name=name, mode=mode: bench_runner(  # type: ignore[misc]
+                        name, model_path(name, args.models), args.seconds, mode
+                    ),
+                )
+            )
     for key in args.only.split(","):
         for name, step in steps:
             if name != key:

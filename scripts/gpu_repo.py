@@ -5,7 +5,8 @@ python scripts/gpu_repo.py /tmp/stoker-repo
 The repo's ``models/resnet50`` config with: FP16 as the only version; its accuracy gate
 measured on 16 images and overridden, because seeded random weights give near-uniform
 logits whose top-1 means nothing (the FP16 variant itself is built and measured as for any
-model); two runners; batches up to 256, preferred 64, 128 and 256; a 2 ms delay.
+model); two runners; batches up to 256, preferred 64, 128 and 256; a 2 ms delay;
+``--compile MODE`` sets ``gpu.compile``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("repository", type=Path)
+    parser.add_argument(
+        "--compile", default="none", help="gpu.compile: none, default, max-autotune"
+    )
     args = parser.parse_args()
     folder = args.repository / "resnet50"
     folder.mkdir(parents=True, exist_ok=True)
@@ -33,6 +37,7 @@ def main() -> None:
         runners=2,
         accuracy={"evaluation_samples": 16, "override": True},
         dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": 2000},
+        gpu={"compile": args.compile},
     )
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     onnx = ROOT / "models" / "resnet50" / "model.onnx"

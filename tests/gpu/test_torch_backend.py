@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -15,9 +20,12 @@ from engines.backends.onnxruntime import read_spec  # noqa: E402
 from engines.backends.torch.convert import UnsupportedModel  # noqa: E402
 from engines.backends.torch.engine import TorchEngine, TorchOptions, buckets  # noqa: E402
 from engines.base import EngineOptions  # noqa: E402
+from engines.devices.options import GpuOptions  # noqa: E402
 from engines.preprocess import ImagePreprocess  # noqa: E402
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx  # noqa: E402
 
 MAX_BATCH = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine(path: Path, max_batch: int = MAX_BATCH, **options: object) -> TorchEngine:
@@ -185,3 +193,148 @@ def test_pool_and_batcher_drive_torch_runners(efficientnet_onnx: Path) -> None:
     for request, got in zip(requests, outputs, strict=True):
         assert got.shape == (len(request), 1000)
         assert relative_error(got, reference(efficientnet_onnx, request)) < 1e-4
+
+
+def gpu_run(script: str, *args: str, cache: Path | None = None) -> dict[str, Any]:
+    """``script`` in a fresh Python (its own allocator cap and, given ``cache``, its own empty
+    Inductor cache: what a restarted engine process starts with); its last line, as JSON."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_compiled_matches_onnxruntime(efficientnet_onnx: Path) -> None:
+    """``gpu.compile: default``: the module compiled by Inductor, then captured per bucket;
+    float and UINT8 inputs, every row count, within the fp16 tolerance of the CPU reference."""
+    compiled_engine = engine(
+        efficientnet_onnx,
+        precision="fp16",
+        image=ImagePreprocess(),
+        batch_buckets=(4, MAX_BATCH),
+        gpu=GpuOptions(compile="default"),
+    )
+    runner = compiled_engine.new_runner()
+    try:
+        for rows in (1, 4, 5, MAX_BATCH):
+            pixels = images(rows)
+            want = reference(efficientnet_onnx, normalized(pixels))
+            from_floats = runner.run({"input": normalized(pixels)})["logits"]
+            from_pixels = runner.run({"input": pixels})["logits"]
+            assert from_floats.shape == (rows, 1000)
+            assert relative_error(from_floats, want) < 1e-2
+            assert relative_error(from_pixels, want) < 1e-2
+    finally:
+        runner.close()
+        compiled_engine.close()
+
+
+ROUND_TRIP = """
+import json, sys, time
+from pathlib import Path
+
+import numpy as np
+from torch._dynamo.utils import counters
+
+from engines.backends.onnxruntime import read_spec
+from engines.backends.torch.engine import TorchEngine, TorchOptions
+from engines.base import EngineOptions
+from engines.devices.options import GpuOptions
+from engines.store import EngineStore
+
+source, root = Path(sys.argv[1]), Path(sys.argv[2])
+started = time.perf_counter()
+options = TorchOptions(precision="fp32", gpu=GpuOptions(compile="default"))
+store = EngineOptions(store=EngineStore(root))
+engine = TorchEngine(source, read_spec(source, "tiny", 4), store, options)
+runner = engine.new_runner()
+ready_s = time.perf_counter() - started
+x = np.arange(12, dtype=np.float32).reshape(3, 4) / 5 - 1
+out = runner.run({"x": x})
+print(json.dumps({"ready_s": ready_s, "x": x.tolist(), "y": out["y"].tolist(),
+                  "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_compiled_kernels_survive_a_restart_through_the_store(tmp_path: Path) -> None:
+    """Two engine processes, each with an empty Inductor cache, sharing only the engine
+    store: the first compiles every bucket and stores the result, the second generates
+    nothing. Both answer as numpy computes the graph."""
+    from onnx import save
+
+    source = tmp_path / "tiny.onnx"
+    save(tiny_onnx(), str(source))
+    store = tmp_path / "store"
+    first = gpu_run(ROUND_TRIP, str(source), str(store), cache=tmp_path / "inductor-1")
+    assert first["misses"] >= 3 and first["hits"] == 0  # buckets 1, 2, 4
+    assert len(list(store.rglob("inductor-*.inductor"))) == 1
+    second = gpu_run(ROUND_TRIP, str(source), str(store), cache=tmp_path / "inductor-2")
+    assert second["misses"] == 0 and second["hits"] >= 3
+    for result in (first, second):
+        x = np.array(result["x"], dtype=np.float32)
+        np.testing.assert_allclose(result["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+
+
+FIT = """
+import json, sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engines.backends.onnxruntime import read_spec
+from engines.backends.torch.engine import TorchEngine, TorchOptions
+from engines.base import EngineOptions, ModelDoesNotFit
+from engines.devices.options import GpuOptions
+
+source, mode, gib = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+fraction = gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+gpu = GpuOptions(memory_fraction=fraction, on_out_of_memory=mode)
+options = TorchOptions(precision="fp32", batch_buckets=(1, 16, 256), gpu=gpu)
+engine = TorchEngine(source, read_spec(source, "resnet50", 256), EngineOptions(), options)
+try:
+    runner = engine.new_runner()
+except ModelDoesNotFit as refused:
+    print(json.dumps({"refused": str(refused)}))
+    sys.exit(0)
+rows = engine.spec.max_batch_size
+x = np.random.default_rng(1).standard_normal((rows, 3, 224, 224)).astype(np.float32)
+y = runner.run({"input": x})["logits"]
+try:
+    runner.run({"input": np.zeros((rows + 1, 3, 224, 224), np.float32)})
+    over = "ran"
+except ValueError as error:
+    over = str(error)
+print(json.dumps({"max_batch": rows, "buckets": engine.buckets, "over": over, "y": y.tolist(),
+                  "reserved_gib": torch.cuda.memory_reserved(0) / 2**30}))
+"""
+
+
+def test_a_max_batch_that_does_not_fit_is_refused_or_shrunk(resnet50_onnx: Path) -> None:
+    """ResNet-50 FP32 with batches up to 256 in 1.5 GiB of the GPU (the engine process's
+    allocator capped by ``gpu.memory_fraction``): batch 256 (over 0.8 GB for one activation
+    of the first convolution) cannot fit; refused, the message names the largest batch that
+    does; shrunk, the engine serves that batch, refuses one more row, and stays under the cap."""
+    refused = gpu_run(FIT, str(resnet50_onnx), "refuse", "1.5")
+    message = refused["refused"]
+    assert "a batch of 256 does not fit" in message
+    largest = int(message.split("the largest that fits is ")[1].split(":")[0])
+    assert largest in (1, 16)
+
+    served = gpu_run(FIT, str(resnet50_onnx), "shrink", "1.5")
+    assert served["max_batch"] == largest and max(served["buckets"]) == largest
+    assert "exceeds the max batch size" in served["over"]
+    assert served["reserved_gib"] <= 1.5
+    x = np.random.default_rng(1).standard_normal((largest, 3, 224, 224)).astype(np.float32)
+    assert relative_error(np.array(served["y"]), reference(resnet50_onnx, x)) < 1e-3

@@ -17,18 +17,26 @@ cuDNN's tensor-core convolutions want. When the model's preprocessing is given, 
 input also accepts UINT8 pixels, which are normalised on the GPU inside the graph (a quarter
 of the bytes over PCIe). The calling thread waits on a blocking-sync event with the GIL
 released, so other runners and the event loop run meanwhile.
+
+With ``gpu.compile`` the module is compiled by ``torch.compile`` before the graphs are
+captured (``engines.backends.torch.compiled``; kept in the engine store). The engine's GPU
+memory is capped at ``gpu.memory_fraction`` of each GPU: a runner whose graphs do not fit is
+retried with smaller max batches, and the model is refused naming the largest that fits, or
+served with it (``gpu.on_out_of_memory``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +45,14 @@ import onnx
 import torch
 from onnx import TensorProto
 
+from engines.backends.torch import compiled
 from engines.backends.torch.convert import OnnxModule, UnsupportedModel, convert
-from engines.base import EngineOptions
+from engines.base import EngineOptions, ModelDoesNotFit
 from engines.devices import cuda
+from engines.devices.options import GpuOptions
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
+from engines.store import EngineKey
 
 BACKEND = "torch"
 
@@ -150,6 +161,7 @@ class TorchOptions:
     copy of the weights per GPU). ``image``: the model's preprocessing, which lets the image
     input take UINT8 pixels normalised on the GPU. ``batch_buckets`` replaces the default
     buckets (``buckets()``). ``cuda_graphs`` off runs eagerly, to measure what graphs save.
+    ``gpu``: compiling and the memory the engine may take (the model config's ``gpu:``).
     """
 
     precision: str | None = None
@@ -159,6 +171,26 @@ class TorchOptions:
     batch_buckets: tuple[int, ...] = ()
     cuda_graphs: bool = True
     channels_last: bool = True
+    gpu: GpuOptions = field(default_factory=GpuOptions)
+
+
+# torch caps the caching allocator per process and device; several models in one engine
+# process share the cap, so the smallest fraction any of them asked for holds.
+_memory_fractions: dict[int, float] = {}
+
+
+def limit_memory(device: int, fraction: float) -> float:
+    """Cap torch's allocator on ``device`` at ``fraction`` of its memory (or a smaller cap
+    already set); the cap that now holds."""
+    held = min(fraction, _memory_fractions.get(device, 1.0))
+    _memory_fractions[device] = held
+    torch.cuda.set_per_process_memory_fraction(held, device)
+    return held
+
+
+def reserved(device: int) -> int:
+    """Bytes torch's allocator holds on ``device`` (weights, buffers, graph pools, cache)."""
+    return int(torch.cuda.memory_reserved(device))
 
 
 class TorchEngine:
@@ -196,27 +228,107 @@ class TorchEngine:
         # cuDNN times its algorithms once per shape; the graphs then replay the winner.
         torch.backends.cudnn.benchmark = True
         dtype = compute_dtype(precision)
+        gpu = torch_options.gpu
+        self._store = options.store
         self._modules: dict[int, OnnxModule] = {}
+        self._calls: dict[int, Any] = {}
+        self._artifacts: dict[int, EngineKey] = {}
+        self._unsaved: set[int] = set()
+        self.weight_bytes: dict[int, int] = {}
+        """Per GPU, what the engine's copy of the weights took of the allocator."""
+        self.runner_bytes: list[int] = []
+        """Per runner, in order made, what its buffers and graphs took of the allocator."""
         for device in self.devices:
+            self.memory_fraction = limit_memory(device, gpu.memory_fraction)
+            before = reserved(device)
             module = convert(path).to(device=torch.device("cuda", device), dtype=dtype)
             if torch_options.channels_last:
                 for attr, buffer in list(module.named_buffers()):
                     if buffer.dim() == 4:
                         setattr(module, attr, buffer.contiguous(memory_format=torch.channels_last))
             self._modules[device] = module
+            self.weight_bytes[device] = reserved(device) - before
+            self._calls[device] = module
+            if gpu.compile != "none":
+                key = compiled.artifact_key(
+                    path,
+                    spec.name,
+                    precision,
+                    gpu.compile,
+                    torch.device("cuda", device),
+                    self.buckets,
+                    {"channels_last": torch_options.channels_last},
+                )
+                self._artifacts[device] = key
+                if not compiled.load_artifacts(self._store, key):
+                    self._unsaved.add(device)
+                self._calls[device] = compiled.compile_module(
+                    module, gpu.compile, len(self.buckets)
+                )
         self._next = 0
         self._lock = threading.Lock()
 
     def module(self, device: int) -> OnnxModule:
         return self._modules[device]
 
+    def call(self, device: int) -> Any:
+        """What a runner on ``device`` runs: the module, or the module compiled."""
+        return self._calls[device]
+
     def new_runner(self) -> TorchRunner:
         with self._lock:
             device = self.devices[self._next % len(self.devices)]
             self._next += 1
-        return TorchRunner(self, device)
+        before = reserved(device)
+        runner: TorchRunner | None
+        try:
+            runner = TorchRunner(self, device, self.buckets)
+        except torch.OutOfMemoryError:
+            runner = None  # retried once the failed runner's memory is released with the error
+        if runner is None:
+            runner = self._fit(device)
+        self.runner_bytes.append(reserved(device) - before)
+        if device in self._unsaved and compiled.save_artifacts(
+            self._store, self._artifacts[device]
+        ):
+            self._unsaved.discard(device)
+        return runner
+
+    def _fit(self, device: int) -> TorchRunner:
+        """A runner with the largest max batch that fits the memory left, tried from the
+        next smaller bucket down; kept as the new max (``shrink``) or refused."""
+        wanted = self.buckets[-1]
+        runner, largest = None, 0
+        for size in reversed(self.buckets[:-1]):
+            torch.cuda.empty_cache()
+            try:
+                runner = TorchRunner(self, device, [b for b in self.buckets if b <= size])
+            except torch.OutOfMemoryError:
+                continue
+            largest = size
+            break
+        gib = torch.cuda.get_device_properties(device).total_memory * self.memory_fraction / 2**30
+        where = (
+            f"{self.spec.name}: a batch of {wanted} does not fit "
+            f"{self.memory_fraction:.0%} of GPU {device} ({gib:.1f} GiB) with "
+            f"{len(self.runner_bytes)} runner(s) already made"
+        )
+        if runner is not None and self.options.gpu.on_out_of_memory == "shrink":
+            log.warning("%s; serving with a max batch of %d (gpu.on_out_of_memory: shrink)",
+                        where, largest)  # fmt: skip
+            self.buckets = [b for b in self.buckets if b <= largest]
+            self.spec = dataclasses.replace(self.spec, max_batch_size=largest)
+            return runner
+        if runner is not None:
+            runner.close()
+        fits = f"the largest that fits is {largest}" if largest else "not even a batch of 1 fits"
+        raise ModelDoesNotFit(
+            f"{where}; {fits}: lower max_batch_size, raise gpu.memory_fraction or set "
+            "gpu.on_out_of_memory: shrink"
+        )
 
     def close(self) -> None:
+        self._calls.clear()
         self._modules.clear()
         torch.cuda.empty_cache()
 
@@ -232,13 +344,14 @@ class _Input:
 class TorchRunner:
     """One lane: a stream, pinned staging, static device buffers and a graph per bucket."""
 
-    def __init__(self, engine: TorchEngine, device: int) -> None:
+    def __init__(self, engine: TorchEngine, device: int, buckets: Sequence[int]) -> None:
         self.engine = engine
         self.device = device
         spec = engine.spec
         self._spec = spec
-        self._module = engine.module(device)
-        self._max = max(1, spec.max_batch_size)
+        self._module = engine.call(device)
+        self._buckets = list(buckets)
+        self._max = max(1, self._buckets[-1]) if spec.batched else 1
         self._dtype = compute_dtype(engine.precision)
         image = engine.options.image
         self._image_input = engine.pixel_input
@@ -262,7 +375,11 @@ class TorchRunner:
                 }
             self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
             if engine.cuda_graphs:
-                self._capture_all()
+                try:
+                    self._capture_all()
+                except BaseException:
+                    self.close()
+                    raise
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -317,14 +434,22 @@ class TorchRunner:
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        compiling = self._module is not self.engine.module(self.device)
         with _CAPTURE_LOCK, torch.no_grad(), tf32(self.engine.precision == "tf32"):
             # Largest first: the smaller graphs then fit in the memory the pool already has.
             for fmt in self._formats():
-                for bucket in sorted(self.engine.buckets, reverse=True):
+                for i, bucket in enumerate(sorted(self._buckets, reverse=True)):
+                    started = time.perf_counter()
                     with torch.cuda.stream(self._torch_stream):
-                        for _ in range(2):  # cuDNN picks its algorithms outside the capture
+                        # cuDNN picks its algorithms (and torch.compile compiles) outside the
+                        # capture
+                        for _ in range(2):
                             self._forward(fmt, bucket)
                     self._stream.synchronize()
+                    if compiling and fmt == self._formats()[0]:
+                        log.info("%s: batch %d compiled (%d of %d buckets) in %.1f s",
+                                 self._spec.name, bucket, i + 1, len(self._buckets),
+                                 time.perf_counter() - started)  # fmt: skip
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(
                         graph,
@@ -339,7 +464,7 @@ class TorchRunner:
     # -- running --------------------------------------------------------------------------
 
     def bucket(self, rows: int) -> int:
-        for size in self.engine.buckets:
+        for size in self._buckets:
             if size >= rows:
                 return size
         raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
@@ -443,5 +568,6 @@ def load(path: Path, spec: ModelSpec, options: EngineOptions) -> TorchEngine:
             devices=options.devices or (0,),
             image=image if takes_pixels else None,
             preferred_batch_sizes=options.preferred_batch_sizes,
+            gpu=options.gpu,
         ),
     )

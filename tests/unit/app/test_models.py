@@ -4,6 +4,8 @@ warming and closing it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from app import models
 from app.models import InputPolicy
 from app.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
 from app.settings import Settings
+from engines.base import Engine, EngineOptions, Runner
+from engines.devices.options import GpuOptions
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
 from engines.store import EngineStore
@@ -79,10 +83,15 @@ def test_an_engine_that_normalises_on_its_device_gets_the_pixels_untouched() -> 
 
 def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
     configured = entry(
-        runners=4, gpus=[0, 1], preprocess={}, dynamic_batching={"preferred_batch_size": [4, 8]}
+        runners=4,
+        gpus=[0, 1],
+        preprocess={},
+        dynamic_batching={"preferred_batch_size": [4, 8]},
+        gpu={"compile": "max-autotune", "memory_fraction": 0.5},
     )
     options = models.engine_options(configured, SPEC, precision="fp16")
     assert options.devices == (0, 1) and options.runners == 4
+    assert options.gpu == GpuOptions(compile="max-autotune", memory_fraction=0.5)
     assert options.preferred_batch_sizes == (4, 8) and options.precision == "fp16"
     assert options.image == ImagePreprocess(datatype="FP32")
     assert models.engine_options(entry(), SPEC).image is None
@@ -158,6 +167,69 @@ def test_a_loaded_version_answers_through_its_batcher_and_closes(tmp_path: Path)
     outputs, _ = asyncio.run(scenario())
     np.testing.assert_allclose(outputs["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(outputs["s"], x.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+class Shrunk:
+    """ONNX Runtime's engine presenting a max batch of 4 where the config says 8, as a GPU
+    engine does after ``gpu.on_out_of_memory: shrink``; its runners record the rows run."""
+
+    def __init__(self, engine: Engine, batches: list[int]) -> None:
+        self._engine, self._batches = engine, batches
+        self.backend, self.pixel_input = engine.backend, engine.pixel_input
+        self.spec = dataclasses.replace(engine.spec, max_batch_size=4)
+
+    def new_runner(self) -> Runner:
+        inner, batches = self._engine.new_runner(), self._batches
+
+        class Recording:
+            def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+                batches.append(len(next(iter(inputs.values()))))
+                return inner.run(inputs)
+
+            def close(self) -> None:
+                inner.close()
+
+        return Recording()
+
+    def close(self) -> None:
+        self._engine.close()
+
+
+def test_a_version_is_served_at_the_max_batch_its_engine_settled_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batcher and the contract take the engine's max batch, not the config's: an engine
+    that shrank to fit its memory never gets a batch larger than it kept."""
+    from engines import backends
+    from engines.backends import onnxruntime
+
+    batches: list[int] = []
+
+    def shrinking(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
+        return Shrunk(onnxruntime.load(path, spec, options), batches)
+
+    monkeypatch.setitem(backends.LOADERS, "shrinking", shrinking)
+    model = models.source(write_tiny(tmp_path / "repo" / "tiny", runners=1))
+    settings = settings_for(tmp_path / "repo", tmp_path)
+    requests = [np.full((2, 4), i, dtype=np.float32) for i in range(6)]
+
+    async def scenario() -> tuple[int, list[dict[str, np.ndarray]]]:
+        loaded = await models.load(
+            model, "fp32", "shrinking", EngineStore(tmp_path / "store"), settings
+        )
+        try:
+            outputs = await asyncio.gather(
+                *(loaded.batcher.infer({"x": x}, 2, ("<f4", 4), 5.0) for x in requests)
+            )
+        finally:
+            await loaded.close()
+        return loaded.spec.max_batch_size, outputs
+
+    served_max, outputs = asyncio.run(scenario())
+    assert served_max == 4
+    assert batches and max(batches) <= 4 and 4 in batches  # two requests of 2 rows per batch
+    for x, got in zip(requests, outputs, strict=True):
+        np.testing.assert_allclose(got["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
 
 
 def test_a_timeout_of_zero_takes_the_configured_default() -> None:

@@ -1,0 +1,33 @@
+"""How a model uses its GPU, declared once: the model config's ``gpu:`` section, which the
+service validates and the GPU backends take as it is."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+CompileMode = Literal["none", "default", "max-autotune"]
+
+
+class GpuOptions(BaseModel):
+    """How a model is compiled for and fitted into its GPU."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
+
+    compile: CompileMode = "none"
+    """torch backend: ``default`` compiles the converted graph with ``torch.compile``
+    (Inductor's fused Triton kernels, cuDNN's convolutions) before each batch size's CUDA
+    graph is captured; ``max-autotune`` also times Triton's convolution and matmul templates
+    against cuDNN's and keeps the fastest (a much longer first build). What is compiled is
+    kept in the engine store, keyed by GPU, versions and batch sizes, so a restart loads it
+    instead of compiling again. ``none`` captures the converted graph as it is."""
+    memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    """The share of each GPU's memory the model's engine may take (weights, every runner's
+    buffers and CUDA graphs, the allocator's cache); what does not fit is decided at load by
+    ``on_out_of_memory``, not met by the first large batch. Lower it to share a GPU between
+    models or processes."""
+    on_out_of_memory: Literal["refuse", "shrink"] = "refuse"
+    """When the max batch does not fit ``memory_fraction`` at load: ``refuse`` fails the load
+    naming the largest batch that fits; ``shrink`` serves with that batch as the max (larger
+    requests are then refused with 400) and logs a warning."""
