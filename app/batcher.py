@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,7 @@ from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Un
 from app.metrics import BatchTimes, ModelMetrics
 from app.pool import RunnerPool
 from app.repository import DynamicBatching
-from engines.base import FatalEngineError, Runner, out_of_memory
+from engines.base import BlockRunner, FatalEngineError, Runner, out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,9 @@ Tensors = dict[str, np.ndarray]
 
 @dataclass(eq=False)
 class Pending:
-    inputs: Mapping[str, np.ndarray]
+    blocks: tuple[Mapping[str, np.ndarray], ...]
+    """Its tensors, as one block of rows or several (the requests a front end gathered):
+    joined only by the runner's staging copy."""
     rows: int
     key: Hashable
     level: int
@@ -82,18 +84,24 @@ class OutputMismatch(Exception):
 
 
 def run_batch(
-    runner: Runner, requests: list[Mapping[str, np.ndarray]], rows: list[int], batched: bool
+    runner: Runner,
+    requests: list[tuple[Mapping[str, np.ndarray], ...]],
+    rows: list[int],
+    batched: bool,
 ) -> tuple[list[Tensors], BatchTimes]:
-    """Concatenate, run, check and split one batch; runs on a runner's thread."""
+    """Join (or hand the blocks to a runner that stages them itself), run, check and split
+    one batch; runs on a runner's thread."""
     start = time.perf_counter()
-    if batched and len(requests) > 1:
-        inputs: Mapping[str, np.ndarray] = {
-            name: np.concatenate([r[name] for r in requests]) for name in requests[0]
-        }
+    blocks = [block for request in requests for block in request]
+    if batched and len(blocks) > 1 and isinstance(runner, BlockRunner):
+        ran = time.perf_counter()
+        outputs = runner.run_blocks(blocks)
     else:
-        inputs = requests[0]
-    ran = time.perf_counter()
-    outputs = runner.run(inputs)
+        inputs = blocks[0]
+        if batched and len(blocks) > 1:
+            inputs = {name: np.concatenate([b[name] for b in blocks]) for name in blocks[0]}
+        ran = time.perf_counter()
+        outputs = runner.run(inputs)
     done = time.perf_counter()
     if batched:
         total = sum(rows)
@@ -198,7 +206,7 @@ class Batcher:
 
     async def infer(
         self,
-        inputs: Mapping[str, np.ndarray],
+        inputs: Mapping[str, np.ndarray] | Sequence[Mapping[str, np.ndarray]],
         rows: int,
         key: Hashable,
         timeout_s: float | None,
@@ -206,13 +214,14 @@ class Batcher:
         client: str = "",
         requests: int = 1,
     ) -> Tensors:
-        """Queue one request (or ``requests`` gathered into one entry, their rows joined)
-        and wait for its outputs, split to its own rows. ``client`` (an address) is whom it
-        is fair to: a client with many requests waiting does not delay one with few by more
-        than about one of its own requests per batch."""
+        """Queue one request (or ``requests`` gathered into one entry: ``inputs`` then their
+        blocks of rows, in order) and wait for its outputs, split to its own rows.
+        ``client`` (an address) is whom it is fair to: a client with many requests waiting
+        does not delay one with few by more than about one of its own requests per batch."""
         self.admit(requests)
+        blocks = (inputs,) if isinstance(inputs, Mapping) else tuple(inputs)
         pending = Pending(
-            inputs=inputs,
+            blocks=blocks,
             rows=rows,
             key=key,
             level=self.level_of(priority),
@@ -220,7 +229,7 @@ class Batcher:
             future=asyncio.get_running_loop().create_future(),
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
             client=client,
-            work=sum(int(np.size(value)) for value in inputs.values()),
+            work=sum(int(np.size(value)) for block in blocks for value in block.values()),
             requests=requests,
         )
         self._admit_rows(rows, client)
@@ -392,7 +401,7 @@ class Batcher:
         try:
             outputs, times = await self._pool.call(
                 lambda: run_batch(
-                    runner, [p.inputs for p in requests], [p.rows for p in requests], self._batched
+                    runner, [p.blocks for p in requests], [p.rows for p in requests], self._batched
                 )
             )
         except Exception as exc:

@@ -492,17 +492,17 @@ class DataPlane(PlaneState):
         async def work() -> list[list[tuple[RequestedOutput, np.ndarray]]]:
             arrived = time.monotonic()
             model.batcher.admit(len(parts))
-            if len(parts) == 1:
-                inputs, rows = parts[0].inputs, parts[0].rows
-            else:
-                inputs = {
-                    key: np.concatenate([part.inputs[key] for part in parts])
-                    for key in parts[0].inputs
-                }
-                rows = sum(part.rows for part in parts)
+            rows = sum(part.rows for part in parts)
             every = [RequestedOutput(t.name, True) for t in model.spec.outputs]
             raw = await self._batched(
-                model, inputs, rows, every, (timeout_us, priority), client, arrived, len(parts)
+                model,
+                [part.inputs for part in parts],
+                rows,
+                every,
+                (timeout_us, priority),
+                client,
+                arrived,
+                len(parts),
             )
             outputs = {out.name: value for out, value in raw}
             answers, start = [], 0
@@ -538,7 +538,7 @@ class DataPlane(PlaneState):
     async def _batched(
         self,
         model: LoadedModel,
-        inputs: dict[str, np.ndarray],
+        inputs: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
         rows: int,
         wanted: Sequence[RequestedOutput],
         scheduling: tuple[int | None, int],
@@ -546,14 +546,23 @@ class DataPlane(PlaneState):
         arrived: float,
         requests: int = 1,
     ) -> list[tuple[RequestedOutput, np.ndarray]]:
-        """Through the batcher; ``scheduling``: the request's timeout (us) and priority."""
+        """Through the batcher; ``inputs``: one request's tensors, or the blocks of rows of
+        gathered ones (one batch key); ``scheduling``: the timeout (us) and priority."""
         timeout_us, priority = scheduling
         # The key of what the engine gets: normalised pixels batch with FP32 requests.
-        engine_inputs = model.inputs.for_engine(inputs)
-        key = batch_key(model.spec, engine_inputs)
+        blocks = [
+            model.inputs.for_engine(b) for b in ([inputs] if isinstance(inputs, dict) else inputs)
+        ]
+        key = batch_key(model.spec, blocks[0])
         timeout = time_left(model.timeout_s(timeout_us), arrived)
         outputs = await model.batcher.infer(
-            engine_inputs, rows, key, timeout, priority, client, requests
+            blocks[0] if len(blocks) == 1 else blocks,
+            rows,
+            key,
+            timeout,
+            priority,
+            client,
+            requests,
         )
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 

@@ -8,10 +8,10 @@ lookup in ``engines.backends``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,6 +29,18 @@ class Runner(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BlockRunner(Runner, Protocol):
+    """A runner that takes a batch as blocks of rows (the requests it is made of, in order)
+    and copies each block straight into its own staging memory: the batch is never joined
+    into one array first, which for large batches is a full extra copy on the runner's
+    thread. Runners without it get the blocks joined by the caller."""
+
+    def run_blocks(self, blocks: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """``run`` of the blocks joined along the first axis."""
+        ...
 
 
 class Engine(Protocol):

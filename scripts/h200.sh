@@ -6,6 +6,8 @@
 #   SECTIONS=tests,raw,http bash scripts/h200.sh      (the first session's runs)
 #   SECTIONS=service,gpus bash scripts/h200.sh        (UINT8 / JPEG / rate service runs, and
 #                                                      runners over two GPUs: nvidia-h200-x2)
+#   SECTIONS=restart bash scripts/h200.sh             (start to ready from an empty engine
+#                                                      store, then from the filled one)
 #
 # Logs and JSON go to $OUT. With `service`, the GPU tests (TESTS, default all of them) run
 # beside it on the last GPU when there are two (TESTS_BESIDE=1), so one call does both;
@@ -64,6 +66,33 @@ if has raw; then
         --seconds "${SECONDS_PER_WINDOW:-1.5}" ${RAW_ONLY:+--only "$RAW_ONLY"} ${RAW_ARGS:-} \
         >"$OUT/gpu_bench.log" 2>&1
     echo "gpu_bench exit $?"
+fi
+
+if has restart; then
+    # Time to ready of `stoker serve` (ResNet-50 FP16, gpu.compile COMPILE, default: default)
+    # from an empty engine store, then again from the store it filled; each start with an
+    # empty Inductor cache of its own, so only the engine store carries compiled kernels.
+    echo "== restart: start to ready, empty store then filled (gpu.compile ${COMPILE:-default})"
+    repo=/tmp/stoker-repo-restart
+    store=/tmp/stoker-store-restart
+    rm -rf "$store"
+    python3 scripts/gpu_repo.py "$repo" --compile "${COMPILE:-default}" >"$OUT/restart_repo.log" 2>&1
+    for start in cold warm; do
+        t0=$(date +%s.%N)
+        TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$start STOKER_STORE__PATH=$store \
+            STOKER_MODELS__BACKEND=torch timeout "${RESTART_LIMIT:-240}" python3 -m app serve \
+            --repository "$repo" --model resnet50 --port 8124 >"$OUT/restart_$start.log" 2>&1 &
+        pid=$!
+        until curl -sf http://127.0.0.1:8124/v2/health/ready >/dev/null; do
+            kill -0 $pid 2>/dev/null || break
+            sleep 0.2
+        done
+        t1=$(date +%s.%N)
+        echo "$start: ready in $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
+        grep -E "engine store|loaded and warmed|Traceback|Error" "$OUT/restart_$start.log" | cut -c1-220 | head -6
+        kill -TERM $pid 2>/dev/null
+        wait $pid
+    done
 fi
 
 bench() {

@@ -198,7 +198,10 @@ def test_pool_and_batcher_drive_torch_runners(efficientnet_onnx: Path) -> None:
 def gpu_run(script: str, *args: str, cache: Path | None = None) -> dict[str, Any]:
     """``script`` in a fresh Python (its own allocator cap and, given ``cache``, its own empty
     Inductor cache: what a restarted engine process starts with); its last line, as JSON."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     if cache is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     done = subprocess.run(

@@ -132,24 +132,38 @@ _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 
 
-def staged_copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` along the first axis, in parallel slices when it is large."""
-    global _copy_pool
-    slices = min(_COPY_THREADS, src.nbytes // _COPY_SLICE_BYTES, len(src))
-    if slices < 2:
-        np.copyto(dst, src, casting="no")
+def staged_copy(dst: np.ndarray, blocks: Sequence[np.ndarray]) -> None:
+    """``dst[:] = np.concatenate(blocks)`` without the joined array: each block copied
+    straight to its rows of ``dst``, in parallel slices when the whole is large."""
+    pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    offset = 0
+    for block in blocks:
+        rows = len(block)
+        slices = max(1, min(_COPY_THREADS, block.nbytes // _COPY_SLICE_BYTES, rows))
+        bounds = np.linspace(0, rows, slices + 1).astype(int)
+        pieces += [
+            (dst[offset + a : offset + b], block[a:b]) for a, b in itertools.pairwise(bounds)
+        ]
+        offset += rows
+    if len(pieces) < 2 or dst.nbytes < 2 * _COPY_SLICE_BYTES:
+        for target, source in pieces:
+            np.copyto(target, source, casting="no")
         return
+    global _copy_pool
     with _copy_pool_lock:
         if _copy_pool is None:
             _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="stage")
         pool = _copy_pool
-    bounds = np.linspace(0, len(src), slices + 1).astype(int)
-    jobs = [
-        pool.submit(np.copyto, dst[a:b], src[a:b], casting="no")
-        for a, b in itertools.pairwise(bounds)
-    ]
-    for job in jobs:
+    # One job per thread, each a share of the pieces: many small blocks (a batch of single
+    # images) cost one submit per thread, not one per image.
+    shares = [pieces[i::_COPY_THREADS] for i in range(min(_COPY_THREADS, len(pieces)))]
+    for job in [pool.submit(_copy_all, share) for share in shares]:
         job.result()
+
+
+def _copy_all(pieces: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    for target, source in pieces:
+        np.copyto(target, source, casting="no")
 
 
 @dataclass(frozen=True)
@@ -470,23 +484,29 @@ class TorchRunner:
         raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        with cuda.sticky_errors_are_fatal(self._spec.name):
-            return self._run(inputs)
+        return self.run_blocks([inputs])
 
-    def _run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run_blocks(self, blocks: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One batch given as blocks of rows, each copied straight into the pinned staging
+        buffer (``engines.base.BlockRunner``)."""
+        with cuda.sticky_errors_are_fatal(self._spec.name):
+            return self._run(blocks)
+
+    def _run(self, blocks: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         spec = self._spec
-        first = inputs[spec.inputs[0].name]
-        rows = int(first.shape[0]) if spec.batched else 1
+        name = spec.inputs[0].name
+        rows = sum(int(block[name].shape[0]) for block in blocks) if spec.batched else 1
         bucket = self.bucket(rows) if spec.batched else 0
         fmt = spec.inputs[0].datatype
         with torch.cuda.device(self.device):
             for slot in self._inputs:
-                array = inputs[slot.spec.name]
+                arrays = [block[slot.spec.name] for block in blocks]
+                array = arrays[0]
                 datatype = "UINT8" if array.dtype == np.uint8 and "UINT8" in slot.formats else None
                 datatype = datatype or slot.spec.datatype
                 if slot.spec.name == self._image_input:
                     fmt = datatype
-                self._stage(slot, datatype, array)
+                self._stage(slot, datatype, arrays, rows)
             if self.engine.cuda_graphs:
                 graph, outputs = self._graphs[(bucket, fmt)]
                 with torch.cuda.stream(self._torch_stream):
@@ -510,24 +530,31 @@ class TorchRunner:
         # The pinned buffers are reused by the next batch: hand out copies.
         return {name: view.copy() for name, view in views.items()}
 
-    def _stage(self, slot: _Input, datatype: str, array: np.ndarray) -> None:
-        """Pageable request memory -> pinned staging -> device buffer, on the runner's stream."""
+    def _stage(self, slot: _Input, datatype: str, arrays: list[np.ndarray], rows: int) -> None:
+        """Pageable request memory -> pinned staging -> device buffer, on the runner's stream;
+        ``arrays``: the batch's blocks of rows for this input, joined in the pinned buffer."""
         dtype = slot.formats.get(datatype)
         if dtype is None:
             raise ValueError(f"input {slot.spec.name!r}: datatype {datatype} not accepted")
         device = slot.device[datatype]
         host = slot.host[datatype]
-        want = tuple(device.shape[1:]) if self._spec.batched else tuple(device.shape)
-        got = tuple(array.shape[1:]) if self._spec.batched else tuple(array.shape)
-        if got != want:
-            raise ValueError(
-                f"input {slot.spec.name!r}: rows of {list(got)}, expected {list(want)}"
-            )
+        batched = self._spec.batched
+        want = tuple(device.shape[1:]) if batched else tuple(device.shape)
         expected = np.dtype(np.uint8) if datatype == "UINT8" else slot.spec.dtype
-        if array.dtype != expected:
-            raise ValueError(f"input {slot.spec.name!r}: {array.dtype}, expected {expected}")
-        staged_copy(host.array(array.dtype, array.shape), array)
-        cuda.copy_to_device(device.data_ptr(), host.ptr, array.nbytes, self._stream)
+        for array in arrays:
+            got = tuple(array.shape[1:]) if batched else tuple(array.shape)
+            if got != want:
+                raise ValueError(
+                    f"input {slot.spec.name!r}: rows of {list(got)}, expected {list(want)}"
+                )
+            if array.dtype != expected:
+                raise ValueError(f"input {slot.spec.name!r}: {array.dtype}, expected {expected}")
+        staging = host.array(expected, (rows, *want) if batched else want)
+        if batched:
+            staged_copy(staging, arrays)
+        else:
+            np.copyto(staging, arrays[0], casting="no")
+        cuda.copy_to_device(device.data_ptr(), host.ptr, staging.nbytes, self._stream)
 
     def graph(self, bucket: int, datatype: str) -> torch.cuda.CUDAGraph:
         """The captured graph of one bucket and input datatype (to time the GPU alone)."""

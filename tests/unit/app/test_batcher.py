@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,6 +61,8 @@ class FakeEngine:
         self.fits: int | None = None
         """Batches of more rows raise ``too_big`` (an allocation that failed)."""
         self.too_big: Callable[[str], Exception] = MemoryError
+        self.blocks: list[list[int]] = []
+        """Per batch a block runner ran, the rows of each block it was handed."""
 
     def new_runner(self) -> FakeRunner:
         return FakeRunner(self)
@@ -431,3 +433,45 @@ def test_an_entry_that_does_not_fit_waits_while_a_smaller_one_fills_the_batch() 
 
     engine = run(scenario, max_queue_delay_us=0)
     assert batch_sizes(engine) == [1, 8, 5]
+
+
+class BlockRunner(FakeRunner):
+    """A runner that stages blocks itself (``engines.base.BlockRunner``): it records the
+    blocks it was handed, then doubles them joined."""
+
+    def run_blocks(self, blocks: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        self.engine.blocks.append([len(block["x"]) for block in blocks])
+        return self.run({"x": np.concatenate([block["x"] for block in blocks])})
+
+
+def test_a_runner_that_stages_blocks_gets_each_request_unjoined() -> None:
+    """A gathered entry (two blocks) and a plain request in one batch reach a block runner as
+    three blocks in queue order, never joined by the batcher; each caller gets its rows."""
+    engine = FakeEngine()
+    engine.new_runner = lambda: BlockRunner(engine)  # type: ignore[method-assign]
+
+    async def main() -> None:
+        pool = await RunnerPool.create(engine, 1, "test")
+        metrics = ModelMetrics(f"fake{next(_models)}", "fp32")
+        batcher = Batcher(pool, DynamicBatching(max_queue_delay_us=0), metrics, 8)
+        batcher.start()
+        try:
+            first = await occupy(batcher, engine)
+            gathered = asyncio.create_task(
+                batcher.infer([{"x": rows(1)}, {"x": rows(2, 10)}], 3, ((1,),), 5.0, requests=2)
+            )
+            single = asyncio.create_task(infer(batcher, rows(3, 20)))
+            await asyncio.sleep(0.02)
+            engine.gate.set()
+            await first
+            joined = np.concatenate([rows(1), rows(2, 10)])
+            np.testing.assert_array_equal((await gathered)["y"], joined * 2)
+            np.testing.assert_array_equal(await single, rows(3, 20) * 2)
+        finally:
+            engine.gate.set()
+            await batcher.close(drain_timeout_s=5)
+            pool.close()
+
+    asyncio.run(main())
+    assert engine.blocks == [[1, 2, 3]]  # the lone blocker ran as one block, through run
+    assert batch_sizes(engine) == [1, 6]

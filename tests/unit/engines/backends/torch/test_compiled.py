@@ -60,7 +60,11 @@ print(json.dumps({
 
 
 def start(source: Path, store: Path, cache: Path) -> dict[str, Any]:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, "-c", START, str(source), str(store)],
         capture_output=True,
