@@ -203,7 +203,9 @@ def gpu_run(script: str, *args: str, cache: Path | None = None) -> dict[str, Any
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     if cache is not None:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+        # Compiled in the process itself: a tiny graph's kernels compile faster than
+        # Inductor's pool of compile workers starts.
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
@@ -257,7 +259,7 @@ from engines.store import EngineStore
 
 source, root = Path(sys.argv[1]), Path(sys.argv[2])
 started = time.perf_counter()
-options = TorchOptions(precision="fp32", gpu=GpuOptions(compile="default"))
+options = TorchOptions(precision="fp32", batch_buckets=(2, 4), gpu=GpuOptions(compile="default"))
 store = EngineOptions(store=EngineStore(root))
 engine = TorchEngine(source, read_spec(source, "tiny", 4), store, options)
 runner = engine.new_runner()
@@ -280,10 +282,10 @@ def test_compiled_kernels_survive_a_restart_through_the_store(tmp_path: Path) ->
     save(tiny_onnx(), str(source))
     store = tmp_path / "store"
     first = gpu_run(ROUND_TRIP, str(source), str(store), cache=tmp_path / "inductor-1")
-    assert first["misses"] >= 3 and first["hits"] == 0  # buckets 1, 2, 4
+    assert first["misses"] >= 2 and first["hits"] == 0  # buckets 2 and 4
     assert len(list(store.rglob("inductor-*.inductor"))) == 1
     second = gpu_run(ROUND_TRIP, str(source), str(store), cache=tmp_path / "inductor-2")
-    assert second["misses"] == 0 and second["hits"] >= 3
+    assert second["misses"] == 0 and second["hits"] >= 2
     for result in (first, second):
         x = np.array(result["x"], dtype=np.float32)
         np.testing.assert_allclose(result["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
@@ -341,3 +343,37 @@ def test_a_max_batch_that_does_not_fit_is_refused_or_shrunk(resnet50_onnx: Path)
     assert served["reserved_gib"] <= 1.5
     x = np.random.default_rng(1).standard_normal((largest, 3, 224, 224)).astype(np.float32)
     assert relative_error(np.array(served["y"]), reference(resnet50_onnx, x)) < 1e-3
+
+
+def test_a_graph_inductor_cannot_compile_is_served_uncompiled(
+    efficientnet_onnx: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.compile failing on a graph (here: a compiler that raises, standing in for an
+    Inductor error) leaves the model served as converted, with a warning that says so."""
+    from engines.backends.torch import compiled
+
+    def broken(module: Any, mode: str, buckets: int) -> Any:
+        def call(*args: Any) -> Any:
+            raise RuntimeError("Inductor: no kernel for this op")
+
+        return call
+
+    monkeypatch.setattr(compiled, "compile_module", broken)
+    plain = engine(
+        efficientnet_onnx,
+        precision="fp32",
+        batch_buckets=(4, MAX_BATCH),
+        gpu=GpuOptions(compile="default"),
+    )
+    with caplog.at_level("WARNING"):
+        runner = plain.new_runner()
+    try:
+        x = normalized(images(3))
+        assert (
+            relative_error(runner.run({"input": x})["logits"], reference(efficientnet_onnx, x))
+            < 1e-4
+        )
+    finally:
+        runner.close()
+        plain.close()
+    assert "torch.compile failed on GPU 0 (RuntimeError: Inductor: no kernel" in caplog.text

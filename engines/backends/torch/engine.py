@@ -294,11 +294,29 @@ class TorchEngine:
             device = self.devices[self._next % len(self.devices)]
             self._next += 1
         before = reserved(device)
-        runner: TorchRunner | None
-        try:
-            runner = TorchRunner(self, device, self.buckets)
-        except torch.OutOfMemoryError:
-            runner = None  # retried once the failed runner's memory is released with the error
+        runner: TorchRunner | None = None
+        for _ in range(2):
+            try:
+                runner = TorchRunner(self, device, self.buckets)
+            except torch.OutOfMemoryError:
+                pass  # retried below, once the failed runner's memory went with the error
+            except Exception as error:
+                if self._calls[device] is self._modules[device]:
+                    raise
+                # A graph the converter runs but Inductor cannot compile still serves,
+                # uncompiled (slower: the warning says so), rather than not at all.
+                log.warning(
+                    "%s: torch.compile failed on GPU %d (%s: %s); serving the converted "
+                    "graph uncompiled",
+                    self.spec.name,
+                    device,
+                    type(error).__name__,
+                    str(error).splitlines()[0][:300] if str(error) else "",
+                )
+                self._calls[device] = self._modules[device]
+                self._unsaved.discard(device)
+                continue
+            break
         if runner is None:
             runner = self._fit(device)
         self.runner_bytes.append(reserved(device) - before)

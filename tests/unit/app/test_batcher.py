@@ -281,6 +281,8 @@ def test_output_with_wrong_rows_fails_that_batch_only() -> None:
 def test_out_of_memory_fails_that_batch_with_503_and_the_runner_serves_on(
     error: Callable[[str], Exception],
 ) -> None:
+    error("made once here")  # torch's class imports torch: seconds, not inside a deadline
+
     async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
         engine.fits, engine.too_big = 4, error
         with pytest.raises(Unavailable, match="out of memory for a batch of 6 rows"):
