@@ -248,6 +248,7 @@ class TorchEngine:
         self._calls: dict[int, Any] = {}
         self._artifacts: dict[int, EngineKey] = {}
         self._unsaved: set[int] = set()
+        self._compiled_on: set[int] = set()
         self.weight_bytes: dict[int, int] = {}
         """Per GPU, what the engine's copy of the weights took of the allocator."""
         self.runner_bytes: list[int] = []
@@ -297,7 +298,11 @@ class TorchEngine:
         runner: TorchRunner | None = None
         for _ in range(2):
             try:
-                runner = TorchRunner(self, device, self.buckets)
+                # The first runner on a GPU compiles (or traces, with kernels from the store);
+                # it logs each bucket as it goes, the first build being minutes long.
+                compiling = self._calls[device] is not self._modules[device]
+                first = compiling and device not in self._compiled_on
+                runner = TorchRunner(self, device, self.buckets, announce=first)
             except torch.OutOfMemoryError:
                 pass  # retried below, once the failed runner's memory went with the error
             except Exception as error:
@@ -319,6 +324,7 @@ class TorchEngine:
             break
         if runner is None:
             runner = self._fit(device)
+        self._compiled_on.add(device)
         self.runner_bytes.append(reserved(device) - before)
         if device in self._unsaved and compiled.save_artifacts(
             self._store, self._artifacts[device]
@@ -376,13 +382,16 @@ class _Input:
 class TorchRunner:
     """One lane: a stream, pinned staging, static device buffers and a graph per bucket."""
 
-    def __init__(self, engine: TorchEngine, device: int, buckets: Sequence[int]) -> None:
+    def __init__(
+        self, engine: TorchEngine, device: int, buckets: Sequence[int], announce: bool = False
+    ) -> None:
         self.engine = engine
         self.device = device
         spec = engine.spec
         self._spec = spec
         self._module = engine.call(device)
         self._buckets = list(buckets)
+        self._announce = announce
         self._max = max(1, self._buckets[-1]) if spec.batched else 1
         self._dtype = compute_dtype(engine.precision)
         image = engine.options.image
@@ -466,7 +475,6 @@ class TorchRunner:
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        compiling = self._module is not self.engine.module(self.device)
         with _CAPTURE_LOCK, torch.no_grad(), tf32(self.engine.precision == "tf32"):
             # Largest first: the smaller graphs then fit in the memory the pool already has.
             for fmt in self._formats():
@@ -478,7 +486,7 @@ class TorchRunner:
                         for _ in range(2):
                             self._forward(fmt, bucket)
                     self._stream.synchronize()
-                    if compiling and fmt == self._formats()[0]:
+                    if self._announce and fmt == self._formats()[0]:
                         log.info("%s: batch %d compiled (%d of %d buckets) in %.1f s",
                                  self._spec.name, bucket, i + 1, len(self._buckets),
                                  time.perf_counter() - started)  # fmt: skip
