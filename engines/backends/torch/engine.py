@@ -250,19 +250,21 @@ class TorchEngine:
         self._unsaved: set[int] = set()
         self._compiled_on: set[int] = set()
         self.weight_bytes: dict[int, int] = {}
-        """Per GPU, what the engine's copy of the weights took of the allocator."""
+        """Per GPU, the bytes of the engine's copy of the weights (parameters and buffers)."""
         self.runner_bytes: list[int] = []
         """Per runner, in order made, what its buffers and graphs took of the allocator."""
         for device in self.devices:
             self.memory_fraction = limit_memory(device, gpu.memory_fraction)
-            before = reserved(device)
             module = convert(path).to(device=torch.device("cuda", device), dtype=dtype)
             if torch_options.channels_last:
                 for attr, buffer in list(module.named_buffers()):
                     if buffer.dim() == 4:
                         setattr(module, attr, buffer.contiguous(memory_format=torch.channels_last))
             self._modules[device] = module
-            self.weight_bytes[device] = reserved(device) - before
+            self.weight_bytes[device] = sum(
+                t.numel() * t.element_size()
+                for t in itertools.chain(module.parameters(), module.buffers())
+            )
             self._calls[device] = module
             if gpu.compile != "none":
                 key = compiled.artifact_key(
