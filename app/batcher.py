@@ -171,6 +171,11 @@ class Batcher:
         self.failed: BaseException | None = None
 
     @property
+    def pending(self) -> int:
+        """Requests queued or executing (what the pending gauge shows)."""
+        return self._in_flight
+
+    @property
     def queued(self) -> int:
         return self._queued
 

@@ -174,6 +174,7 @@ class Plane(Protocol):
     def is_ready(self) -> bool: ...
     @property
     def max_images(self) -> int: ...
+    def engines(self) -> list[dict[str, object]]: ...
     async def start(self) -> None: ...
     def begin_drain(self) -> None: ...
     def drain_time_left(self) -> float: ...
@@ -224,6 +225,11 @@ class PlaneState:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    def engines(self) -> list[dict[str, object]]:
+        """Each engine process and whether it is ready, where a front end has several (one
+        per GPU); empty where there is one."""
+        return []
+
     @contextlib.contextmanager
     def in_flight(self) -> Iterator[None]:
         """Count a request as unanswered while the block runs (``all_answered`` waits)."""
@@ -263,9 +269,9 @@ class PlaneState:
 
 
 class DataPlane(PlaneState):
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, one_device: bool = False) -> None:
         super().__init__(settings)
-        self.models = Registry(settings)
+        self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -468,6 +474,11 @@ class DataPlane(PlaneState):
             return Answer(model.name, model.version, request.id, shaped, headers, content)
 
         return await self._measured(model, work)
+
+    def queued_requests(self) -> int:
+        """Requests queued or executing over every loaded version: what a front end weighs
+        when it chooses between engine processes."""
+        return sum(model.batcher.pending for model in self.models.loaded())
 
     def contract(self, name: str, version: str | None = None) -> Contract:
         """What a front end needs to decode requests for this model version itself."""

@@ -208,7 +208,8 @@ class EngineServer:
                 plane.count_failures(model, answered, reason, int(count), float(seconds))
             for model, answered, counts, total in header.get("durations", ()):
                 plane.add_request_durations(model, answered, counts, float(total))
-            return {"alive": plane.alive, "ready": plane.is_ready}, b""
+            state = {"alive": plane.alive, "ready": plane.is_ready}
+            return state | {"queued": plane.queued_requests()}, b""
         if op == "metrics":
             return {}, await plane.metrics_text()
         if op == "metadata":
@@ -275,9 +276,10 @@ class EngineServer:
         return {"model": model, "version": version, "items": replies}, b"".join(chunks)
 
 
-async def run(settings: Settings, control: Path) -> int:
-    """Serve the data plane on ``control`` until SIGTERM (then drain) or a loading failure."""
-    plane = DataPlane(settings)
+async def run(settings: Settings, control: Path, one_device: bool = False) -> int:
+    """Serve the data plane on ``control`` until SIGTERM (then drain) or a loading failure;
+    ``one_device``: on the one GPU this process sees (``server.engine_gpus``)."""
+    plane = DataPlane(settings, one_device)
     engine = EngineServer(plane)
     await asyncio.to_thread(control.unlink, missing_ok=True)
     server = await asyncio.start_unix_server(engine.serve, path=str(control))
@@ -319,24 +321,30 @@ async def run(settings: Settings, control: Path) -> int:
     return 1 if failed else 0
 
 
-def main(settings: Settings, control: str) -> None:
-    """The engine process's entry point (spawned by ``app.processes``)."""
+def main(settings: Settings, control: str, gpu: int | None = None) -> None:
+    """The engine process's entry point (spawned by ``app.processes``); ``gpu``: the one GPU
+    it serves on (``server.engine_gpus``), the only one it sees."""
     from app.processes import supervised
 
     supervised()
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before anything imports CUDA
     logging.basicConfig(
         level=settings.server.log_level.upper(),
-        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s engine{'' if gpu is None else f'-gpu{gpu}'} "
+        "%(name)s: %(message)s",
     )
+    one_device = gpu is not None
     profile = os.environ.get("STOKER_ENGINE_PROFILE")
     if os.environ.get("STOKER_PROFILE_DIR"):
-        profile = str(Path(os.environ["STOKER_PROFILE_DIR"]) / "engine.pstats")
+        which = "engine.pstats" if gpu is None else f"engine-gpu{gpu}.pstats"
+        profile = str(Path(os.environ["STOKER_PROFILE_DIR"]) / which)
     if not profile:
-        raise SystemExit(asyncio.run(run(settings, Path(control))))
+        raise SystemExit(asyncio.run(run(settings, Path(control), one_device)))
     # Where the engine's loop spends its time (a diagnostic: pstats file at exit).
     import cProfile
 
     profiler = cProfile.Profile()
-    code = profiler.runcall(asyncio.run, run(settings, Path(control)))
+    code = profiler.runcall(asyncio.run, run(settings, Path(control), one_device))
     profiler.dump_stats(profile)
     raise SystemExit(code)

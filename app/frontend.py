@@ -10,6 +10,9 @@ travels in the frame instead: slower, never refused for it.
 Health comes from the engine: a background task asks for its state every ``POLL_S``, and a
 front end that cannot reach it answers not live and not ready. A front end's drain stops new
 requests at once and waits for its own in-flight ones; the engine drains its queues itself.
+With one engine process per GPU (``server.engine_gpus``) a front end holds a channel to each,
+sends each request to the ready one with the least work ahead of it, and labels their
+metrics by GPU (``labelled_metrics``).
 """
 
 from __future__ import annotations
@@ -41,7 +44,12 @@ from app.dataplane import (
     decode_infer,
 )
 from app.errors import EngineError, StokerError, Unavailable
-from app.metrics import CountedSeries, http_refusal_counts, request_durations
+from app.metrics import (
+    CountedSeries,
+    http_refusal_counts,
+    labelled_metrics,
+    request_durations,
+)
 from app.protocol import encode_response, pack_tensor, unpack_tensor
 from app.settings import Settings
 
@@ -216,12 +224,66 @@ Reply = asyncio.Future[tuple[dict[str, Any], bytes]]
 CANCELLED_REPLY = {"error": "cancelled", "status": 499, "reason": "cancelled"}
 
 
+@dataclass(eq=False)
+class EngineLink:
+    """One engine process as a front end sees it: its control channel, the calls waiting
+    for its answers and the state it reported at the last poll."""
+
+    label: str
+    """What metrics and readiness call it: its GPU (``server.engine_gpus``), or "" alone."""
+    control: Path
+    state: dict[str, Any] = field(default_factory=lambda: dict(GONE))
+    writer: Sender | None = None
+    waiting: dict[int, Reply] = field(default_factory=dict)
+    ids: int = 0
+
+    @property
+    def connected(self) -> bool:
+        return self.writer is not None and not self.writer.is_closing()
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and bool(self.state.get("ready"))
+
+    @property
+    def load(self) -> int:
+        """The work ahead of a request sent to it now: what it had queued or running at the
+        last poll, and this front end's calls to it since."""
+        return int(self.state.get("queued", 0)) + len(self.waiting)
+
+    def request(
+        self, header: dict[str, Any], payload: bytes = b"", future: Reply | None = None
+    ) -> int:
+        """Send one call; its answer resolves ``future`` (a new one in ``waiting``). What
+        cannot be sent raises, and then nothing waits for an answer."""
+        if self.writer is None or self.writer.is_closing():
+            raise Unavailable(f"the engine process{self.named} is not connected")
+        self.ids += 1
+        self.writer.send({**header, "id": self.ids}, payload)
+        self.waiting[self.ids] = future or asyncio.get_running_loop().create_future()
+        return self.ids
+
+    def cancel(self, number: int) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            self.writer.send({"op": "cancel", "of": number})
+
+    @property
+    def named(self) -> str:
+        return f" for GPU {self.label}" if self.label else ""
+
+
+GONE: dict[str, Any] = {"alive": False, "ready": False}
+RECONNECT_S = 0.5
+
+
 @dataclass
 class Gathering:
     """Decoded requests of one turn of the loop that go to the engine in one frame."""
 
     shared: dict[str, Any]
     future: Reply
+    link: EngineLink
+    """The engine it goes to, chosen when its first request came."""
     items: list[dict[str, Any]] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
     payload_bytes: int = 0
@@ -233,20 +295,26 @@ class Gathering:
 
 
 class RemotePlane(PlaneState):
-    """The ``Plane`` of a front end (see ``app.dataplane.Plane``)."""
+    """The ``Plane`` of a front end (see ``app.dataplane.Plane``), in front of one engine
+    process or of one per GPU (``engines``: each one's label and control socket). A request
+    goes to the ready engine with the least work ahead of it; an engine that goes away is
+    out of that choice until it is back (the supervisor restarts it), while the others
+    serve. With a single engine, losing it ends this front end, as the engine's end ends
+    the server."""
 
-    def __init__(self, settings: Settings, control: Path, arena: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        engines: Sequence[tuple[str, str | Path]],
+        arena: str | None = None,
+    ) -> None:
         super().__init__(settings)
-        self.control = control
+        self._links = [EngineLink(label, Path(control)) for label, control in engines]
         front = settings.server
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
         self._stopping = False
-        self._state: dict[str, Any] = {"alive": False, "ready": False}
-        self._writer: Sender | None = None
-        self._waiting: dict[int, Reply] = {}
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
         self._flush_scheduled = False
-        self._ids = 0
         self._contracts: dict[tuple[str, str | None], Contract] = {}
         self._failed: dict[tuple[str, str, str], list[float]] = {}
         self._durations: dict[tuple[str, str], CountedSeries] = {}
@@ -255,102 +323,130 @@ class RemotePlane(PlaneState):
     # -- lifecycle
 
     async def start(self) -> None:
-        deadline = time.monotonic() + CONNECT_TIMEOUT_S
+        await asyncio.gather(
+            *(self._connect(link, time.monotonic() + CONNECT_TIMEOUT_S) for link in self._links)
+        )
+        self._tasks.append(asyncio.create_task(self._poll(), name="engine-state"))
+
+    async def _connect(self, link: EngineLink, deadline: float) -> None:
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(self.control))
+                reader, writer = await asyncio.open_unix_connection(str(link.control))
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
-        self._writer = Sender(writer)
-        self._tasks.append(asyncio.create_task(self._read(reader), name="engine-replies"))
-        await self._call({"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes})
-        self._tasks.append(asyncio.create_task(self._poll(), name="engine-state"))
+        link.writer = Sender(writer)
+        self._tasks.append(asyncio.create_task(self._read(link, reader), name="engine-replies"))
+        await self._call(
+            link, {"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes}
+        )
 
-    async def _read(self, reader: asyncio.StreamReader) -> None:
+    async def _read(self, link: EngineLink, reader: asyncio.StreamReader) -> None:
         try:
             while True:
                 header, payload = await receive(reader)
-                future = self._waiting.pop(header.get("id", -1), None)
+                future = link.waiting.pop(header.get("id", -1), None)
                 if future is not None and not future.done():
                     future.set_result((header, payload))
         except ChannelClosed as gone:
             if not self._stopping:
-                log.error("the engine process closed the control channel: %s", gone)
+                log.error("the engine process%s closed the control channel: %s", link.named, gone)
         finally:
-            self._state = {"alive": False, "ready": False}
-            if self._writer is not None:
-                self._writer.close()  # no request is sent into a channel nobody reads
-            for future in self._waiting.values():
+            link.state = dict(GONE)
+            if link.writer is not None:
+                link.writer.close()  # no request is sent into a channel nobody reads
+            for future in link.waiting.values():
                 if not future.done():
-                    future.set_exception(Unavailable("the engine process is gone"))
-            self._waiting.clear()
+                    future.set_exception(Unavailable(f"the engine process{link.named} is gone"))
+            link.waiting.clear()
             if not self._stopping:
-                # This front end cannot serve without the engine: end it (a drain, as on
-                # SIGTERM), so the supervisor starts a fresh one or stops with the engine.
-                os.kill(os.getpid(), signal.SIGTERM)
+                if len(self._links) == 1:
+                    # This front end cannot serve without the engine: end it (a drain, as on
+                    # SIGTERM), so the supervisor starts a fresh one or stops with the engine.
+                    os.kill(os.getpid(), signal.SIGTERM)
+                else:
+                    self._tasks.append(
+                        asyncio.create_task(self._reconnect(link), name="engine-reconnect")
+                    )
+
+    async def _reconnect(self, link: EngineLink) -> None:
+        """Back to an engine the supervisor restarted, as soon as its socket answers."""
+        while not self._stopping:
+            await asyncio.sleep(RECONNECT_S)
+            try:
+                await self._connect(link, time.monotonic())
+            except (OSError, StokerError):
+                continue
+            log.info("the engine process%s is back", link.named)
+            return
 
     async def _poll(self) -> None:
-        """The engine's state every ``POLL_S``; with it, what this front end refused since
-        the last poll, which the engine adds to its ``/metrics`` (the one source)."""
+        """Every engine's state every ``POLL_S``; with the first connected one's, what this
+        front end refused since the last poll, which that engine adds to its ``/metrics``."""
         sent: dict[tuple[str, str], float] = {}
         while True:
-            counts = http_refusal_counts()
-            refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
-            refused = [item for item in refused if item[2]]
-            failed = [(key, int(n), total / n) for key, (n, total) in self._failed.items() if n]
-            # Request durations since the last poll: a fresh series takes the next ones.
-            timed, self._durations = self._durations, {}
-            durations = [[*key, *series.snapshot()] for key, series in timed.items()]
-            try:
-                self._state, _ = await asyncio.wait_for(
-                    self._call(
-                        {
-                            "op": "state",
-                            "refused": refused,
-                            "failed": [[*key, n, mean] for key, n, mean in failed],
-                            "durations": durations,
-                        }
-                    ),
-                    2.0,
-                )
-                sent = counts
-                for key, n, mean in failed:
-                    entry = self._failed[key]
-                    entry[0] -= n
-                    entry[1] -= n * mean
-            except (StokerError, TimeoutError):
-                self._state = {"alive": False, "ready": False}
-                for which, series in timed.items():  # not delivered: kept for the next poll
-                    buckets, total = series.snapshot()
-                    self._durations.setdefault(which, request_durations()).merge(buckets, total)
+            primary = next((link for link in self._links if link.connected), None)
+            for link in self._links:
+                if not link.connected:
+                    link.state = dict(GONE)
+                    continue
+                header: dict[str, Any] = {"op": "state"}
+                if link is primary:
+                    counts = http_refusal_counts()
+                    refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
+                    failed = [
+                        (key, int(n), total / n) for key, (n, total) in self._failed.items() if n
+                    ]
+                    # Request durations since the last poll: a fresh series takes the next.
+                    timed, self._durations = self._durations, {}
+                    header |= {
+                        "refused": [item for item in refused if item[2]],
+                        "failed": [[*key, n, mean] for key, n, mean in failed],
+                        "durations": [[*key, *series.snapshot()] for key, series in timed.items()],
+                    }
+                try:
+                    link.state, _ = await asyncio.wait_for(self._call(link, header), 2.0)
+                except (StokerError, TimeoutError):
+                    link.state = dict(GONE)
+                    if link is primary:
+                        for which, series in timed.items():  # not delivered: the next poll's
+                            buckets, total = series.snapshot()
+                            self._durations.setdefault(which, request_durations()).merge(
+                                buckets, total
+                            )
+                    continue
+                if link is primary:
+                    sent = counts
+                    for key, n, mean in failed:
+                        entry = self._failed[key]
+                        entry[0] -= n
+                        entry[1] -= n * mean
             await asyncio.sleep(POLL_S)
 
-    def _request(
-        self, header: dict[str, Any], payload: bytes = b"", future: Reply | None = None
-    ) -> int:
-        """Send one call; its answer resolves ``future`` (a new one in ``_waiting``). What
-        cannot be sent raises, and then nothing waits for an answer."""
-        if self._writer is None or self._writer.is_closing():
-            raise Unavailable("the engine process is not connected")
-        self._ids += 1
-        self._writer.send({**header, "id": self._ids}, payload)
-        self._waiting[self._ids] = future or asyncio.get_running_loop().create_future()
-        return self._ids
+    def _choose(self) -> EngineLink:
+        """The engine a request goes to: the ready one with the least work ahead of it (any
+        connected one while none is ready: it answers why; none: 503 here)."""
+        ready = [link for link in self._links if link.ready]
+        if ready:
+            return min(ready, key=lambda link: link.load)
+        for link in self._links:
+            if link.connected:
+                return link
+        raise Unavailable("no engine process is connected; retry")
 
     async def _call(
-        self, header: dict[str, Any], payload: bytes = b""
+        self, link: EngineLink, header: dict[str, Any], payload: bytes = b""
     ) -> tuple[dict[str, Any], bytes]:
-        number = self._request(header, payload)
-        reply, data = await self._waiting[number]
+        number = link.request(header, payload)
+        reply, data = await link.waiting[number]
         if "error" in reply:
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
 
     async def _value(self, op: str, **fields: Any) -> Any:
-        reply, _ = await self._call({"op": op, **fields})
+        reply, _ = await self._call(self._choose(), {"op": op, **fields})
         return reply["value"]
 
     async def drain(self) -> None:
@@ -366,19 +462,25 @@ class RemotePlane(PlaneState):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self._writer is not None:
-            self._writer.close()
+        for link in self._links:
+            if link.writer is not None:
+                link.writer.close()
         self.arena.close()
 
     # -- state
 
     @property
     def alive(self) -> bool:
-        return bool(self._state.get("alive"))
+        return any(link.state.get("alive") for link in self._links)
 
     @property
     def is_ready(self) -> bool:
-        return bool(self._state.get("ready")) and not self.draining
+        return any(link.ready for link in self._links) and not self.draining
+
+    def engines(self) -> list[dict[str, object]]:
+        if len(self._links) == 1:
+            return []
+        return [{"gpu": link.label, "ready": link.ready} for link in self._links]
 
     async def check(self, name: str, version: str | None = None) -> None:
         """Nothing up front: the engine answers 404 or 503 once the body is read (a round
@@ -405,16 +507,26 @@ class RemotePlane(PlaneState):
         return value
 
     async def metrics_text(self) -> bytes:
-        _, text = await self._call({"op": "metrics"})
-        return text
+        if len(self._links) == 1:
+            _, text = await self._call(self._links[0], {"op": "metrics"})
+            return text
+        texts = []
+        for link in self._links:
+            if link.connected:
+                with contextlib.suppress(StokerError):
+                    texts.append((link.label, (await self._call(link, {"op": "metrics"}))[1]))
+        return labelled_metrics(texts)
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        await self._call(
-            {"op": "shm_register", "name": name, "key": key, "offset": offset, "size": byte_size}
-        )
+        """Registered with every engine: any of them may get the requests that name it."""
+        header = {"op": "shm_register", "name": name, "key": key, "offset": offset}
+        for link in self._links:
+            await self._call(link, header | {"size": byte_size})
 
     async def shm_unregister(self, name: str | None = None) -> None:
-        await self._call({"op": "shm_unregister", "name": name})
+        for link in self._links:
+            if link.connected:
+                await self._call(link, {"op": "shm_unregister", "name": name})
 
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         value: list[dict[str, object]] = await self._value("shm_status", name=name)
@@ -437,8 +549,9 @@ class RemotePlane(PlaneState):
         """One request to the engine, answered alone (uploads; requests the engine decodes)."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
-        number = self._request(header, payload)
-        return await self._held(self._waiting[number], slot, lambda: self._cancel(number))
+        link = self._choose()
+        number = link.request(header, payload)
+        return await self._held(link.waiting[number], slot, lambda: link.cancel(number))
 
     async def _held(
         self, future: Reply, slot: Slot | None, leave: Callable[[], None]
@@ -465,10 +578,6 @@ class RemotePlane(PlaneState):
         if "error" in reply:
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
-
-    def _cancel(self, number: int) -> None:
-        if self._writer is not None and not self._writer.is_closing():
-            self._writer.send({"op": "cancel", "of": number})
 
     async def _contract(self, name: str, version: str | None) -> Contract:
         """The model version's contract, asked of the engine once (a loaded version's
@@ -580,7 +689,7 @@ class RemotePlane(PlaneState):
             gathering = None
         if gathering is None:
             future = asyncio.get_running_loop().create_future()
-            gathering = self._gatherings[key] = Gathering(shared, future)
+            gathering = self._gatherings[key] = Gathering(shared, future, self._choose())
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._send_gatherings)
@@ -597,7 +706,7 @@ class RemotePlane(PlaneState):
         def leave() -> None:
             gathering.waiting -= 1
             if gathering.waiting == 0 and gathering.number is not None:
-                self._cancel(gathering.number)  # every request of the frame went away
+                gathering.link.cancel(gathering.number)  # every request of it went away
 
         reply, data = await self._held(gathering.future, slot, leave)
         part: dict[str, Any] = reply["items"][index]
@@ -621,7 +730,7 @@ class RemotePlane(PlaneState):
         header = {**gathering.shared, "items": gathering.items}
         try:
             payload = b"".join(gathering.payloads)
-            gathering.number = self._request(header, payload, gathering.future)
+            gathering.number = gathering.link.request(header, payload, gathering.future)
         except StokerError as error:
             gathering.future.set_exception(error)
         except Exception as error:  # a header orjson cannot encode: a bug, answered as one

@@ -1,12 +1,14 @@
-"""How ``stoker serve`` runs: one process, or front ends in front of an engine process.
+"""How ``stoker serve`` runs: one process, or front ends in front of engine processes.
 
 With ``server.front_ends`` = 1 the one process serves HTTP and runs the models (``run_server``
-with a ``DataPlane``). With N > 1, this process becomes a supervisor: it binds the port once,
-spawns the engine process (``app.engine_process``) and N front-end processes that accept on
-that one socket (``app.frontend``), restarts a front end that dies, and stops everything
-(exit 1) if the engine dies, which the orchestrator then restarts. SIGTERM drains every
-process: the front ends stop taking requests and wait for theirs, the engine answers what it
-accepted within ``server.drain_timeout_s``, and the supervisor exits 0 once all have.
+with a ``DataPlane``). With N > 1 (or several ``server.engine_gpus``), this process becomes a
+supervisor: it binds the port once, spawns the engine process (``app.engine_process``; one per
+GPU of ``server.engine_gpus``) and N front-end processes that accept on that one socket
+(``app.frontend``), and restarts a front end that dies. With one engine, it stops everything
+(exit 1) if the engine dies, which the orchestrator then restarts; with several, it restarts
+the one that died while the others serve. SIGTERM drains every process: the front ends stop
+taking requests and wait for theirs, the engines answer what they accepted within
+``server.drain_timeout_s``, and the supervisor exits 0 once all have.
 """
 
 from __future__ import annotations
@@ -138,9 +140,14 @@ def arena_name(supervisor: int, number: int) -> str:
 
 
 def front_end_main(
-    settings: Settings, control: str, listener: socket.socket, number: int, arena: str
+    settings: Settings,
+    controls: list[tuple[str, str]],
+    listener: socket.socket,
+    number: int,
+    arena: str,
 ) -> None:
-    """A front-end process: the routes over a ``RemotePlane``, on the shared listener."""
+    """A front-end process: the routes over a ``RemotePlane`` (``controls``: each engine's
+    label and control socket), on the shared listener."""
     supervised()
     from app.frontend import RemotePlane
     from app.server import create_app
@@ -154,7 +161,7 @@ def front_end_main(
         return create_app(
             settings,
             on_fatal=on_fatal,
-            make_plane=lambda: RemotePlane(settings, Path(control), arena),
+            make_plane=lambda: RemotePlane(settings, controls, arena),
         )
 
     profile = os.environ.get("STOKER_PROFILE_DIR")
@@ -181,14 +188,19 @@ def bind(settings: Settings) -> socket.socket:
 
 
 def serve_processes(settings: Settings) -> int:
-    """Supervise the engine process and ``server.front_ends`` front ends on one port."""
+    """Supervise the engine processes and ``server.front_ends`` front ends on one port."""
     from app import engine_process
 
     context = multiprocessing.get_context("spawn")
     listener = bind(settings)
     host, port = listener.getsockname()[:2]
     scratch = tempfile.TemporaryDirectory(prefix="stoker-")
-    control = str(Path(scratch.name) / "engine.sock")
+    gpus: list[int | None] = list(settings.server.engine_gpus) or [None]
+    # label (what the front ends and metrics call the engine) -> its control socket
+    controls = [
+        ("" if gpu is None else str(gpu), str(Path(scratch.name) / f"engine-{i}.sock"))
+        for i, gpu in enumerate(gpus)
+    ]
     stopping = False
 
     def on_signal(sig: int, frame: FrameType | None) -> None:
@@ -196,15 +208,29 @@ def serve_processes(settings: Settings) -> int:
         stopping = True
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    engine = context.Process(
-        target=engine_process.main, args=(settings, control), name="stoker-engine"
-    )
-    engine.start()
+
+    def start_engine(index: int) -> BaseProcess:
+        gpu = gpus[index]
+        process = context.Process(
+            target=engine_process.main,
+            args=(settings, controls[index][1], gpu),
+            name="stoker-engine" if gpu is None else f"stoker-engine-gpu{gpu}",
+        )
+        process.start()
+        log.info(
+            "engine process%s started (pid %s)",
+            "" if gpu is None else f" for GPU {gpu}",
+            process.pid,
+        )
+        return process
+
+    engines = {i: start_engine(i) for i in range(len(gpus))}
+    engine_started = {i: time.monotonic() for i in engines}
 
     def start_front_end(number: int) -> BaseProcess:
         process = context.Process(
             target=front_end_main,
-            args=(settings, control, listener, number, arena_name(os.getpid(), number)),
+            args=(settings, controls, listener, number, arena_name(os.getpid(), number)),
             name=f"stoker-front-end-{number}",
         )
         process.start()
@@ -215,20 +241,33 @@ def serve_processes(settings: Settings) -> int:
     fronts = {n: start_front_end(n) for n in range(count)}
     started = {n: time.monotonic() for n in fronts}
     log.info(
-        "serving on http://%s:%d with %d front-end processes and an engine process (pid %s)",
+        "serving on http://%s:%d with %d front-end processes and %d engine process(es)",
         host,
         port,
         count,
-        engine.pid,
+        len(engines),
     )
     code = 0
     try:
         while not stopping:
             time.sleep(0.2)
-            if not engine.is_alive():
-                log.error("the engine process ended (exit code %s): stopping", engine.exitcode)
+            if len(engines) == 1 and not engines[0].is_alive():
+                log.error("the engine process ended (exit code %s): stopping", engines[0].exitcode)
                 code = 1
                 break
+            for index, process in list(engines.items()):
+                if process.is_alive():
+                    continue
+                if time.monotonic() - engine_started[index] < RESTART_BACKOFF_S:
+                    continue
+                log.warning(
+                    "the engine process for GPU %s ended (exit code %s): restarting it while "
+                    "the others serve",
+                    gpus[index],
+                    process.exitcode,
+                )
+                engines[index] = start_engine(index)
+                engine_started[index] = time.monotonic()
             for number, process in list(fronts.items()):
                 if process.is_alive():
                     continue
@@ -240,19 +279,19 @@ def serve_processes(settings: Settings) -> int:
                 fronts[number] = start_front_end(number)
                 started[number] = time.monotonic()
     finally:
-        for process in (*fronts.values(), engine):
+        for process in (*fronts.values(), *engines.values()):
             if process.is_alive() and process.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGTERM)
         limit = settings.server.drain_timeout_s + 15.0
         deadline = time.monotonic() + limit
-        for process in (*fronts.values(), engine):
+        for process in (*fronts.values(), *engines.values()):
             process.join(max(0.1, deadline - time.monotonic()))
             if process.is_alive():
                 log.error("%s did not stop within %.0f s: killing it", process.name, limit)
                 process.kill()
                 process.join(5)
-        if engine.exitcode not in (0, None) and code == 0:
+        if any(e.exitcode not in (0, None) for e in engines.values()) and code == 0:
             code = 1
         listener.close()
         scratch.cleanup()

@@ -33,8 +33,11 @@ class Registry:
     reason.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, one_device: bool = False) -> None:
+        """``one_device``: this process serves on the one GPU it sees (an engine process of
+        ``server.engine_gpus``): every model's ``gpus`` is dropped, so its runners go to it."""
         self.settings = settings
+        self.one_device = one_device
         self.store = EngineStore(settings.store.path)
         self._entries: list[ModelEntry] = []
         self._loaded: dict[str, dict[str, LoadedModel]] = {}
@@ -53,6 +56,11 @@ class Registry:
         others serve. Nothing at all to serve is an error."""
         repo = self.settings.models
         self._entries = discover(repo.repository, repo.models)
+        if self.one_device:
+            self._entries = [
+                entry.model_copy(update={"config": entry.config.model_copy(update={"gpus": []})})
+                for entry in self._entries
+            ]
         for entry in self._entries:
             try:
                 await self._load(entry)

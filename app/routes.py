@@ -145,8 +145,11 @@ async def live(request: Request) -> Response:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> Response:
-    is_ready = plane_of(request).is_ready
-    return json_response({"ready": is_ready}, 200 if is_ready else 503)
+    plane = plane_of(request)
+    is_ready = plane.is_ready
+    engines = plane.engines()  # one engine process per GPU: which of them are ready
+    body: dict[str, object] = {"ready": is_ready} | ({"engines": engines} if engines else {})
+    return json_response(body, 200 if is_ready else 503)
 
 
 @router.get("/v2/models/stats")

@@ -40,6 +40,13 @@ class ServerSettings(BaseModel):
     bodies cross in shared memory (``/dev/shm``: give containers ``shm_slots x
     shm_slot_bytes`` per front end). One event loop takes in about 1 GB/s of bodies and
     1,000 requests/s: a GPU wants 2 to 4."""
+    engine_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
+    """One engine process per listed GPU, each serving every model on that GPU alone (its
+    ``CUDA_VISIBLE_DEVICES`` is that GPU; the models' own ``gpus`` are then not used), behind
+    the same front ends: each request goes to the ready engine with the least work waiting,
+    metrics carry a ``gpu`` label, and an engine that fails is restarted while the others
+    serve. Empty: one engine process, the models' ``gpus`` as configured. Two or more
+    entries run front ends and engines as processes even with ``front_ends`` 1."""
     shm_slots: int = Field(default=16, ge=1)
     """Shared-memory arena per front end, in slots: the arena is ``shm_slots x
     shm_slot_bytes`` bytes, lent to bodies in 4 KiB pages (a 150 KB image takes 37), so it

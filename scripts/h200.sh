@@ -18,7 +18,8 @@
 # JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
 # process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
 # the naive server; 0 skips), PROFILE (1: cProfile every server process, summary in
-# profile_summary.txt), COMPILE (the served model's gpu.compile: none, default, max-autotune);
+# profile_summary.txt), COMPILE (the served model's gpu.compile: none, default, max-autotune),
+# ENGINE_GPUS (server.engine_gpus, e.g. [0,1]: one engine process per GPU; set TESTS_BESIDE=0);
 # SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
@@ -121,7 +122,12 @@ if has service; then
         CUDA_VISIBLE_DEVICES=$((GPUS - 1)) gpu_tests gpu_tests_beside.log &
         beside=$!
     fi
-    export CUDA_VISIBLE_DEVICES=0 STOKER_STORE__PATH=/tmp/stoker-store
+    export STOKER_STORE__PATH=/tmp/stoker-store
+    if [ -n "${ENGINE_GPUS:-}" ]; then  # one engine process per listed GPU, e.g. [0,1]
+        export STOKER_SERVER__ENGINE_GPUS=$ENGINE_GPUS
+    else
+        export CUDA_VISIBLE_DEVICES=0
+    fi
     repo=/tmp/stoker-repo
     python3 scripts/gpu_repo.py "$repo" --compile "${COMPILE:-none}" >"$OUT/service_repo.log" 2>&1
     port=8123
@@ -174,7 +180,7 @@ PY
         unset STOKER_PROFILE_DIR
         python3 scripts/profile_summary.py "$OUT/profile" --top 25 >"$OUT/profile_summary.txt" 2>&1
     fi
-    unset CUDA_VISIBLE_DEVICES
+    unset CUDA_VISIBLE_DEVICES STOKER_SERVER__ENGINE_GPUS
     if [ -n "$beside" ]; then
         wait "$beside"
         echo "== GPU tests (on GPU $((GPUS - 1)), beside the service)"

@@ -337,7 +337,7 @@ def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
 def test_the_supervisor_stops_when_the_engine_dies(tmp_path: Path) -> None:
     server = serve_one_model(tmp_path, "tiny", tiny_onnx(), TINY_CONFIG, front_end_env())
     try:
-        engine = int(re.findall(r"engine process \(pid (\d+)\)", server.log.read_text())[0])
+        engine = int(re.findall(r"engine process started \(pid (\d+)\)", server.log.read_text())[0])
         os.kill(engine, signal.SIGKILL)
         assert server.process.wait(timeout=60) == 1
         assert "the engine process ended (exit code -9): stopping" in server.log.read_text()
@@ -381,7 +381,7 @@ def test_a_killed_supervisor_leaves_no_server_behind(tmp_path: Path) -> None:
     server = serve_one_model(tmp_path, "tiny", tiny_onnx(), TINY_CONFIG, front_end_env())
     log = server.log.read_text()
     children = front_end_pids(server.log)
-    children.append(int(re.findall(r"engine process \(pid (\d+)\)", log)[0]))
+    children.append(int(re.findall(r"engine process started \(pid (\d+)\)", log)[0]))
     server.process.kill()
     server.process.wait()
     deadline = time.monotonic() + 30

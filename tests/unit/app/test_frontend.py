@@ -276,7 +276,7 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
         plane = DataPlane(settings)
         await plane.start()
         server = await asyncio.start_unix_server(Held(plane).serve, path=str(control))
-        front = RemotePlane(settings, control)
+        front = RemotePlane(settings, [("", control)])
         await front.start()
         await front._contract("tiny", None)  # asked once, before the five
 
@@ -320,3 +320,94 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     for x, y in zip(xs, answers, strict=True):
         if y is not None:
             np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+
+
+def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) -> None:
+    """Two engines behind one front end; the first holds its frames. Requests sent while it
+    holds one go to the other, which answers them, instead of queueing behind the held one
+    as a round-robin would send half of them (``RemotePlane._choose``)."""
+    import asyncio
+
+    import onnx
+    import yaml
+
+    from app.dataplane import DataPlane
+    from app.engine_process import EngineServer
+    from app.frontend import RemotePlane
+    from app.settings import Settings
+    from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+
+    folder = tmp_path / "repo" / "tiny"
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(
+        yaml.safe_dump({"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 0}})
+    )
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+    )
+    runs: dict[str, int] = {"0": 0, "1": 0}
+
+    def body(x: np.ndarray) -> bytes:
+        tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.tolist()}
+        return orjson.dumps({"inputs": [tensor]})
+
+    async def main() -> list[np.ndarray]:
+        release, arrived = asyncio.Event(), asyncio.Event()
+
+        class Counted(EngineServer):
+            def __init__(self, plane: DataPlane, label: str, hold: bool) -> None:
+                super().__init__(plane)
+                self.label, self.hold = label, hold
+
+            async def _run(self, connection: Any, header: dict[str, Any], payload: bytes) -> Any:
+                runs[self.label] += len(header["items"])
+                if self.hold:
+                    arrived.set()
+                    await release.wait()
+                return await super()._run(connection, header, payload)
+
+        planes = [DataPlane(settings), DataPlane(settings)]
+        servers = []
+        for label, plane in zip(("0", "1"), planes, strict=True):
+            await plane.start()
+            path = str(tmp_path / f"engine-{label}.sock")
+            engine = Counted(plane, label, hold=label == "0")
+            servers.append(await asyncio.start_unix_server(engine.serve, path=path))
+        front = RemotePlane(
+            settings, [("0", tmp_path / "engine-0.sock"), ("1", tmp_path / "engine-1.sock")]
+        )
+        await front.start()
+        try:
+            for _ in range(200):  # both polled ready (the poll runs every 0.25 s)
+                if all(e["ready"] for e in front.engines()):
+                    break
+                await asyncio.sleep(0.05)
+
+            async def one(i: int) -> np.ndarray:
+                x = np.full((1, 4), float(i), np.float32)
+                answer = await front.infer("tiny", None, body(x), None)
+                document = orjson.loads(answer.content)
+                return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
+
+            held = asyncio.ensure_future(one(0))  # both idle: the first engine takes it
+            await arrived.wait()
+            # One at a time, while the first engine holds its frame (a request sent there
+            # would wait for the release: the timeout fails the test instead of hanging it).
+            answers = [await asyncio.wait_for(one(i), 10) for i in range(1, 11)]
+            assert runs == {"0": 1, "1": 10}
+            release.set()
+            return [await held, *answers]
+        finally:
+            await front.stop()
+            for server in servers:
+                server.close()
+            for plane in planes:
+                await plane.stop()
+
+    answers = asyncio.run(main())
+    for i, y in enumerate(answers):
+        np.testing.assert_allclose(
+            y, np.full((1, 4), float(i)) @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5
+        )

@@ -23,6 +23,7 @@ from app.metrics import (
     BatchTimes,
     GpuCollector,
     ModelMetrics,
+    labelled_metrics,
     model_unavailable,
 )
 from engines.devices.nvml import GpuSample
@@ -276,3 +277,40 @@ def test_durations_timed_elsewhere_join_the_request_histogram_once() -> None:
     stats = metrics.statistics()["inference_stats"]
     assert isinstance(stats, dict)
     assert stats["success"] == {"count": 3, "ns": 208_000_000}
+
+
+def test_engines_metrics_merge_into_one_exposition_labelled_by_gpu() -> None:
+    """Two engine processes' texts as the front end gets them: one family per metric with
+    both engines' samples, each labelled with its engine's GPU; a sample that already names
+    a GPU (an NVML gauge both engines read) is kept once."""
+
+    def engine(successes: float, latency: float) -> bytes:
+        return (
+            "# HELP stoker_inference_request_success_total Answered.\n"
+            "# TYPE stoker_inference_request_success_total counter\n"
+            f'stoker_inference_request_success_total{{model="m",version="1"}} {successes}\n'
+            "# HELP stoker_queue_seconds Queue time.\n"
+            "# TYPE stoker_queue_seconds histogram\n"
+            f'stoker_queue_seconds_bucket{{model="m",le="0.1"}} {successes}\n'
+            f'stoker_queue_seconds_bucket{{model="m",le="+Inf"}} {successes}\n'
+            f'stoker_queue_seconds_sum{{model="m"}} {latency}\n'
+            f'stoker_queue_seconds_count{{model="m"}} {successes}\n'
+            "# HELP stoker_gpu_utilization GPU busy.\n"
+            "# TYPE stoker_gpu_utilization gauge\n"
+            'stoker_gpu_utilization{gpu="0"} 50.0\n'
+            'stoker_gpu_utilization{gpu="1"} 70.0\n'
+        ).encode()
+
+    merged = labelled_metrics([("0", engine(3, 0.5)), ("1", engine(5, 0.25))]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(merged)}
+    success = families["stoker_inference_request_success"]
+    assert {(s.labels["gpu"], s.value) for s in success.samples if s.name.endswith("_total")} == {
+        ("0", 3.0),
+        ("1", 5.0),
+    }
+    queue = families["stoker_queue_seconds"]
+    sums = {s.labels["gpu"]: s.value for s in queue.samples if s.name.endswith("_sum")}
+    assert sums == {"0": 0.5, "1": 0.25} and queue.type == "histogram"
+    utilization = families["stoker_gpu_utilization"].samples
+    assert sorted((s.labels["gpu"], s.value) for s in utilization) == [("0", 50.0), ("1", 70.0)]
+    assert merged.count("# TYPE stoker_inference_request_success_total counter") == 1

@@ -69,3 +69,34 @@ def test_exit_on_error_stops_loading_at_the_first_refusal(tmp_path: Path) -> Non
     with pytest.raises(FileNotFoundError):
         asyncio.run(registry.load_all())
     assert registry.loaded() == []
+
+
+@pytest.mark.parametrize(("one_device", "devices"), [(False, (0, 1)), (True, ())])
+def test_an_engine_process_of_one_gpu_places_every_runner_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_device: bool, devices: tuple[int, ...]
+) -> None:
+    """``server.engine_gpus``: each engine process sees one GPU (as its device 0), so a
+    model configured for ``gpus: [0, 1]`` is loaded there with no GPU list (every runner on
+    the one it sees); the one engine of the default layout loads it as configured."""
+    from engines import backends
+    from engines.backends import onnxruntime
+    from engines.base import Engine, EngineOptions
+    from engines.spec import ModelSpec
+
+    seen: list[tuple[int, ...]] = []
+
+    def capture(path: Path, spec: ModelSpec, options: EngineOptions) -> Engine:
+        seen.append(options.devices)
+        return onnxruntime.load(path, spec, options)
+
+    monkeypatch.setitem(backends.LOADERS, "capture", capture)
+    repo = tmp_path / "repo"
+    write_tiny(repo / "tiny", backend="capture", gpus=[0, 1], runners=2)
+    registry = Registry(settings_for(repo, tmp_path), one_device=one_device)
+
+    async def scenario() -> None:
+        await registry.load_all()
+        await registry.close()
+
+    asyncio.run(scenario())
+    assert seen == [devices]
