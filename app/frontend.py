@@ -236,6 +236,10 @@ class EngineLink:
     writer: Sender | None = None
     waiting: dict[int, Reply] = field(default_factory=dict)
     ids: int = 0
+    durations: dict[tuple[str, str], CountedSeries] = field(default_factory=dict)
+    """Per model version, how long the requests it answered took here since the last poll:
+    sent to it with the poll, so each engine's histogram holds the requests it served."""
+    reconnecting: bool = False
 
     @property
     def connected(self) -> bool:
@@ -317,7 +321,6 @@ class RemotePlane(PlaneState):
         self._flush_scheduled = False
         self._contracts: dict[tuple[str, str | None], Contract] = {}
         self._failed: dict[tuple[str, str, str], list[float]] = {}
-        self._durations: dict[tuple[str, str], CountedSeries] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle
@@ -366,7 +369,8 @@ class RemotePlane(PlaneState):
                     # This front end cannot serve without the engine: end it (a drain, as on
                     # SIGTERM), so the supervisor starts a fresh one or stops with the engine.
                     os.kill(os.getpid(), signal.SIGTERM)
-                else:
+                elif not link.reconnecting:
+                    link.reconnecting = True
                     self._tasks.append(
                         asyncio.create_task(self._reconnect(link), name="engine-reconnect")
                     )
@@ -379,12 +383,15 @@ class RemotePlane(PlaneState):
                 await self._connect(link, time.monotonic())
             except (OSError, StokerError):
                 continue
-            log.info("the engine process%s is back", link.named)
-            return
+            if link.connected:  # not gone again already (its reader would not call us back)
+                link.reconnecting = False
+                log.info("the engine process%s is back", link.named)
+                return
 
     async def _poll(self) -> None:
-        """Every engine's state every ``POLL_S``; with the first connected one's, what this
-        front end refused since the last poll, which that engine adds to its ``/metrics``."""
+        """Every engine's state every ``POLL_S``, sending each the durations of the requests
+        it answered since the last poll and the first connected one what this front end
+        refused meanwhile, which the engines add to their ``/metrics``."""
         sent: dict[tuple[str, str], float] = {}
         while True:
             primary = next((link for link in self._links if link.connected), None)
@@ -392,30 +399,29 @@ class RemotePlane(PlaneState):
                 if not link.connected:
                     link.state = dict(GONE)
                     continue
-                header: dict[str, Any] = {"op": "state"}
+                # Request durations since the last poll: a fresh series takes the next.
+                timed, link.durations = link.durations, {}
+                header: dict[str, Any] = {
+                    "op": "state",
+                    "durations": [[*key, *series.snapshot()] for key, series in timed.items()],
+                }
                 if link is primary:
                     counts = http_refusal_counts()
                     refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
                     failed = [
                         (key, int(n), total / n) for key, (n, total) in self._failed.items() if n
                     ]
-                    # Request durations since the last poll: a fresh series takes the next.
-                    timed, self._durations = self._durations, {}
                     header |= {
                         "refused": [item for item in refused if item[2]],
                         "failed": [[*key, n, mean] for key, n, mean in failed],
-                        "durations": [[*key, *series.snapshot()] for key, series in timed.items()],
                     }
                 try:
                     link.state, _ = await asyncio.wait_for(self._call(link, header), 2.0)
                 except (StokerError, TimeoutError):
                     link.state = dict(GONE)
-                    if link is primary:
-                        for which, series in timed.items():  # not delivered: the next poll's
-                            buckets, total = series.snapshot()
-                            self._durations.setdefault(which, request_durations()).merge(
-                                buckets, total
-                            )
+                    for which, series in timed.items():  # not delivered: the next poll's
+                        buckets, total = series.snapshot()
+                        link.durations.setdefault(which, request_durations()).merge(buckets, total)
                     continue
                 if link is primary:
                     sent = counts
@@ -639,7 +645,7 @@ class RemotePlane(PlaneState):
             "client": client,
         }
         try:
-            reply, data = await self._gathered(contract, shared, item, payload, slot)
+            reply, data, link = await self._gathered(contract, shared, item, payload, slot)
         except RemoteError:
             raise  # the engine counted it
         except StokerError as error:
@@ -654,9 +660,9 @@ class RemotePlane(PlaneState):
         ]
         content, headers = encode_response(contract.model, contract.version, request.id, shaped)
         key = (contract.model, contract.version)
-        series = self._durations.get(key)
+        series = link.durations.get(key)
         if series is None:
-            series = self._durations[key] = request_durations()
+            series = link.durations[key] = request_durations()
         series.observe(time.perf_counter() - started)
         return Answer(contract.model, contract.version, request.id, [], headers, content)
 
@@ -667,11 +673,12 @@ class RemotePlane(PlaneState):
         item: dict[str, Any],
         payload: bytes,
         slot: Slot | None,
-    ) -> tuple[dict[str, Any], bytes]:
+    ) -> tuple[dict[str, Any], bytes, EngineLink]:
         """Send a decoded request with the others of this turn of the loop that can share
         its batch (same model, input row shapes, priority, deadline and client): one frame
         and one queue entry in the engine for all of them, up to the model's batch size.
-        Returns this request's part of the answer and the answer's payload."""
+        Returns this request's part of the answer, the answer's payload and the engine that
+        answered."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
         rows = int(item["rows"])
@@ -710,7 +717,7 @@ class RemotePlane(PlaneState):
 
         reply, data = await self._held(gathering.future, slot, leave)
         part: dict[str, Any] = reply["items"][index]
-        return part, data
+        return part, data, gathering.link
 
     def _send_gatherings(self) -> None:
         self._flush_scheduled = False
