@@ -90,7 +90,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
-    if settings.server.front_ends > 1 or len(settings.server.engine_gpus) > 1:
+    if settings.server.front_ends > 1 or settings.server.engine_gpus:
         from app.processes import serve_processes
 
         log.info("settings: %s", json.dumps(settings.loggable()))

@@ -18,6 +18,7 @@ import logging
 import mmap
 import os
 import signal
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,8 +102,11 @@ def finished(connection: Connection, number: int, task: asyncio.Task[None]) -> N
 
 
 class EngineServer:
-    def __init__(self, plane: DataPlane) -> None:
+    def __init__(self, plane: DataPlane, on_fault: Callable[[], None] | None = None) -> None:
+        """``on_fault``: called when a front end's poll finds the plane no longer alive (an
+        unrecoverable engine fault)."""
         self.plane = plane
+        self.on_fault = on_fault
         self.connections: set[Connection] = set()
         self.none_connected = asyncio.Event()
         self.none_connected.set()
@@ -208,6 +212,8 @@ class EngineServer:
                 plane.count_failures(model, answered, reason, int(count), float(seconds))
             for model, answered, counts, total in header.get("durations", ()):
                 plane.add_request_durations(model, answered, counts, float(total))
+            if not plane.alive and self.on_fault is not None:
+                self.on_fault()
             state = {"alive": plane.alive, "ready": plane.is_ready}
             return state | {"queued": plane.queued_requests()}, b""
         if op == "metrics":
@@ -280,10 +286,21 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
     """Serve the data plane on ``control`` until SIGTERM (then drain) or a loading failure;
     ``one_device``: on the one GPU this process sees (``server.engine_gpus``)."""
     plane = DataPlane(settings, one_device)
-    engine = EngineServer(plane)
+    stop = asyncio.Event()
+    failed = False
+
+    def fault() -> None:
+        # One engine of several: its GPU's fault must not leave it serving nothing while the
+        # pod stays live on the others. Exit, so the supervisor restarts it.
+        nonlocal failed
+        if one_device and not failed:
+            log.critical("unrecoverable engine fault: this engine process exits to be restarted")
+            failed = True
+            stop.set()
+
+    engine = EngineServer(plane, fault)
     await asyncio.to_thread(control.unlink, missing_ok=True)
     server = await asyncio.start_unix_server(engine.serve, path=str(control))
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
@@ -293,7 +310,6 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
     loading = asyncio.create_task(plane.start(), name="load-models")
-    failed = False
 
     def loaded(task: asyncio.Task[None]) -> None:
         nonlocal failed
@@ -321,14 +337,30 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
     return 1 if failed else 0
 
 
+def visible_device(gpu: int, inherited: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for the engine of ``gpu``: that GPU alone, counted within
+    the mask this process inherited (a scheduler's ``2,3`` makes GPU 1 the physical 3)."""
+    if not inherited:
+        return str(gpu)
+    devices = [d.strip() for d in inherited.split(",") if d.strip()]
+    if gpu >= len(devices):
+        raise ValueError(
+            f"server.engine_gpus names GPU {gpu}, but CUDA_VISIBLE_DEVICES={inherited!r} "
+            f"shows {len(devices)}"
+        )
+    return devices[gpu]
+
+
 def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     """The engine process's entry point (spawned by ``app.processes``); ``gpu``: the one GPU
     it serves on (``server.engine_gpus``), the only one it sees."""
     from app.processes import supervised
 
     supervised()
-    if gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)  # before anything imports CUDA
+    if gpu is not None:  # before anything imports CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(
+            gpu, os.environ.get("CUDA_VISIBLE_DEVICES")
+        )
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format=f"%(asctime)s %(levelname)s engine{'' if gpu is None else f'-gpu{gpu}'} "

@@ -24,7 +24,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from multiprocessing import shared_memory
@@ -341,10 +341,20 @@ class RemotePlane(PlaneState):
                     raise
                 await asyncio.sleep(0.1)
         link.writer = Sender(writer)
-        self._tasks.append(asyncio.create_task(self._read(link, reader), name="engine-replies"))
-        await self._call(
-            link, {"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes}
-        )
+        self._spawn(self._read(link, reader), "engine-replies")
+        try:
+            await self._call(
+                link, {"op": "hello", "arena": self.arena.name, "slot": self.arena.slot_bytes}
+            )
+        except BaseException:
+            link.writer.close()  # its reader ends and fails what waits on it
+            raise
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """A background task, kept until it ends (reconnects come and go for the process's
+        life)."""
+        self._tasks = [task for task in self._tasks if not task.done()]
+        self._tasks.append(asyncio.create_task(work, name=name))
 
     async def _read(self, link: EngineLink, reader: asyncio.StreamReader) -> None:
         try:
@@ -371,9 +381,7 @@ class RemotePlane(PlaneState):
                     os.kill(os.getpid(), signal.SIGTERM)
                 elif not link.reconnecting:
                     link.reconnecting = True
-                    self._tasks.append(
-                        asyncio.create_task(self._reconnect(link), name="engine-reconnect")
-                    )
+                    self._spawn(self._reconnect(link), "engine-reconnect")
 
     async def _reconnect(self, link: EngineLink) -> None:
         """Back to an engine the supervisor restarted, as soon as its socket answers."""
@@ -386,49 +394,72 @@ class RemotePlane(PlaneState):
             if link.connected:  # not gone again already (its reader would not call us back)
                 link.reconnecting = False
                 log.info("the engine process%s is back", link.named)
+                await self._copy_regions(link)
                 return
 
+    async def _copy_regions(self, link: EngineLink) -> None:
+        """The system shared-memory regions clients registered, as another engine holds
+        them, registered with an engine that came back without them (every front end does
+        this; a region another one registered first is refused, which is fine)."""
+        others = [other for other in self._links if other is not link and other.ready]
+        if not others:
+            return
+        try:
+            reply, _ = await self._call(others[0], {"op": "shm_status", "name": None})
+        except StokerError:
+            return
+        regions: list[dict[str, Any]] = reply["value"]
+        for region in regions:
+            header = {"op": "shm_register", "name": region["name"], "key": region["key"]}
+            with contextlib.suppress(StokerError):
+                await self._call(
+                    link, header | {"offset": region["offset"], "size": region["byte_size"]}
+                )
+
     async def _poll(self) -> None:
-        """Every engine's state every ``POLL_S``, sending each the durations of the requests
-        it answered since the last poll and the first connected one what this front end
-        refused meanwhile, which the engines add to their ``/metrics``."""
+        """Every engine's state every ``POLL_S`` (all at once: one that hangs delays no
+        other's), sending each the durations of the requests it answered since the last
+        poll and the first connected one what this front end refused meanwhile, which the
+        engines add to their ``/metrics``."""
         sent: dict[tuple[str, str], float] = {}
-        while True:
-            primary = next((link for link in self._links if link.connected), None)
-            for link in self._links:
-                if not link.connected:
-                    link.state = dict(GONE)
-                    continue
-                # Request durations since the last poll: a fresh series takes the next.
-                timed, link.durations = link.durations, {}
-                header: dict[str, Any] = {
-                    "op": "state",
-                    "durations": [[*key, *series.snapshot()] for key, series in timed.items()],
+
+        async def poll(link: EngineLink, primary: bool) -> None:
+            nonlocal sent
+            if not link.connected:
+                link.state = dict(GONE)
+                return
+            # Request durations since the last poll: a fresh series takes the next ones.
+            timed, link.durations = link.durations, {}
+            header: dict[str, Any] = {
+                "op": "state",
+                "durations": [[*key, *series.snapshot()] for key, series in timed.items()],
+            }
+            if primary:
+                counts = http_refusal_counts()
+                refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
+                failed = [(key, int(n), total / n) for key, (n, total) in self._failed.items() if n]
+                header |= {
+                    "refused": [item for item in refused if item[2]],
+                    "failed": [[*key, n, mean] for key, n, mean in failed],
                 }
-                if link is primary:
-                    counts = http_refusal_counts()
-                    refused = [[s, r, n - sent.get((s, r), 0.0)] for (s, r), n in counts.items()]
-                    failed = [
-                        (key, int(n), total / n) for key, (n, total) in self._failed.items() if n
-                    ]
-                    header |= {
-                        "refused": [item for item in refused if item[2]],
-                        "failed": [[*key, n, mean] for key, n, mean in failed],
-                    }
-                try:
-                    link.state, _ = await asyncio.wait_for(self._call(link, header), 2.0)
-                except (StokerError, TimeoutError):
-                    link.state = dict(GONE)
-                    for which, series in timed.items():  # not delivered: the next poll's
-                        buckets, total = series.snapshot()
-                        link.durations.setdefault(which, request_durations()).merge(buckets, total)
-                    continue
-                if link is primary:
-                    sent = counts
-                    for key, n, mean in failed:
-                        entry = self._failed[key]
-                        entry[0] -= n
-                        entry[1] -= n * mean
+            try:
+                link.state, _ = await asyncio.wait_for(self._call(link, header), 2.0)
+            except (StokerError, TimeoutError):
+                link.state = dict(GONE)
+                for which, series in timed.items():  # not delivered: the next poll's
+                    buckets, total = series.snapshot()
+                    link.durations.setdefault(which, request_durations()).merge(buckets, total)
+                return
+            if primary:
+                sent = counts
+                for key, n, mean in failed:
+                    entry = self._failed[key]
+                    entry[0] -= n
+                    entry[1] -= n * mean
+
+        while True:
+            first = next((link for link in self._links if link.connected), None)
+            await asyncio.gather(*(poll(link, link is first) for link in self._links))
             await asyncio.sleep(POLL_S)
 
     def _choose(self) -> EngineLink:
@@ -446,7 +477,10 @@ class RemotePlane(PlaneState):
         self, link: EngineLink, header: dict[str, Any], payload: bytes = b""
     ) -> tuple[dict[str, Any], bytes]:
         number = link.request(header, payload)
-        reply, data = await link.waiting[number]
+        try:
+            reply, data = await link.waiting[number]
+        finally:
+            link.waiting.pop(number, None)  # answered, or given up on (a poll's timeout)
         if "error" in reply:
             raise RemoteError(reply["error"], reply["status"], reply.get("reason", "other"))
         return reply, data
@@ -524,10 +558,20 @@ class RemotePlane(PlaneState):
         return labelled_metrics(texts)
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Registered with every engine: any of them may get the requests that name it."""
+        """Registered with every connected engine, or with none: any of them may get the
+        requests that name it (an engine that comes back copies the others' regions)."""
         header = {"op": "shm_register", "name": name, "key": key, "offset": offset}
-        for link in self._links:
-            await self._call(link, header | {"size": byte_size})
+        done: list[EngineLink] = []
+        try:
+            for link in self._links:
+                if link.connected or len(self._links) == 1:
+                    await self._call(link, header | {"size": byte_size})
+                    done.append(link)
+        except BaseException:
+            for link in done:
+                with contextlib.suppress(StokerError):
+                    await self._call(link, {"op": "shm_unregister", "name": name})
+            raise
 
     async def shm_unregister(self, name: str | None = None) -> None:
         for link in self._links:

@@ -46,8 +46,17 @@ class RunnerPool:
 
     @classmethod
     async def create(cls, engine: Engine, count: int, label: str) -> RunnerPool:
-        """Make ``count`` runners off the event loop (sessions and contexts take a while)."""
-        runners = [await asyncio.to_thread(engine.new_runner) for _ in range(count)]
+        """Make ``count`` runners off the event loop (sessions and contexts take a while).
+        If one cannot be made, those made before it are closed (their pinned buffers and
+        streams are not left behind) and the error is raised."""
+        runners: list[Runner] = []
+        try:
+            for _ in range(count):
+                runners.append(await asyncio.to_thread(engine.new_runner))
+        except BaseException:
+            for runner in runners:
+                runner.close()
+            raise
         return cls(engine, runners, label)
 
     @property

@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 # A front end that dies this soon after its start is failing to start, not crashing: the
 # supervisor backs off instead of spinning.
 RESTART_BACKOFF_S = 1.0
+# An engine of several that keeps dying soon after its start (it cannot load, its GPU is
+# broken) is restarted after 1, 2, 4, 8 s, then left out; one that served this long before
+# it died starts the count again. When every engine is dead and left out, the server stops.
+ENGINE_RESTARTS = 5
+ENGINE_STEADY_S = 60.0
 PR_SET_PDEATHSIG = 1
 
 
@@ -226,6 +231,8 @@ def serve_processes(settings: Settings) -> int:
 
     engines = {i: start_engine(i) for i in range(len(gpus))}
     engine_started = {i: time.monotonic() for i in engines}
+    failures = dict.fromkeys(engines, 0)  # deaths in a row, each soon after its start
+    ended: dict[int, float] = {}  # engine -> when its death was seen
 
     def start_front_end(number: int) -> BaseProcess:
         process = context.Process(
@@ -255,19 +262,38 @@ def serve_processes(settings: Settings) -> int:
                 log.error("the engine process ended (exit code %s): stopping", engines[0].exitcode)
                 code = 1
                 break
+            now = time.monotonic()
             for index, process in list(engines.items()):
-                if process.is_alive():
+                if process.is_alive() or failures[index] >= ENGINE_RESTARTS:
                     continue
-                if time.monotonic() - engine_started[index] < RESTART_BACKOFF_S:
+                if index not in ended:
+                    ended[index] = now
+                    steady = now - engine_started[index] >= ENGINE_STEADY_S
+                    failures[index] = 0 if steady else failures[index] + 1
+                    if failures[index] >= ENGINE_RESTARTS:
+                        log.error(
+                            "the engine process for GPU %s ended %d times in a row soon after "
+                            "its start (exit code %s): not restarted again",
+                            gpus[index],
+                            failures[index],
+                            process.exitcode,
+                        )
+                        continue
+                    log.warning(
+                        "the engine process for GPU %s ended (exit code %s): restarting it "
+                        "while the others serve",
+                        gpus[index],
+                        process.exitcode,
+                    )
+                if now - ended[index] < RESTART_BACKOFF_S * 2 ** max(0, failures[index] - 1):
                     continue
-                log.warning(
-                    "the engine process for GPU %s ended (exit code %s): restarting it while "
-                    "the others serve",
-                    gpus[index],
-                    process.exitcode,
-                )
+                del ended[index]
                 engines[index] = start_engine(index)
-                engine_started[index] = time.monotonic()
+                engine_started[index] = now
+            if all(not p.is_alive() and failures[i] >= ENGINE_RESTARTS for i, p in engines.items()):
+                log.error("no engine process is left to serve: stopping")
+                code = 1
+                break
             for number, process in list(fronts.items()):
                 if process.is_alive():
                     continue

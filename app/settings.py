@@ -45,8 +45,10 @@ class ServerSettings(BaseModel):
     ``CUDA_VISIBLE_DEVICES`` is that GPU; the models' own ``gpus`` are then not used), behind
     the same front ends: each request goes to the ready engine with the least work waiting,
     metrics carry a ``gpu`` label, and an engine that fails is restarted while the others
-    serve. Empty: one engine process, the models' ``gpus`` as configured. Two or more
-    entries run front ends and engines as processes even with ``front_ends`` 1."""
+    serve. GPU numbers are as this process sees them (within an inherited
+    ``CUDA_VISIBLE_DEVICES``). Empty: one engine process, the models' ``gpus`` as
+    configured. Any entry runs front ends and engines as processes, even with
+    ``front_ends`` 1."""
     shm_slots: int = Field(default=16, ge=1)
     """Shared-memory arena per front end, in slots: the arena is ``shm_slots x
     shm_slot_bytes`` bytes, lent to bodies in 4 KiB pages (a 150 KB image takes 37), so it

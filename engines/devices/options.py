@@ -22,11 +22,13 @@ class GpuOptions(BaseModel):
     against cuDNN's and keeps the fastest (a much longer first build). What is compiled is
     kept in the engine store, keyed by GPU, versions and batch sizes, so a restart loads it
     instead of compiling again. ``none`` captures the converted graph as it is."""
-    memory_fraction: float = Field(default=0.9, gt=0, le=1)
-    """The share of each GPU's memory the model's engine may take (weights, every runner's
-    buffers and CUDA graphs, the allocator's cache); what does not fit is decided at load by
-    ``on_out_of_memory``, not met by the first large batch. Lower it to share a GPU between
-    models or processes."""
+    memory_fraction: float = Field(default=1.0, gt=0, le=1)
+    """The share of each GPU's memory the engine process's allocator may hold (weights,
+    every runner's buffers and CUDA graphs, its cache): torch caps it per process, so with
+    several models in one engine process the smallest fraction any of them asks for holds,
+    never below what is already in use. A max batch that does not fit is decided at load by
+    ``on_out_of_memory``, not met by the first large batch. Lower it to share a GPU with
+    other processes; 1: the whole GPU."""
     on_out_of_memory: Literal["refuse", "shrink"] = "refuse"
     """When the max batch does not fit ``memory_fraction`` at load: ``refuse`` fails the load
     naming the largest batch that fits; ``shrink`` serves with that batch as the max (larger

@@ -117,3 +117,33 @@ def test_a_dead_engine_leaves_the_other_serving_until_it_is_back(two_engines: Se
     before = answered_by(two_engines).get("1", 0.0)
     assert burst(two_engines, 300) == [200] * 300
     assert answered_by(two_engines).get("1", 0.0) > before  # the new engine serves again
+
+
+def test_an_engine_that_comes_back_holds_the_clients_shared_memory(two_engines: Server) -> None:
+    """A system shared-memory region registered with both engines; engine 1 is killed and
+    comes back without it, and copies it from engine 0. Then engine 0 is killed: requests
+    naming the region, all on engine 1 now, still find it."""
+    import tritonclient.http as triton
+    import tritonclient.utils.shared_memory as shm
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    region = shm.create_shared_memory_region("engines-in", "/stoker_engines_in", 4096)
+    client = triton.InferenceServerClient(two_engines.address)
+    try:
+        shm.set_shared_memory_region(region, [x])
+        client.register_system_shared_memory("engines-in", "/stoker_engines_in", 4096)
+        for gpu in (1, 0):
+            os.kill(engine_pid(two_engines, gpu), signal.SIGKILL)
+            out = {str(gpu): False, str(1 - gpu): True}
+            wait_for(lambda out=out: readiness(two_engines)[1] == out,
+                     f"engine {gpu} should be out", two_engines)  # fmt: skip
+            tensor = triton.InferInput("x", [2, 4], "FP32")
+            tensor.set_shared_memory("engines-in", x.nbytes)
+            for _ in range(5):  # every request on the engine left
+                y = client.infer("tiny", [tensor]).as_numpy("y")
+                np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+            wait_for(lambda: readiness(two_engines)[1] == {"0": True, "1": True},
+                     f"engine {gpu} should be back", two_engines)  # fmt: skip
+    finally:
+        client.unregister_system_shared_memory()
+        shm.destroy_shared_memory_region(region)

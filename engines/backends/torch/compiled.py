@@ -81,10 +81,15 @@ def artifact_key(
 
 def compile_module(module: torch.nn.Module, mode: CompileMode, buckets: int) -> Callable[..., Any]:
     """``module`` compiled whole (a graph break would be an error), one graph per shape."""
-    # Each bucket is a recompilation of the same code; Dynamo's default limit (8) would run
-    # the rest eagerly without a word.
+    # Each bucket is a recompilation of the same code, and every converted model (each
+    # precision, each GPU's copy) runs the same ``OnnxModule.forward``: Dynamo counts them
+    # all against one limit per code object (8 by default), past which it refuses to
+    # compile. Each engine adds its buckets.
     config = torch._dynamo.config
-    config.recompile_limit = max(config.recompile_limit, buckets + 1)
+    config.recompile_limit += buckets
+    config.accumulated_recompile_limit = max(
+        config.accumulated_recompile_limit, config.recompile_limit
+    )
     compiled: Callable[..., Any] = torch.compile(
         module, mode=INDUCTOR_MODES[mode], fullgraph=True, dynamic=False
     )
@@ -100,7 +105,12 @@ def load_artifacts(store: EngineStore | None, key: EngineKey) -> bool:
     if found is None:
         return False
     started = time.perf_counter()
-    torch.compiler.load_cache_artifacts(found.path.read_bytes())
+    try:
+        torch.compiler.load_cache_artifacts(found.path.read_bytes())
+    except Exception as error:  # compiling again costs minutes; refusing the model costs it
+        log.warning("%s: the stored compiled kernels did not load (%s: %s); compiling",
+                    key.model, type(error).__name__, error)  # fmt: skip
+        return False
     log.info(
         "%s: compiled kernels loaded from the engine store (%.1f MB, %.1f s)",
         key.model,
@@ -117,12 +127,18 @@ def save_artifacts(store: EngineStore | None, key: EngineKey) -> bool:
     saved = torch.compiler.save_cache_artifacts()
     if saved is None:
         return False
+    # What torch compiled in this process so far: other models' kernels too, which then
+    # load with this one's (harmless, a larger file).
     data, _ = saved
 
     def write(path: Path) -> dict[str, Any]:
         path.write_bytes(data)
         return {"artifact": "torch mega-cache", "bytes": len(data)}
 
-    stored = store.get_or_build(key, write, SUFFIX)
+    try:
+        stored = store.get_or_build(key, write, SUFFIX)
+    except OSError as error:  # a full disk costs the next start a compile, not this one
+        log.warning("%s: the compiled kernels could not be stored: %s", key.model, error)
+        return False
     log.info("%s: compiled kernels saved in the engine store: %s", key.model, stored.path)
     return True

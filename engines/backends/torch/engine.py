@@ -195,8 +195,18 @@ _memory_fractions: dict[int, float] = {}
 
 def limit_memory(device: int, fraction: float) -> float:
     """Cap torch's allocator on ``device`` at ``fraction`` of its memory (or a smaller cap
-    already set); the cap that now holds."""
+    already set), never below what it already holds (a model loaded later must not starve
+    the ones serving); the cap that now holds."""
     held = min(fraction, _memory_fractions.get(device, 1.0))
+    in_use = reserved(device) / torch.cuda.get_device_properties(device).total_memory
+    if held < in_use:
+        log.warning(
+            "GPU %d: a memory_fraction of %.2f is below the %.2f already in use; capping at that",
+            device,
+            held,
+            in_use,
+        )
+        held = min(1.0, in_use)
     _memory_fractions[device] = held
     torch.cuda.set_per_process_memory_fraction(held, device)
     return held
@@ -400,29 +410,35 @@ class TorchRunner:
         self._image_input = engine.pixel_input
         self._normalize: tuple[torch.Tensor, torch.Tensor] | None = None
         torch_device = torch.device("cuda", device)
+        # Filled as they are made, so that a runner failing half-way (out of memory while
+        # capturing, or even while allocating its buffers) frees what it made.
+        self._inputs: list[_Input] = []
+        self._outputs: dict[str, cuda.HostBuffer] = {}
+        self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
         with torch.cuda.device(device):
             self._stream = cuda.Stream(device)
             self._done = cuda.Event(device)
             self._torch_stream = torch.cuda.ExternalStream(  # type: ignore[no-untyped-call]
                 self._stream.ptr, device=torch_device
             )
-            if image is not None:
-                shape = (1, 3, 1, 1) if image.layout == "NCHW" else (1, 1, 1, 3)
-                mean = torch.tensor(image.mean, dtype=torch.float32, device=torch_device)
-                inv_std = 1.0 / torch.tensor(image.std, dtype=torch.float32, device=torch_device)
-                self._normalize = (mean.reshape(shape), inv_std.reshape(shape))
-            with torch.cuda.stream(self._torch_stream):
-                self._inputs = [self._make_input(t, torch_device) for t in spec.inputs]
-                self._outputs = {
-                    t.name: cuda.HostBuffer(self._rows_bytes(t, self._max)) for t in spec.outputs
-                }
-            self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, tuple[Any, ...]]] = {}
-            if engine.cuda_graphs:
-                try:
+            try:
+                if image is not None:
+                    shape = (1, 3, 1, 1) if image.layout == "NCHW" else (1, 1, 1, 3)
+                    mean = torch.tensor(image.mean, dtype=torch.float32, device=torch_device)
+                    inv_std = 1.0 / torch.tensor(
+                        image.std, dtype=torch.float32, device=torch_device
+                    )
+                    self._normalize = (mean.reshape(shape), inv_std.reshape(shape))
+                with torch.cuda.stream(self._torch_stream):
+                    for t in spec.inputs:
+                        self._make_input(t, torch_device)
+                    for t in spec.outputs:
+                        self._outputs[t.name] = cuda.HostBuffer(self._rows_bytes(t, self._max))
+                if engine.cuda_graphs:
                     self._capture_all()
-                except BaseException:
-                    self.close()
-                    raise
+            except BaseException:
+                self.close()
+                raise
 
     # -- setup ----------------------------------------------------------------------------
 
@@ -433,17 +449,17 @@ class TorchRunner:
         row = tuple(1 if d == -1 else d for d in tensor.shape)
         return (rows, *row) if self._spec.batched else row
 
-    def _make_input(self, tensor: TensorSpec, device: torch.device) -> _Input:
+    def _make_input(self, tensor: TensorSpec, device: torch.device) -> None:
         formats = {tensor.datatype: _NUMPY_TO_TORCH[tensor.datatype]}
         if tensor.name == self._image_input:
             formats["UINT8"] = torch.uint8
-        host, dev = {}, {}
+        slot = _Input(tensor, formats, {}, {})
+        self._inputs.append(slot)
         for datatype, dtype in formats.items():
             itemsize = torch.empty((), dtype=dtype).element_size()
             shape = self._shape(tensor, self._max)
-            host[datatype] = cuda.HostBuffer(int(np.prod(shape)) * itemsize)
-            dev[datatype] = torch.empty(shape, dtype=dtype, device=device)
-        return _Input(tensor, formats, host, dev)
+            slot.host[datatype] = cuda.HostBuffer(int(np.prod(shape)) * itemsize)
+            slot.device[datatype] = torch.empty(shape, dtype=dtype, device=device)
 
     def _formats(self) -> list[str]:
         """Input datatypes of the image input to capture graphs for (the declared one first)."""

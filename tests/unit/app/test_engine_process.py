@@ -12,11 +12,12 @@ from typing import Any, TypeVar
 import numpy as np
 import onnx
 import orjson
+import pytest
 import yaml
 
 from app.channel import Sender, receive
 from app.dataplane import DataPlane
-from app.engine_process import EngineServer
+from app.engine_process import EngineServer, visible_device
 from app.settings import Settings
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
@@ -155,3 +156,18 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
     (model,) = stats["value"]
     assert model["execution_count"] == 1 and model["inference_count"] == 6
     assert model["inference_stats"]["success"]["count"] == 3
+
+
+@pytest.mark.parametrize(
+    ("gpu", "inherited", "visible"),
+    [(1, None, "1"), (0, "", "0"), (1, "2,3", "3"), (0, " 5 , 7", "5")],
+)
+def test_an_engine_sees_its_gpu_within_the_mask_it_inherited(
+    gpu: int, inherited: str | None, visible: str
+) -> None:
+    assert visible_device(gpu, inherited) == visible
+
+
+def test_an_engine_gpu_outside_the_inherited_mask_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"names GPU 2, but CUDA_VISIBLE_DEVICES='4,5' shows 2"):
+        visible_device(2, "4,5")

@@ -338,3 +338,19 @@ def test_a_real_engine_warms_on_zeros_and_then_serves(tiny_path: Path) -> None:
     # float32 sums of four products: 1e-5 is far above any CPU's rounding differences.
     np.testing.assert_allclose(served["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(served["s"], x.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_a_runner_that_cannot_be_made_closes_the_ones_made_before_it() -> None:
+    """The third runner does not fit (a GPU engine's ``ModelDoesNotFit``): the two made
+    before it are closed, not left holding their pinned buffers and streams."""
+
+    class Full(FakeEngine):
+        def new_runner(self) -> FakeRunner:
+            if self.made == 2:
+                raise MemoryError("the third runner does not fit")
+            return super().new_runner()
+
+    engine = Full()
+    with pytest.raises(MemoryError, match="third runner"):
+        asyncio.run(RunnerPool.create(engine, 3, "full"))
+    assert sorted(engine.events) == ["close runner 0", "close runner 1"]

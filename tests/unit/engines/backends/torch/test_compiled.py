@@ -106,3 +106,26 @@ def test_a_restart_loads_the_compiled_kernels_from_the_store(tmp_path: Path) -> 
     assert second["loaded"] is True and second["saved"] is False
     assert second["misses"] == 0 and second["hits"] >= 2  # nothing generated again
     check_answers(second["answers"])
+
+
+def test_several_compiled_models_in_one_process_stay_compiled(tmp_path: Path) -> None:
+    """Every converted model runs the same ``OnnxModule.forward``, and Dynamo counts all of
+    their graphs against one limit per code object (8 by default), past which it refuses to
+    compile (an error with ``fullgraph``). Two engines of one model (FP32 and FP64, as two
+    precisions are) with five buckets each, in this process after whatever other tests
+    compiled: each engine adds its buckets to the limit."""
+    import torch
+
+    from engines.backends.torch import compiled
+    from engines.backends.torch.convert import convert
+
+    source = tmp_path / "tiny.onnx"
+    onnx.save(tiny_onnx(), source)
+    for dtype in (torch.float32, torch.float64):
+        module = compiled.compile_module(convert(source).eval().to(dtype), "default", 5)
+        for rows in range(1, 6):
+            x = torch.arange(rows * 4, dtype=dtype).reshape(rows, 4) / 5
+            with torch.no_grad():
+                y, _ = module(x)
+            want = x.numpy() @ TINY_WEIGHTS.astype(np.float64) + TINY_BIAS
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-5)
