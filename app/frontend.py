@@ -48,6 +48,7 @@ from app.metrics import (
     CountedSeries,
     http_refusal_counts,
     labelled_metrics,
+    merged_statistics,
     request_durations,
 )
 from app.protocol import encode_response, pack_tensor, unpack_tensor
@@ -539,8 +540,20 @@ class RemotePlane(PlaneState):
         return value
 
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
-        value: list[object] = await self._value("statistics", name=name, version=version)
-        return value
+        if len(self._links) == 1:
+            value: list[object] = await self._value("statistics", name=name, version=version)
+            return value
+        header = {"op": "statistics", "name": name, "version": version}
+        answers, refused = [], []
+        for link in self._links:  # every engine's share of the model's requests, added up
+            if link.connected:
+                try:
+                    answers.append((await self._call(link, header))[0]["value"])
+                except StokerError as error:
+                    refused.append(error)
+        if not answers:  # an unknown model is each engine's 404: the client's, too
+            raise refused[0] if refused else Unavailable("no engine process is connected")
+        return list(merged_statistics(answers))
 
     async def repository_index(self) -> list[dict[str, str]]:
         value: list[dict[str, str]] = await self._value("repository_index")

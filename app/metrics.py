@@ -12,10 +12,12 @@ totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
 from __future__ import annotations
 
 import bisect
+import copy
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -236,6 +238,36 @@ def labelled_metrics(texts: Sequence[tuple[str, bytes]]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Merged())
     return generate_latest(registry)
+
+
+def merged_statistics(answers: Sequence[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Several engine processes' statistics-extension entries as one server's: per model
+    version the counts and durations added up, batch sizes' counts added by size, the last
+    inference the latest of them."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for entries in answers:
+        for entry in entries:
+            key = (entry["name"], entry["version"])
+            into = merged.get(key)
+            if into is None:
+                merged[key] = copy.deepcopy(entry)  # the others are added into it
+                continue
+            into["last_inference"] = max(into["last_inference"], entry["last_inference"])
+            for field_ in ("inference_count", "execution_count"):
+                into[field_] += entry[field_]
+            for name, figures in entry["inference_stats"].items():
+                mine = into["inference_stats"].setdefault(name, {"count": 0, "ns": 0})
+                mine["count"] += figures["count"]
+                mine["ns"] += figures["ns"]
+            sizes = {b["batch_size"]: b for b in into["batch_stats"]}
+            for batch in entry["batch_stats"]:
+                same = sizes.get(batch["batch_size"])
+                if same is None:
+                    sizes[batch["batch_size"]] = copy.deepcopy(batch)
+                else:
+                    same["compute_infer"]["count"] += batch["compute_infer"]["count"]
+            into["batch_stats"] = [sizes[size] for size in sorted(sizes)]
+    return list(merged.values())
 
 
 def http_refusal_counts() -> dict[tuple[str, str], float]:

@@ -101,6 +101,9 @@ def test_requests_spread_over_both_engines_and_metrics_say_which(two_engines: Se
         "each engine's request durations should count its own requests",
         two_engines,
     )
+    # The V2 statistics add both engines' shares up: every request this module sent so far.
+    stats = httpx.get(f"{two_engines.url}/v2/models/tiny/stats").json()["model_stats"]
+    assert sum(e["inference_stats"]["success"]["count"] for e in stats) == sum(after.values())
     text = httpx.get(f"{two_engines.url}/metrics").text
     # One family, both engines' samples in it.
     assert text.count("# TYPE stoker_inference_request_success_total counter") == 1

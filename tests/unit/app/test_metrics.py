@@ -10,6 +10,7 @@ import itertools
 import math
 import time
 import uuid
+from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
@@ -24,6 +25,7 @@ from app.metrics import (
     GpuCollector,
     ModelMetrics,
     labelled_metrics,
+    merged_statistics,
     model_unavailable,
 )
 from engines.devices.nvml import GpuSample
@@ -314,3 +316,38 @@ def test_engines_metrics_merge_into_one_exposition_labelled_by_gpu() -> None:
     utilization = families["stoker_gpu_utilization"].samples
     assert sorted((s.labels["gpu"], s.value) for s in utilization) == [("0", 50.0), ("1", 70.0)]
     assert merged.count("# TYPE stoker_inference_request_success_total counter") == 1
+
+
+def test_engines_statistics_add_up_per_model_version() -> None:
+    """Two engines' statistics-extension entries (as ``ModelMetrics.statistics`` writes
+    them) as one server's: counts and durations added, batch sizes merged by size, the
+    latest inference kept; a version only one engine serves is passed through."""
+
+    def entry(version: str, requests: int, last: int, batches: dict[int, int]) -> dict[str, Any]:
+        timed = {"count": requests, "ns": 1000 * requests}
+        return {
+            "name": "m",
+            "version": version,
+            "last_inference": last,
+            "inference_count": requests,
+            "execution_count": sum(batches.values()),
+            "inference_stats": {k: dict(timed) for k in ("success", "fail", "queue")},
+            "batch_stats": [
+                {"batch_size": size, "compute_infer": {"count": n}} for size, n in batches.items()
+            ],
+        }
+
+    first = [entry("fp32", 3, 100, {1: 1, 2: 1}), entry("int8", 1, 50, {1: 1})]
+    second = [entry("fp32", 5, 120, {2: 1, 3: 1})]
+    merged = {e["version"]: e for e in merged_statistics([first, second])}
+    fp32 = merged["fp32"]
+    assert fp32["inference_count"] == 8 and fp32["execution_count"] == 4
+    assert fp32["last_inference"] == 120
+    assert fp32["inference_stats"]["success"] == {"count": 8, "ns": 8000}
+    assert fp32["batch_stats"] == [
+        {"batch_size": 1, "compute_infer": {"count": 1}},
+        {"batch_size": 2, "compute_infer": {"count": 2}},
+        {"batch_size": 3, "compute_infer": {"count": 1}},
+    ]
+    assert merged["int8"] == entry("int8", 1, 50, {1: 1})
+    assert first[0]["inference_count"] == 3  # the engines' own answers are left as they were
