@@ -475,6 +475,11 @@ class DataPlane(PlaneState):
 
         return await self._measured(model, work)
 
+    def serving(self) -> list[tuple[str, str]]:
+        """The model versions this plane answers now (loaded, not stopped by a fault): what
+        a front end with several engines routes by."""
+        return [(model.name, model.version) for model in self.models.loaded() if model.ready]
+
     def queued_requests(self) -> int:
         """Requests queued or executing over every loaded version: what a front end weighs
         when it chooses between engine processes."""

@@ -215,7 +215,7 @@ class EngineServer:
             if not plane.alive and self.on_fault is not None:
                 self.on_fault()
             state = {"alive": plane.alive, "ready": plane.is_ready}
-            return state | {"queued": plane.queued_requests()}, b""
+            return state | {"queued": plane.queued_requests(), "serving": plane.serving()}, b""
         if op == "metrics":
             return {}, await plane.metrics_text()
         if op == "metadata":

@@ -237,6 +237,9 @@ class EngineLink:
     writer: Sender | None = None
     waiting: dict[int, Reply] = field(default_factory=dict)
     ids: int = 0
+    in_flight: int = 0
+    """Requests this front end sent it that are not answered yet (a frame counts its
+    requests)."""
     durations: dict[tuple[str, str], CountedSeries] = field(default_factory=dict)
     """Per model version, how long the requests it answered took here since the last poll:
     sent to it with the poll, so each engine's histogram holds the requests it served."""
@@ -252,9 +255,26 @@ class EngineLink:
 
     @property
     def load(self) -> int:
-        """The work ahead of a request sent to it now: what it had queued or running at the
-        last poll, and this front end's calls to it since."""
-        return int(self.state.get("queued", 0)) + len(self.waiting)
+        """The work ahead of a request sent to it now, in requests: what it had queued or
+        running at the last poll, and this front end's unanswered requests to it."""
+        return int(self.state.get("queued", 0)) + self.in_flight
+
+    def serves(self, name: str | None, version: str | None) -> bool:
+        """Whether it answered for this model version at the last poll (``None``: any
+        version; no name: any model)."""
+        if name is None:
+            return True
+        serving = self.state.get("serving", ())
+        return any(n == name and version in (None, v) for n, v in serving)
+
+    def track(self, future: Reply, requests: int) -> None:
+        """Count ``requests`` in flight to it until ``future`` is answered."""
+        self.in_flight += requests
+
+        def answered(_: Reply) -> None:
+            self.in_flight -= requests
+
+        future.add_done_callback(answered)
 
     def request(
         self, header: dict[str, Any], payload: bytes = b"", future: Reply | None = None
@@ -463,12 +483,14 @@ class RemotePlane(PlaneState):
             await asyncio.gather(*(poll(link, link is first) for link in self._links))
             await asyncio.sleep(POLL_S)
 
-    def _choose(self) -> EngineLink:
-        """The engine a request goes to: the ready one with the least work ahead of it (any
-        connected one while none is ready: it answers why; none: 503 here)."""
+    def _choose(self, name: str | None = None, version: str | None = None) -> EngineLink:
+        """The engine a request for ``name`` (and ``version``) goes to: of the ready ones
+        that serve it, the one with the least work ahead of it; of the ready ones, if none
+        serves it (it answers why); any connected one while none is ready; none: 503 here."""
         ready = [link for link in self._links if link.ready]
-        if ready:
-            return min(ready, key=lambda link: link.load)
+        serving = [link for link in ready if link.serves(name, version)]
+        if serving or ready:
+            return min(serving or ready, key=lambda link: link.load)
         for link in self._links:
             if link.connected:
                 return link
@@ -487,7 +509,8 @@ class RemotePlane(PlaneState):
         return reply, data
 
     async def _value(self, op: str, **fields: Any) -> Any:
-        reply, _ = await self._call(self._choose(), {"op": op, **fields})
+        link = self._choose(fields.get("name"), fields.get("version"))
+        reply, _ = await self._call(link, {"op": op, **fields})
         return reply["value"]
 
     async def drain(self) -> None:
@@ -612,8 +635,9 @@ class RemotePlane(PlaneState):
         """One request to the engine, answered alone (uploads; requests the engine decodes)."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
-        link = self._choose()
+        link = self._choose(header.get("name"), header.get("version"))
         number = link.request(header, payload)
+        link.track(link.waiting[number], 1)
         return await self._held(link.waiting[number], slot, lambda: link.cancel(number))
 
     async def _held(
@@ -753,7 +777,8 @@ class RemotePlane(PlaneState):
             gathering = None
         if gathering is None:
             future = asyncio.get_running_loop().create_future()
-            gathering = self._gatherings[key] = Gathering(shared, future, self._choose())
+            link = self._choose(contract.model, contract.version)
+            gathering = self._gatherings[key] = Gathering(shared, future, link)
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._send_gatherings)
@@ -795,6 +820,7 @@ class RemotePlane(PlaneState):
         try:
             payload = b"".join(gathering.payloads)
             gathering.number = gathering.link.request(header, payload, gathering.future)
+            gathering.link.track(gathering.future, len(gathering.items))
         except StokerError as error:
             gathering.future.set_exception(error)
         except Exception as error:  # a header orjson cannot encode: a bug, answered as one

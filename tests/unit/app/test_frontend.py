@@ -411,3 +411,35 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
         np.testing.assert_allclose(
             y, np.full((1, 4), float(i)) @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5
         )
+
+
+def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) -> None:
+    """The engine of one GPU refused a version (it did not fit there) or lost it to a fault:
+    requests for it go to the engine that serves it, whatever the load; other versions, and
+    requests naming no version, still go by load; a version no engine serves goes by load
+    too, to be answered with the reason."""
+    from app.frontend import RemotePlane
+    from app.settings import Settings
+
+    class Open:
+        def is_closing(self) -> bool:
+            return False
+
+    front = RemotePlane(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
+    first, second = front._links
+    for link, queued, serving in (
+        (first, 0, [["m", "fp32"]]),
+        (second, 5, [["m", "fp32"], ["m", "int8"]]),
+    ):
+        link.writer = Open()  # type: ignore[assignment]
+        link.state = {"alive": True, "ready": True, "queued": queued, "serving": serving}
+    try:
+        assert front._choose("m", "int8") is second  # the only one serving it, though busier
+        assert front._choose("m", "fp32") is first  # both serve it: the less loaded
+        assert front._choose("m", None) is first
+        assert front._choose(None, None) is first
+        assert front._choose("gone", None) is first  # nobody serves it: it answers why
+        first.state["ready"] = False
+        assert front._choose("m", "fp32") is second
+    finally:
+        front.arena.close()
