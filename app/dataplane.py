@@ -459,7 +459,7 @@ class DataPlane(PlaneState):
             request = decoded.request
             shaped = await self._batched(
                 model,
-                request.inputs,
+                [request.inputs],
                 decoded.rows,
                 decoded.wanted,
                 (request.timeout_us, request.priority),
@@ -554,7 +554,7 @@ class DataPlane(PlaneState):
     async def _batched(
         self,
         model: LoadedModel,
-        inputs: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+        blocks: list[dict[str, np.ndarray]],
         rows: int,
         wanted: Sequence[RequestedOutput],
         scheduling: tuple[int | None, int],
@@ -562,17 +562,15 @@ class DataPlane(PlaneState):
         arrived: float,
         requests: int = 1,
     ) -> list[tuple[RequestedOutput, np.ndarray]]:
-        """Through the batcher; ``inputs``: one request's tensors, or the blocks of rows of
-        gathered ones (one batch key); ``scheduling``: the timeout (us) and priority."""
+        """Through the batcher; ``blocks``: one request's tensors, or those of gathered ones
+        (one batch key), in order; ``scheduling``: the timeout (us) and priority."""
         timeout_us, priority = scheduling
         # The key of what the engine gets: normalised pixels batch with FP32 requests.
-        blocks = [
-            model.inputs.for_engine(b) for b in ([inputs] if isinstance(inputs, dict) else inputs)
-        ]
-        key = batch_key(model.spec, blocks[0])
+        engine_blocks = [model.inputs.for_engine(block) for block in blocks]
+        key = batch_key(model.spec, engine_blocks[0])
         timeout = time_left(model.timeout_s(timeout_us), arrived)
         outputs = await model.batcher.infer(
-            blocks[0] if len(blocks) == 1 else blocks,
+            engine_blocks,
             rows,
             key,
             timeout,

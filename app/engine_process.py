@@ -214,8 +214,13 @@ class EngineServer:
                 plane.add_request_durations(model, answered, counts, float(total))
             if not plane.alive and self.on_fault is not None:
                 self.on_fault()
-            state = {"alive": plane.alive, "ready": plane.is_ready}
-            return state | {"queued": plane.queued_requests(), "serving": plane.serving()}, b""
+            state = {
+                "alive": plane.alive,
+                "ready": plane.is_ready,
+                "queued": plane.queued_requests(),
+                "serving": plane.serving(),
+            }
+            return state, b""
         if op == "metrics":
             return {}, await plane.metrics_text()
         if op == "metadata":

@@ -281,15 +281,16 @@ class EngineLink:
     ) -> int:
         """Send one call; its answer resolves ``future`` (a new one in ``waiting``). What
         cannot be sent raises, and then nothing waits for an answer."""
-        if self.writer is None or self.writer.is_closing():
+        writer = self.writer
+        if writer is None or not self.connected:
             raise Unavailable(f"the engine process{self.named} is not connected")
         self.ids += 1
-        self.writer.send({**header, "id": self.ids}, payload)
+        writer.send({**header, "id": self.ids}, payload)
         self.waiting[self.ids] = future or asyncio.get_running_loop().create_future()
         return self.ids
 
     def cancel(self, number: int) -> None:
-        if self.writer is not None and not self.writer.is_closing():
+        if self.writer is not None and self.connected:
             self.writer.send({"op": "cancel", "of": number})
 
     @property
@@ -422,11 +423,11 @@ class RemotePlane(PlaneState):
         """The system shared-memory regions clients registered, as another engine holds
         them, registered with an engine that came back without them (every front end does
         this; a region another one registered first is refused, which is fine)."""
-        others = [other for other in self._links if other is not link and other.ready]
-        if not others:
+        other = next((o for o in self._links if o is not link and o.ready), None)
+        if other is None:
             return
         try:
-            reply, _ = await self._call(others[0], {"op": "shm_status", "name": None})
+            reply, _ = await self._call(other, {"op": "shm_status", "name": None})
         except StokerError:
             return
         regions: list[dict[str, Any]] = reply["value"]
@@ -491,10 +492,7 @@ class RemotePlane(PlaneState):
         serving = [link for link in ready if link.serves(name, version)]
         if serving or ready:
             return min(serving or ready, key=lambda link: link.load)
-        for link in self._links:
-            if link.connected:
-                return link
-        raise Unavailable("no engine process is connected; retry")
+        return self._connected()[0]
 
     async def _call(
         self, link: EngineLink, header: dict[str, Any], payload: bytes = b""
@@ -562,21 +560,32 @@ class RemotePlane(PlaneState):
         value: dict[str, Any] = await self._value("model_config", name=name, version=version)
         return value
 
-    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
-        if len(self._links) == 1:
-            value: list[object] = await self._value("statistics", name=name, version=version)
-            return value
-        header = {"op": "statistics", "name": name, "version": version}
+    async def _ask_every(
+        self, header: dict[str, Any]
+    ) -> list[tuple[EngineLink, dict[str, Any], bytes]]:
+        """``header`` asked of every connected engine: each one's answer; if none answers,
+        the first refusal (an unknown model is each engine's 404: the client's, too)."""
         answers, refused = [], []
-        for link in self._links:  # every engine's share of the model's requests, added up
-            if link.connected:
-                try:
-                    answers.append((await self._call(link, header))[0]["value"])
-                except StokerError as error:
-                    refused.append(error)
-        if not answers:  # an unknown model is each engine's 404: the client's, too
-            raise refused[0] if refused else Unavailable("no engine process is connected")
-        return list(merged_statistics(answers))
+        for link in self._connected():
+            try:
+                answers.append((link, *await self._call(link, header)))
+            except StokerError as error:
+                refused.append(error)
+        if not answers and refused:
+            raise refused[0]
+        return answers
+
+    def _connected(self) -> list[EngineLink]:
+        connected = [link for link in self._links if link.connected]
+        if not connected:
+            raise Unavailable("no engine process is connected; retry")
+        return connected
+
+    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
+        # Every engine's share of the model's requests, added up.
+        header = {"op": "statistics", "name": name, "version": version}
+        answers = await self._ask_every(header)
+        return list(merged_statistics([reply["value"] for _, reply, _ in answers]))
 
     async def repository_index(self) -> list[dict[str, str]]:
         value: list[dict[str, str]] = await self._value("repository_index")
@@ -586,12 +595,8 @@ class RemotePlane(PlaneState):
         if len(self._links) == 1:
             _, text = await self._call(self._links[0], {"op": "metrics"})
             return text
-        texts = []
-        for link in self._links:
-            if link.connected:
-                with contextlib.suppress(StokerError):
-                    texts.append((link.label, (await self._call(link, {"op": "metrics"}))[1]))
-        return labelled_metrics(texts)
+        answers = await self._ask_every({"op": "metrics"})
+        return labelled_metrics([(link.label, text) for link, _, text in answers])
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Registered with every connected engine, or with none: any of them may get the
@@ -599,10 +604,9 @@ class RemotePlane(PlaneState):
         header = {"op": "shm_register", "name": name, "key": key, "offset": offset}
         done: list[EngineLink] = []
         try:
-            for link in self._links:
-                if link.connected or len(self._links) == 1:
-                    await self._call(link, header | {"size": byte_size})
-                    done.append(link)
+            for link in self._connected():
+                await self._call(link, header | {"size": byte_size})
+                done.append(link)
         except BaseException:
             for link in done:
                 with contextlib.suppress(StokerError):
@@ -610,9 +614,8 @@ class RemotePlane(PlaneState):
             raise
 
     async def shm_unregister(self, name: str | None = None) -> None:
-        for link in self._links:
-            if link.connected:
-                await self._call(link, {"op": "shm_unregister", "name": name})
+        for link in self._connected():
+            await self._call(link, {"op": "shm_unregister", "name": name})
 
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         value: list[dict[str, object]] = await self._value("shm_status", name=name)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 ROW = re.compile(r"^  (\S+)\s+fp16\s+(.+?)\s+b=(\d+)\s+([\d,.]+) img/s")
 MODE = re.compile(r"\(compile (\w+)\)")
+KINDS = {"graph replay": "graph", "runner.run UINT8, 2": "runners", "pool: ": "pool"}
 
 
 def read(log: Path) -> dict[tuple[str, str, str, int], float]:
@@ -26,8 +27,7 @@ def read(log: Path) -> dict[tuple[str, str, str, int], float]:
         if match is None or mode is None:
             continue
         model, what, batch, value = match.groups()
-        kind = {"graph replay": "graph", "runner.run UINT8, 2": "runners", "pool: ": "pool"}
-        for start, name in kind.items():
+        for start, name in KINDS.items():
             if what.startswith(start):
                 if name == "pool" and not ("32 rows/request, c=32" in what or int(batch) == 128):
                     continue

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,26 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``script`` in a fresh Python (this repository importable, ``env`` added to this
+    process's environment); what it printed last, as JSON. A fresh process is what a
+    restarted engine starts with: its own caches, its own allocator cap."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 TINY_WEIGHTS = np.random.default_rng(7).standard_normal((4, 3)).astype(np.float32)
 TINY_BIAS = np.array([0.5, -1.0, 2.0], dtype=np.float32)
 

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +18,9 @@ from engines.backends.torch.engine import TorchEngine, TorchOptions, buckets  # 
 from engines.base import EngineOptions  # noqa: E402
 from engines.devices.options import GpuOptions  # noqa: E402
 from engines.preprocess import ImagePreprocess  # noqa: E402
-from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx  # noqa: E402
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, run_python, tiny_onnx  # noqa: E402
 
 MAX_BATCH = 8
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def engine(path: Path, max_batch: int = MAX_BATCH, **options: object) -> TorchEngine:
@@ -196,27 +191,11 @@ def test_pool_and_batcher_drive_torch_runners(efficientnet_onnx: Path) -> None:
 
 
 def gpu_run(script: str, *args: str, cache: Path | None = None) -> dict[str, Any]:
-    """``script`` in a fresh Python (its own allocator cap and, given ``cache``, its own empty
-    Inductor cache: what a restarted engine process starts with); its last line, as JSON."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    if cache is not None:
-        # Compiled in the process itself: a tiny graph's kernels compile faster than
-        # Inductor's pool of compile workers starts.
-        env |= {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    """``run_python``; given ``cache``, with an empty Inductor cache of its own."""
+    # Compiled in the process itself: a tiny graph's kernels compile faster than Inductor's
+    # pool of compile workers starts.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache), "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    return run_python(script, *args, env=env if cache is not None else None)
 
 
 def test_compiled_matches_onnxruntime(efficientnet_onnx: Path) -> None:

@@ -307,33 +307,27 @@ class TorchEngine:
             device = self.devices[self._next % len(self.devices)]
             self._next += 1
         before = reserved(device)
-        runner: TorchRunner | None = None
-        for _ in range(2):
-            try:
-                # The first runner on a GPU compiles (or traces, with kernels from the store);
-                # it logs each bucket as it goes, the first build being minutes long.
-                compiling = self._calls[device] is not self._modules[device]
-                first = compiling and device not in self._compiled_on
-                runner = TorchRunner(self, device, self.buckets, announce=first)
-            except torch.OutOfMemoryError:
-                pass  # retried below, once the failed runner's memory went with the error
-            except Exception as error:
-                if self._calls[device] is self._modules[device]:
-                    raise
-                # A graph the converter runs but Inductor cannot compile still serves,
-                # uncompiled (slower: the warning says so), rather than not at all.
-                log.warning(
-                    "%s: torch.compile failed on GPU %d (%s: %s); serving the converted "
-                    "graph uncompiled",
-                    self.spec.name,
-                    device,
-                    type(error).__name__,
-                    str(error).splitlines()[0][:300] if str(error) else "",
-                )
-                self._calls[device] = self._modules[device]
-                self._unsaved.discard(device)
-                continue
-            break
+        fell_back = False
+        try:
+            runner = self._runner_or_none(device)
+        except Exception as error:
+            if not self._compiles(device):
+                raise
+            # A graph the converter runs but Inductor cannot compile still serves,
+            # uncompiled (slower: the warning says so), rather than not at all.
+            log.warning(
+                "%s: torch.compile failed on GPU %d (%s: %s); serving the converted graph "
+                "uncompiled",
+                self.spec.name,
+                device,
+                type(error).__name__,
+                str(error).splitlines()[0][:300] if str(error) else "",
+            )
+            self._calls[device] = self._modules[device]
+            self._unsaved.discard(device)
+            fell_back = True
+        if fell_back:  # made again here, once the failed one's memory went with the error
+            runner = self._runner_or_none(device)
         if runner is None:
             runner = self._fit(device)
         self._compiled_on.add(device)
@@ -343,6 +337,19 @@ class TorchEngine:
         ):
             self._unsaved.discard(device)
         return runner
+
+    def _compiles(self, device: int) -> bool:
+        return self._calls[device] is not self._modules[device]
+
+    def _runner_or_none(self, device: int) -> TorchRunner | None:
+        """A runner with every bucket; None where it does not fit the memory left. The first
+        runner on a GPU compiles (or traces, with kernels from the store) and logs each bucket
+        as it goes, the first build being minutes long."""
+        announce = self._compiles(device) and device not in self._compiled_on
+        try:
+            return TorchRunner(self, device, self.buckets, announce=announce)
+        except torch.OutOfMemoryError:
+            return None  # the caller retries smaller, once this runner's memory is released
 
     def _fit(self, device: int) -> TorchRunner:
         """A runner with the largest max batch that fits the memory left, tried from the

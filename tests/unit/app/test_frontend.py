@@ -6,18 +6,31 @@ decoded by the real V2 codec from bodies read into a lent slot, as a front end r
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import orjson
 import pytest
+import yaml
 
-from app.dataplane import Contract, decode_infer
-from app.frontend import ENGINE_REGIONS, PAGE, Arena, ForwardToEngine, place_inputs
+from app.dataplane import Contract, DataPlane, decode_infer
+from app.engine_process import EngineServer
+from app.frontend import (
+    ENGINE_REGIONS,
+    PAGE,
+    Arena,
+    ForwardToEngine,
+    RemotePlane,
+    place_inputs,
+)
 from app.protocol import unpack_tensor
+from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
 SPEC = ModelSpec(
     "two",
@@ -214,6 +227,20 @@ def test_slot_copies_that_do_not_fit_go_in_the_payload() -> None:
         arena.close()
 
 
+def tiny_repository(tmp_path: Path, max_batch: int, **sections: Any) -> Settings:
+    """Settings serving the tiny model from ``tmp_path`` (no batching delay)."""
+    folder = tmp_path / "repo" / "tiny"
+    folder.mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    config = {"max_batch_size": max_batch, "dynamic_batching": {"max_queue_delay_us": 0}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    return Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+        **sections,
+    )
+
+
 def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     tmp_path: Path,
 ) -> None:
@@ -222,28 +249,7 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     a slot (over the socket, their tensors in the frame's payload), reach the engine as one
     frame of five items; each gets its own rows; one whose caller leaves while the frame is
     in the engine leaves the others answered, and every page of the arena is free again."""
-    import asyncio
-
-    import onnx
-    import yaml
-
-    from app.dataplane import DataPlane
-    from app.engine_process import EngineServer
-    from app.frontend import RemotePlane
-    from app.settings import Settings
-    from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
-
-    folder = tmp_path / "repo" / "tiny"
-    folder.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
-    (folder / "config.yaml").write_text(
-        yaml.safe_dump({"max_batch_size": 64, "dynamic_batching": {"max_queue_delay_us": 0}})
-    )
-    settings = Settings(
-        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
-        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
-        server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE},  # type: ignore[arg-type]
-    )
+    settings = tiny_repository(tmp_path, 64, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
     control = tmp_path / "engine.sock"
     frames: list[int] = []
 
@@ -326,27 +332,7 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
     """Two engines behind one front end; the first holds its frames. Requests sent while it
     holds one go to the other, which answers them, instead of queueing behind the held one
     as a round-robin would send half of them (``RemotePlane._choose``)."""
-    import asyncio
-
-    import onnx
-    import yaml
-
-    from app.dataplane import DataPlane
-    from app.engine_process import EngineServer
-    from app.frontend import RemotePlane
-    from app.settings import Settings
-    from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
-
-    folder = tmp_path / "repo" / "tiny"
-    folder.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
-    (folder / "config.yaml").write_text(
-        yaml.safe_dump({"max_batch_size": 8, "dynamic_batching": {"max_queue_delay_us": 0}})
-    )
-    settings = Settings(
-        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
-        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
-    )
+    settings = tiny_repository(tmp_path, 8)
     runs: dict[str, int] = {"0": 0, "1": 0}
 
     def body(x: np.ndarray) -> bytes:
@@ -418,8 +404,6 @@ def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) ->
     requests for it go to the engine that serves it, whatever the load; other versions, and
     requests naming no version, still go by load; a version no engine serves goes by load
     too, to be answered with the reason."""
-    from app.frontend import RemotePlane
-    from app.settings import Settings
 
     class Open:
         def is_closing(self) -> bool:

@@ -8,9 +8,6 @@ restarted pod on a new node would be: only the engine store is shared between th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +15,12 @@ import numpy as np
 import onnx
 import pytest
 
-from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, run_python, tiny_onnx
 
 pytest.importorskip(
     "torch", reason="compiling is torch code: torch (the reference extra) is not installed"
 )
 
-ROOT = Path(__file__).resolve().parents[5]
 
 START = """
 import json, sys
@@ -60,22 +56,7 @@ print(json.dumps({
 
 
 def start(source: Path, store: Path, cache: Path) -> dict[str, Any]:
-    env = {
-        **os.environ,
-        "TORCHINDUCTOR_CACHE_DIR": str(cache),
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", START, str(source), str(store)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_python(START, str(source), str(store), env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
 
 
 def check_answers(answers: dict[str, Any]) -> None:
