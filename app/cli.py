@@ -176,13 +176,14 @@ def list_models(settings: Settings) -> int:
     for entry in discover(settings.models.repository, settings.models.models):
         config = entry.config
         state = "ready to load" if entry.onnx_path.exists() else "ONNX missing"
+        backend = backends.resolve(settings.models.backend or config.backend)
         print(
             f"{config.name:24} precisions={','.join(config.precisions):12} "
-            f"max_batch={config.max_batch_size:<4} runners={config.runners} {state}"
+            f"max_batch={config.max_batch_size:<4} runners={config.runner_count(backend)} "
+            f"{state}"
         )
         if not entry.onnx_path.exists():
             continue
-        backend = backends.resolve(settings.models.backend or config.backend)
         plan = entry.build_plan(model_spec(entry))
         for precision in config.precisions:
             print(f"  {precision:6} {backend}: {variant_state(store, plan, precision, backend)}")

@@ -362,7 +362,7 @@ class DataPlane(PlaneState):
                     "default_timeout_microseconds": batching.default_timeout_us,
                 },
             },
-            "instance_group": [{"count": config.runners, "kind": model.backend}],
+            "instance_group": [{"count": model.pool.size, "kind": model.backend}],
             "version_policy": {"specific": {"versions": self.models.versions(name)}},
             "default_version": config.default_precision,
             "labels": config.labels,

@@ -159,16 +159,18 @@ class InputPolicy:
 def engine_options(
     entry: ModelEntry,
     spec: ModelSpec,
+    backend: str,
     store: EngineStore | None = None,
     profile: tuple[int, ...] = (),
     precision: str = "",
 ) -> EngineOptions:
-    """What the backend is told about a model: runners, GPUs, batch sizes, preprocessing."""
+    """What ``backend`` (a resolved name) is told about a model: runners, GPUs, batch sizes,
+    preprocessing."""
     config = entry.config
     policy = InputPolicy.decide(entry, spec)
     image = policy.prep.with_datatype(spec.inputs[0].datatype) if policy.prep else None
     return EngineOptions(
-        runners=config.runners,
+        runners=config.runner_count(backend),
         store=store,
         profile=profile,
         precision=precision,
@@ -192,7 +194,9 @@ def build(
     """The precision variant built (or found) in the store, its accuracy report, and the
     options its engine is loaded with."""
     variant, report = ensure_variant(store, model.plan, precision, backend, cancelled)
-    options = engine_options(model.entry, model.spec, store, model.plan.profile, precision)
+    options = engine_options(
+        model.entry, model.spec, backends.resolve(backend), store, model.plan.profile, precision
+    )
     return variant, report, options
 
 
@@ -204,7 +208,9 @@ def prebuild_tensorrt(model: ModelSource, precision: str, variant: Path, store: 
     from engines.devices import cuda
 
     name = model.name
-    options = engine_options(model.entry, model.spec, store, model.plan.profile, precision)
+    options = engine_options(
+        model.entry, model.spec, "tensorrt", store, model.plan.profile, precision
+    )
     try:
         target = prebuild_plan(variant, model.spec, options, TensorRTOptions())
     except (TensorRTUnavailable, cuda.CudaUnavailable, cuda.CudaError) as why:
@@ -354,7 +360,8 @@ async def load(
     metrics = ModelMetrics(config.name, precision)
     labels = entry.labels()
     try:
-        pool = await RunnerPool.create(engine, config.runners, f"{config.name}-{precision}")
+        runners = config.runner_count(backends.resolve(backend))
+        pool = await RunnerPool.create(engine, runners, f"{config.name}-{precision}")
         await pool.warm()
         decoder = gpu_decoder(entry, backend, settings, metrics)
         context = handler_context(model, labels, settings, metrics, policy, decoder)
@@ -375,7 +382,7 @@ async def load(
         config.name,
         precision,
         backend,
-        config.runners,
+        pool.size,
         f" on GPUs {config.gpus}" if config.gpus else "",
         "device" if policy.on_device else "CPU",
         "GPU" if decoder else "CPU",

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engines.devices.options import GpuOptions
+from engines.devices.options import GPU_BACKENDS, RUNNERS_PER_GPU, GpuOptions
 from engines.precision.build import BuildPlan
 from engines.precision.options import Budget, Fp16Options, Int8Options
 from engines.preprocess import ImagePreprocess
@@ -87,8 +87,11 @@ class ModelConfig(BaseModel):
     """``auto``, ``onnxruntime``, ``torch`` or ``tensorrt``."""
     max_batch_size: int = Field(default=0, ge=0)
     """Most rows in one batch; 0 means the model has no batch dimension."""
-    runners: int = Field(default=1, ge=1)
-    """Execution lanes. Two or more keep the device busy while the next batch fills."""
+    runners: int | None = Field(default=None, ge=1)
+    """Execution lanes (Triton's ``instance_group.count``). Unset: one on ONNX Runtime (one
+    runner with every core beats two that split them), ``RUNNERS_PER_GPU`` per GPU on the GPU
+    backends, so that one runner's copies overlap another's compute (both measured:
+    BENCHMARKS.md). ``runner_count`` says what a backend gets."""
     gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """GPUs the runners are placed on, round-robin, with one copy of the weights per GPU and
     one batcher for them all (Triton's ``instance_group.gpus``); empty: GPU 0. GPU backends
@@ -137,7 +140,7 @@ class ModelConfig(BaseModel):
             )
         if len(set(self.gpus)) != len(self.gpus):
             raise ValueError(f"gpus {self.gpus} lists a GPU twice")
-        if self.runners < len(self.gpus):
+        if self.runners is not None and self.runners < len(self.gpus):
             raise ValueError(
                 f"{self.runners} runner(s) cannot cover gpus {self.gpus}: "
                 "give at least one runner per GPU"
@@ -149,6 +152,14 @@ class ModelConfig(BaseModel):
         if too_big:
             raise ValueError(f"preferred_batch_size {too_big} exceeds max_batch_size")
         return self
+
+    def runner_count(self, backend: str) -> int:
+        """The runners ``backend`` (a resolved name) runs this model with."""
+        if self.runners is not None:
+            return self.runners
+        if backend in GPU_BACKENDS:
+            return RUNNERS_PER_GPU * max(1, len(self.gpus))
+        return 1
 
 
 class ModelEntry(BaseModel):

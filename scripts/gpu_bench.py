@@ -78,6 +78,11 @@ def as_float(batches: list[np.ndarray]) -> list[np.ndarray]:
 
 
 def make_engine(path: Path, precision: str, buckets: tuple[int, ...], **kw: Any) -> TorchEngine:
+    """A torch engine, uncompiled unless ``gpu`` is given: the sections measure the
+    conversion's own graphs unless they say they compile."""
+    from engines.devices.options import GpuOptions
+
+    kw.setdefault("gpu", GpuOptions(compile="none"))
     spec = read_spec(path, path.parent.name, max(buckets))
     options = TorchOptions(
         precision=precision, image=ImagePreprocess(), batch_buckets=buckets, **kw
@@ -383,36 +388,7 @@ def pool_rate(runners: list[TorchRunner], rows: int, clients: int, seconds: floa
     """Images/s through Stoker's batcher and runner pool (no HTTP, no codec): ``clients``
     coroutines each sending requests of ``rows`` UINT8 images, batches up to the largest
     bucket, with the runners given."""
-    from app.batcher import Batcher
-    from app.metrics import ModelMetrics
-    from app.pool import RunnerPool
-    from app.repository import DynamicBatching
-
-    engine = runners[0].engine
-    batches = pixels(rows)
-
-    async def window(limit: float) -> float:
-        pool = RunnerPool(engine, list(runners), "bench")
-        largest = engine.buckets[-1]
-        policy = DynamicBatching(max_queue_delay_us=2000, preferred_batch_size=[largest])
-        batcher = Batcher(pool, policy, ModelMetrics("bench", engine.precision), largest)
-        batcher.start()
-        done, stop = [0], time.perf_counter() + limit
-
-        async def client(i: int) -> None:
-            n = i
-            while time.perf_counter() < stop:
-                out = await batcher.infer({"input": batches[n % len(batches)]}, rows, "k", 30.0)
-                done[0] += len(out["logits"])
-                n += 1
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client(i) for i in range(clients)))
-        elapsed = time.perf_counter() - t0
-        await batcher.close(10.0)
-        return done[0] / elapsed
-
-    return windows(lambda limit: asyncio.run(window(limit)), seconds)
+    return pool_latencies(runners, rows, clients, seconds)[0]
 
 
 def bench_runner(name: str, path: Path, seconds: float, mode: str) -> None:
@@ -446,6 +422,81 @@ def bench_runner(name: str, path: Path, seconds: float, mode: str) -> None:
                        b, rate, "img/s", f"/runners {rate / two:.2f}"))  # fmt: skip
     record(Row(name, "fp16", f"latency runner.run UINT8 ({what})", 1,
                latency_ms(runners[0], pixels(1)[0]), "ms"))  # fmt: skip
+    for r in runners:
+        r.close()
+    engine.close()
+
+
+def pool_latencies(
+    runners: list[TorchRunner], rows: int, clients: int, seconds: float
+) -> tuple[float, float, float]:
+    """Images/s through the batcher and pool as ``pool_rate`` measures it, with the median
+    and p99 of the requests' own latency (ms) in the median window."""
+    from app.batcher import Batcher
+    from app.metrics import ModelMetrics
+    from app.pool import RunnerPool
+    from app.repository import DynamicBatching
+
+    engine = runners[0].engine
+    batches = pixels(rows)
+
+    async def window(limit: float) -> tuple[float, float, float]:
+        pool = RunnerPool(engine, list(runners), "bench")
+        largest = engine.buckets[-1]
+        policy = DynamicBatching(max_queue_delay_us=2000, preferred_batch_size=[largest])
+        batcher = Batcher(pool, policy, ModelMetrics("bench", engine.precision), largest)
+        batcher.start()
+        done, took, stop = [0], [], time.perf_counter() + limit
+
+        async def client(i: int) -> None:
+            n = i
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                out = await batcher.infer({"input": batches[n % len(batches)]}, rows, "k", 30.0)
+                took.append(time.perf_counter() - t)
+                done[0] += len(out["logits"])
+                n += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(i) for i in range(clients)))
+        elapsed = time.perf_counter() - t0
+        await batcher.close(10.0)
+        ms = np.array(took) * 1000
+        return done[0] / elapsed, float(np.median(ms)), float(np.percentile(ms, 99))
+
+    asyncio.run(window(min(0.5, seconds)))
+    results = sorted((asyncio.run(window(seconds)) for _ in range(3)), key=lambda r: r[0])
+    return results[1]
+
+
+def bench_runner_counts(name: str, path: Path, seconds: float, mode: str) -> None:
+    """#13's last figure: how many runners one GPU wants. One engine as a GPU config serves
+    it (fp16, UINT8 pixels, buckets 1/32/128/256, compiled in ``mode``) with 1 to 4 runners:
+    runners from threads at batch 32 and 256, then the batcher and pool over the same
+    runners at two loads (32 rows x 32 clients, the service's binary run; 256 rows x 8
+    clients), with each request's median and p99 latency, and each runner's GPU memory."""
+    from engines.devices.options import GpuOptions
+
+    print(f"== {name} fp16, compile {mode}: 1-4 runners per GPU", flush=True)
+    t0 = time.perf_counter()
+    engine = make_engine(path, "fp16", (1, 32, 128, 256), gpu=GpuOptions(compile=mode))  # type: ignore[arg-type]
+    runners = [engine.new_runner() for _ in range(4)]
+    record(Row(name, "fp16", f"startup, 4 runners (compile {mode})", 0,
+               time.perf_counter() - t0, "s"))  # fmt: skip
+    for i, used in enumerate(engine.runner_bytes):
+        record(Row(name, "fp16", f"GPU memory: runner {i + 1}", 0, used / 2**20, "MiB"))
+    for b in (32, 256):
+        gpu = graph_rate(runners[0], b, seconds)
+        record(Row(name, "fp16", "graph replay", b, gpu, "img/s"))
+        for count in (1, 2, 3, 4):
+            rate = runner_rate(runners[:count], pixels(b), seconds)
+            record(Row(name, "fp16", f"runner.run UINT8, {count} runner(s)", b, rate, "img/s",
+                       f"/graph {rate / gpu:.2f}"))  # fmt: skip
+    for rows, clients in ((32, 32), (256, 8)):
+        for count in (1, 2, 3, 4):
+            rate, p50, p99 = pool_latencies(runners[:count], rows, clients, seconds)
+            record(Row(name, "fp16", f"pool {rows} rows x c={clients}, {count} runner(s)", 256,
+                       rate, "img/s", f"p50 {p50:.1f} ms, p99 {p99:.1f} ms"))  # fmt: skip
     for r in runners:
         r.close()
     engine.close()
@@ -520,6 +571,7 @@ def main() -> None:
     parser.add_argument("--compile-models", default="efficientnet_lite0")
     parser.add_argument("--runner-modes", default="none,default")
     parser.add_argument("--runner-models", default="resnet50,efficientnet_lite0")
+    parser.add_argument("--counts-mode", default="default")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     env = {"torch": torch.__version__, "cuda": torch.version.cuda,
@@ -587,6 +639,15 @@ def main() -> None:
                     ),
                 )
             )
+    for name in args.runner_models.split(","):
+        steps.append(
+            (
+                "counts",
+                lambda name=name: bench_runner_counts(  # type: ignore[misc]
+                    name, model_path(name, args.models), args.seconds, args.counts_mode
+                ),
+            )
+        )
     for key in args.only.split(","):
         for name, step in steps:
             if name != key:

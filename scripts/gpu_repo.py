@@ -5,7 +5,8 @@ python scripts/gpu_repo.py /tmp/stoker-repo
 The repo's ``models/resnet50`` config with: FP16 as the only version; its accuracy gate
 measured on 16 images and overridden, because seeded random weights give near-uniform
 logits whose top-1 means nothing (the FP16 variant itself is built and measured as for any
-model); two runners; batches up to 256, preferred 64, 128 and 256; a 2 ms delay;
+model); the GPU default of runners (`--runners N` sets them); batches up to 256, preferred
+64, 128 and 256; a 2 ms delay;
 ``--compile MODE`` sets ``gpu.compile``.
 """
 
@@ -24,7 +25,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("repository", type=Path)
     parser.add_argument(
-        "--compile", default="none", help="gpu.compile: none, default, max-autotune"
+        "--compile", default="default", help="gpu.compile: none, default, max-autotune"
+    )
+    parser.add_argument(
+        "--runners", type=int, default=0, help="runners (0: unset, the GPU default)"
     )
     args = parser.parse_args()
     folder = args.repository / "resnet50"
@@ -34,11 +38,13 @@ def main() -> None:
         precisions=["fp16"],
         default_precision="fp16",
         max_batch_size=256,
-        runners=2,
         accuracy={"evaluation_samples": 16, "override": True},
         dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": 2000},
         gpu={"compile": args.compile},
     )
+    config.pop("runners", None)
+    if args.runners:
+        config["runners"] = args.runners
     (folder / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     onnx = ROOT / "models" / "resnet50" / "model.onnx"
     if onnx.exists():

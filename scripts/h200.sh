@@ -18,7 +18,8 @@
 # JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
 # process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
 # the naive server; 0 skips), PROFILE (1: cProfile every server process, summary in
-# profile_summary.txt), COMPILE (the served model's gpu.compile: none, default, max-autotune),
+# profile_summary.txt), COMPILE (the served model's gpu.compile: default, none, max-autotune),
+# RUNNERS (the served model's runners; unset: the GPU default),
 # ENGINE_GPUS (server.engine_gpus, e.g. [0,1]: one engine process per GPU; set TESTS_BESIDE=0);
 # SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
@@ -129,7 +130,8 @@ if has service; then
         export CUDA_VISIBLE_DEVICES=0
     fi
     repo=/tmp/stoker-repo
-    python3 scripts/gpu_repo.py "$repo" --compile "${COMPILE:-none}" >"$OUT/service_repo.log" 2>&1
+    python3 scripts/gpu_repo.py "$repo" --compile "${COMPILE:-default}" \
+        ${RUNNERS:+--runners "$RUNNERS"} >"$OUT/service_repo.log" 2>&1
     port=8123
     url=http://127.0.0.1:$port
     if [ "${PROFILE:-0}" = 1 ]; then  # cProfile of the engine and every front end

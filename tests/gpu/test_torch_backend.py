@@ -24,7 +24,10 @@ MAX_BATCH = 8
 
 
 def engine(path: Path, max_batch: int = MAX_BATCH, **options: object) -> TorchEngine:
+    """A torch engine of ``path``, uncompiled unless ``gpu`` says otherwise: these tests are
+    of the conversion and the runner; the compiled path (the served default) has its own."""
     spec = read_spec(path, path.parent.name, max_batch)
+    options.setdefault("gpu", GpuOptions(compile="none"))
     return TorchEngine(path, spec, EngineOptions(), TorchOptions(**options))  # type: ignore[arg-type]
 
 

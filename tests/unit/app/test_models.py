@@ -19,7 +19,7 @@ from app.models import InputPolicy
 from app.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
 from app.settings import Settings
 from engines.base import Engine, EngineOptions, Runner
-from engines.devices.options import GpuOptions
+from engines.devices.options import RUNNERS_PER_GPU, GpuOptions
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
 from engines.store import EngineStore
@@ -89,12 +89,23 @@ def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
         dynamic_batching={"preferred_batch_size": [4, 8]},
         gpu={"compile": "max-autotune", "memory_fraction": 0.5},
     )
-    options = models.engine_options(configured, SPEC, precision="fp16")
+    options = models.engine_options(configured, SPEC, "torch", precision="fp16")
     assert options.devices == (0, 1) and options.runners == 4
     assert options.gpu == GpuOptions(compile="max-autotune", memory_fraction=0.5)
     assert options.preferred_batch_sizes == (4, 8) and options.precision == "fp16"
     assert options.image == ImagePreprocess(datatype="FP32")
-    assert models.engine_options(entry(), SPEC).image is None
+    assert models.engine_options(entry(), SPEC, "onnxruntime").image is None
+
+
+def test_unset_runners_are_one_on_the_cpu_and_some_per_gpu_on_a_gpu_backend() -> None:
+    """``runners`` left out: ONNX Runtime gets one runner with every core; a GPU backend gets
+    ``RUNNERS_PER_GPU`` on each of its GPUs; a configured count is taken as it is."""
+    unset, two_gpus = entry(), entry(gpus=[0, 1])
+    assert models.engine_options(unset, SPEC, "onnxruntime").runners == 1
+    assert models.engine_options(unset, SPEC, "torch").runners == RUNNERS_PER_GPU
+    assert models.engine_options(two_gpus, SPEC, "tensorrt").runners == 2 * RUNNERS_PER_GPU
+    assert models.engine_options(entry(runners=3), SPEC, "torch").runners == 3
+    assert models.engine_options(entry(runners=3), SPEC, "onnxruntime").runners == 3
 
 
 # -- a model's contract -------------------------------------------------------------------

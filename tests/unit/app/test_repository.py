@@ -43,7 +43,7 @@ def test_an_empty_config_takes_every_default_and_the_folders_name(tmp_path: Path
     assert entry.folder == tmp_path / "resnet"
     assert entry.onnx_path == tmp_path / "resnet" / "model.onnx"
     assert config.backend == "auto" and config.autoload is True
-    assert config.max_batch_size == 0 and config.runners == 1 and config.gpus == []
+    assert config.max_batch_size == 0 and config.runners is None and config.gpus == []
     assert config.precisions == ["fp32"] and config.default_precision == "fp32"
     assert config.dynamic_batching.max_queue_delay_us == 2000
     assert config.dynamic_batching.max_queue_size == 1024
