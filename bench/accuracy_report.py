@@ -24,6 +24,7 @@ import numpy as np
 from app import models
 from app.repository import discover
 from app.settings import Settings
+from bench import accuracy_gpu
 from engines import backends
 from engines.precision import accuracy
 from engines.precision.build import BuildPlan, budget_problems
@@ -67,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "in float)",
     )
     parser.add_argument("--batches", default="1,8,32", help="batch sizes for img/s")
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help="also measure fp32, fp16 and bf16 as the torch backend serves them on GPU 0 "
+        "(compiled as the model's gpu: section says): agreement with ONNX Runtime's FP32, "
+        "img/s, batch-1 latency, GPU memory of the weights and of one runner",
+    )
     parser.add_argument("--out", type=Path, default=Path("accuracy-report"), help="output folder")
 
 
@@ -158,6 +166,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if not files:
         print(f"no photos in {args.images}")
         return 2
+    if args.gpu and not backends.cuda_available():
+        print("--gpu needs a CUDA GPU and torch built with CUDA; none is usable here")
+        return 2
     calibration_note = f"configured ({entry.config.int8.calibration})"
     if args.calibrate_on:
         order = np.random.default_rng(0).permutation(len(files))
@@ -238,6 +249,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         gate = result.pop("gate")
         for batch in batches:
             result[f"img/s@{batch}"] = speeds[result["precision"]][batch]
+        # The mean time of one run at the smallest batch, from the same rounds.
+        small = min(batches)
+        result[f"ms@{small} (mean)"] = 1000 * small / speeds[result["precision"]][small]
         name = result["precision"]
         result["model MB"] = paths[name].stat().st_size / 1e6
         resident = memory[name]
@@ -249,11 +263,30 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         f"{len(data)} photos from `{args.images}` ({int(labelled.sum())} labelled); INT8 "
         f"calibration: {calibration_note}; INT8 recipe {chosen.describe()}; backend "
         f"{backend}; {os.cpu_count()} CPU threads; img/s are medians of 5 interleaved "
-        f"rounds; model MB: the ONNX file; resident MB: what a fresh process grew by when it "
+        f"rounds; ms@{min(batches)}: the mean time of one run at that batch in those rounds; "
+        f"model MB: the ONNX file; resident MB: what a fresh process grew by when it "
         f"loaded the variant in ONNX Runtime and ran it once at batch {max(batches)} "
         f"(weights, arena, buffers); {time.strftime('%Y-%m-%d')}.\n\n"
     )
     table = markdown_table(results)
+    if args.gpu:
+        assert reference is not None
+        gpu_variants = {
+            precision: models.build(
+                dataclasses.replace(model, plan=plan), precision, "torch", store
+            )[0]
+            for precision in ("fp32", "fp16")
+        }
+        gpu_results = accuracy_gpu.rows_on_gpu(
+            gpu_variants, data, plan.input_name, reference, labels, batches, entry.config.gpu
+        )
+        table += (
+            f"\n## On {accuracy_gpu.describe(entry.config.gpu)}\n\n"
+            "Agreement and KL against ONNX Runtime's FP32 above; img/s of one runner "
+            "(staging, copies, CUDA graph, wait; medians of 5 windows); ms@1: the median of "
+            "200 batch-1 runs; GPU MiB: what torch's allocator grew by for the weights and "
+            "for one runner's buffers and CUDA graphs.\n\n" + markdown_table(gpu_results)
+        )
     (args.out / "accuracy.md").write_text(header + table)
     plot(results, batches[-1], args.out / "accuracy.png", entry.config.name)
     print()
@@ -277,15 +310,21 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
         "|" + "---|" * len(columns),
     ]
     for result in results:
-        cells = []
-        for column in columns:
-            value = result.get(column, "")
-            if isinstance(value, float):
-                wide = column.startswith(("img/s", "model MB", "resident MB"))
-                value = f"{value:.1f}" if wide else f"{value:.4f}"
-            cells.append(str(value))
+        cells = [cell(column, result.get(column, "")) for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def cell(column: str, value: object) -> str:
+    """A number as its column reads it: milliseconds to 0.01, rates and sizes to 0.1, the
+    accuracy measures to 0.0001."""
+    if not isinstance(value, float):
+        return str(value)
+    if column.startswith("ms@"):
+        return f"{value:.2f}"
+    if column.startswith(("img/s", "model MB", "resident MB", "GPU MiB")):
+        return f"{value:.1f}"
+    return f"{value:.4f}"
 
 
 def plot(results: list[dict[str, Any]], batch: int, path: Path, model: str) -> None:

@@ -10,6 +10,24 @@ from PIL import Image
 from skimage import data
 
 from app.cli import main
+from engines.backends import cuda_available
+
+
+def labelled_photos(folder: Path, each: int = 3) -> Path:
+    """``each`` crops of skimage's espresso and of its tabby cat, named as ImageNet files
+    are, so the names carry the labels: n07920052 is espresso, n02123045 tabby cat."""
+    folder.mkdir()
+    for i in range(each):
+        crop = data.coffee()[i * 20 :, i * 30 :]
+        Image.fromarray(crop).save(folder / f"n07920052_espresso_{i}.JPEG")
+        Image.fromarray(data.chelsea()[:, i * 20 :]).save(folder / f"n02123045_tabby_{i}.JPEG")
+    return folder
+
+
+def report_repository(tmp_path: Path, efficientnet_dir: Path) -> Path:
+    repo = tmp_path / "repo"
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    return repo
 
 
 def test_accuracy_report_compares_precisions_and_calibrators(
@@ -18,15 +36,8 @@ def test_accuracy_report_compares_precisions_and_calibrators(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    repo = tmp_path / "repo"
-    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
-    photos = tmp_path / "photos"
-    photos.mkdir()
-    # ImageNet-style names carry the labels: n07920052 is espresso, n02123045 tabby cat.
-    for i in range(3):
-        crop = data.coffee()[i * 20 :, i * 30 :]
-        Image.fromarray(crop).save(photos / f"n07920052_espresso_{i}.JPEG")
-        Image.fromarray(data.chelsea()[:, i * 20 :]).save(photos / f"n02123045_tabby_{i}.JPEG")
+    repo = report_repository(tmp_path, efficientnet_dir)
+    photos = labelled_photos(tmp_path / "photos")
     monkeypatch.setenv("STOKER_STORE__PATH", str(tmp_path / "store"))
     out = tmp_path / "report"
     code = main(
@@ -55,5 +66,29 @@ def test_accuracy_report_compares_precisions_and_calibrators(
     assert 10 < model_mb < 40 and resident >= 0.5 * model_mb
     int8 = rows[1].split("|")
     assert float(int8[columns.index("model MB")]) < 0.5 * model_mb
+    # One run at batch 1 is a positive time, and the same rounds' rate: ms = 1000 / img/s.
+    latency = float(fp32[columns.index("ms@1 (mean)")])
+    speed = float(fp32[columns.index("img/s@1")])
+    assert latency > 0 and latency == pytest.approx(1000 / speed, rel=0.02, abs=0.01)
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert "img/s at batch 1: round 5/5" in capsys.readouterr().out
+
+
+def test_gpu_rows_need_a_gpu(
+    tmp_path: Path, efficientnet_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--gpu`` where torch has no CUDA device: a clear refusal before anything is built
+    (tests/gpu/test_accuracy_gpu.py runs the rows on a GPU)."""
+    if cuda_available():
+        pytest.skip("this machine has a GPU: tests/gpu/test_accuracy_gpu.py covers --gpu")
+    repo = report_repository(tmp_path, efficientnet_dir)
+    photos = labelled_photos(tmp_path / "photos", each=1)
+    code = main(
+        [
+            "accuracy", "--model", "efficientnet_lite0", "--repository", str(repo),
+            "--images", str(photos), "--gpu", "--out", str(tmp_path / "report"),
+        ]
+    )  # fmt: skip
+    assert code == 2
+    assert "--gpu needs a CUDA GPU" in capsys.readouterr().out
+    assert not (tmp_path / "report").exists()
