@@ -11,7 +11,7 @@ CompileMode = Literal["none", "default", "max-autotune"]
 
 GPU_BACKENDS = ("torch", "tensorrt")
 """The backends whose runners run on a GPU."""
-RUNNERS_PER_GPU = 2
+RUNNERS_PER_GPU = 4
 """Runners a GPU backend gets per GPU when the model config leaves ``runners`` unset: the
 count measured best on the H200 (BENCHMARKS.md, "Runners per GPU")."""
 
