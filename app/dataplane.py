@@ -475,10 +475,16 @@ class DataPlane(PlaneState):
 
         return await self._measured(model, work)
 
-    def serving(self) -> list[tuple[str, str]]:
-        """The model versions this plane answers now (loaded, not stopped by a fault): what
-        a front end with several engines routes by."""
-        return [(model.name, model.version) for model in self.models.loaded() if model.ready]
+    def serving(self) -> list[tuple[str, str, int]]:
+        """The model versions this plane answers now (loaded, not stopped by a fault), each
+        with the most rows it takes in one request: what a front end with several engines
+        routes by (engines on different GPUs may have shrunk a version to different max
+        batches)."""
+        return [
+            (model.name, model.version, model.spec.max_batch_size)
+            for model in self.models.loaded()
+            if model.ready
+        ]
 
     def queued_requests(self) -> int:
         """Requests queued or executing over every loaded version: what a front end weighs

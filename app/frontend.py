@@ -259,13 +259,23 @@ class EngineLink:
         running at the last poll, and this front end's unanswered requests to it."""
         return int(self.state.get("queued", 0)) + self.in_flight
 
-    def serves(self, name: str | None, version: str | None) -> bool:
+    def serves(self, name: str | None, version: str | None, rows: int = 0) -> bool:
         """Whether it answered for this model version at the last poll (``None``: any
-        version; no name: any model)."""
+        version; no name: any model) and takes ``rows`` in one request there."""
         if name is None:
             return True
-        serving = self.state.get("serving", ())
-        return any(n == name and version in (None, v) for n, v in serving)
+        return any(
+            n == name and version in (None, v) and (rows <= most or most == 0)
+            for n, v, most in self.state.get("serving", ())
+        )
+
+    def max_batch(self, name: str, version: str) -> int:
+        """The most rows it takes in one request of this model version (0: unbatched, or
+        not served here)."""
+        return max(
+            (most for n, v, most in self.state.get("serving", ()) if (n, v) == (name, version)),
+            default=0,
+        )
 
     def track(self, future: Reply, requests: int) -> None:
         """Count ``requests`` in flight to it until ``future`` is answered."""
@@ -310,6 +320,8 @@ class Gathering:
     future: Reply
     link: EngineLink
     """The engine it goes to, chosen when its first request came."""
+    limit: int
+    """The most rows it may gather: the model's max batch on that engine."""
     items: list[dict[str, Any]] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
     payload_bytes: int = 0
@@ -484,12 +496,15 @@ class RemotePlane(PlaneState):
             await asyncio.gather(*(poll(link, link is first) for link in self._links))
             await asyncio.sleep(POLL_S)
 
-    def _choose(self, name: str | None = None, version: str | None = None) -> EngineLink:
-        """The engine a request for ``name`` (and ``version``) goes to: of the ready ones
-        that serve it, the one with the least work ahead of it; of the ready ones, if none
-        serves it (it answers why); any connected one while none is ready; none: 503 here."""
+    def _choose(
+        self, name: str | None = None, version: str | None = None, rows: int = 0
+    ) -> EngineLink:
+        """The engine a request for ``name`` (and ``version``, of ``rows`` rows) goes to: of
+        the ready ones that serve it and take that many rows, the one with the least work
+        ahead of it; of the ready ones, if none does (it answers why); any connected one
+        while none is ready; none: 503 here."""
         ready = [link for link in self._links if link.ready]
-        serving = [link for link in ready if link.serves(name, version)]
+        serving = [link for link in ready if link.serves(name, version, rows)]
         if serving or ready:
             return min(serving or ready, key=lambda link: link.load)
         return self._connected()[0]
@@ -675,6 +690,17 @@ class RemotePlane(PlaneState):
         found = self._contracts.get((name, version))
         if found is None:
             found = Contract.from_json(await self._value("describe", name=name, version=version))
+            # Engines may have shrunk the version to different max batches: the contract is
+            # that of the one taking the most rows, and a request larger than another's max
+            # batch is routed past that one (``_choose``), not refused.
+            concrete = found.version
+            ready = [link for link in self._links if link.ready]
+            best = max(ready, key=lambda link: link.max_batch(name, concrete), default=None)
+            if best is not None and best.max_batch(name, concrete) > found.spec.max_batch_size:
+                reply, _ = await self._call(
+                    best, {"op": "describe", "name": name, "version": concrete}
+                )
+                found = Contract.from_json(reply["value"])
             self._contracts[(name, version)] = found
         return found
 
@@ -775,13 +801,16 @@ class RemotePlane(PlaneState):
             signature if limit else object(),  # unbatched models: one request a frame
         )
         gathering = self._gatherings.get(key)
-        if gathering is not None and gathering.rows + rows > max(limit, 1):
+        if gathering is not None and gathering.rows + rows > max(gathering.limit, 1):
             self._send_gathering(key)
             gathering = None
         if gathering is None:
             future = asyncio.get_running_loop().create_future()
-            link = self._choose(contract.model, contract.version)
-            gathering = self._gatherings[key] = Gathering(shared, future, link)
+            link = self._choose(contract.model, contract.version, rows)
+            # An engine that shrank the version to fit its GPU takes fewer rows a frame.
+            most = link.max_batch(contract.model, contract.version) or limit
+            gathering = Gathering(shared, future, link, min(limit, most))
+            self._gatherings[key] = gathering
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._send_gatherings)

@@ -412,8 +412,8 @@ def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) ->
     front = RemotePlane(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
     first, second = front._links
     for link, queued, serving in (
-        (first, 0, [["m", "fp32"]]),
-        (second, 5, [["m", "fp32"], ["m", "int8"]]),
+        (first, 0, [["m", "fp32", 8]]),
+        (second, 5, [["m", "fp32", 8], ["m", "int8", 8]]),
     ):
         link.writer = Open()  # type: ignore[assignment]
         link.state = {"alive": True, "ready": True, "queued": queued, "serving": serving}
@@ -425,5 +425,32 @@ def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) ->
         assert front._choose("gone", None) is first  # nobody serves it: it answers why
         first.state["ready"] = False
         assert front._choose("m", "fp32") is second
+    finally:
+        front.arena.close()
+
+
+def test_a_request_larger_than_one_engines_max_batch_goes_to_one_that_takes_it(
+    tmp_path: Path,
+) -> None:
+    """Two GPUs with different memory shrank a version to different max batches
+    (``gpu.on_out_of_memory: shrink``): a request of more rows than the smaller takes goes
+    to the larger, however busy; one both take goes by load; each engine says its max."""
+
+    class Open:
+        def is_closing(self) -> bool:
+            return False
+
+    front = RemotePlane(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
+    small, large = front._links
+    for link, queued, most in ((small, 0, 64), (large, 9, 256)):
+        link.writer = Open()  # type: ignore[assignment]
+        link.state = {"alive": True, "ready": True, "queued": queued,
+                      "serving": [["m", "fp16", most]]}  # fmt: skip
+    try:
+        assert front._choose("m", "fp16", rows=200) is large
+        assert front._choose("m", "fp16", rows=64) is small
+        assert front._choose("m", None, rows=65) is large
+        assert (small.max_batch("m", "fp16"), large.max_batch("m", "fp16")) == (64, 256)
+        assert small.max_batch("m", "int8") == 0
     finally:
         front.arena.close()
