@@ -353,7 +353,9 @@ class RemotePlane(PlaneState):
         self._stopping = False
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
         self._flush_scheduled = False
-        self._contracts: dict[tuple[str, str | None], Contract] = {}
+        self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int]]] = {}
+        """Per model version asked for, its contract and the engines ready when it was
+        asked (by index): an engine ready since may take more rows."""
         self._failed: dict[tuple[str, str, str], list[float]] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -505,6 +507,11 @@ class RemotePlane(PlaneState):
         while none is ready; none: 503 here."""
         ready = [link for link in self._links if link.ready]
         serving = [link for link in ready if link.serves(name, version, rows)]
+        if not serving and rows and any(link.serves(name, version) for link in ready):
+            # The engines that took this many rows (a GPU with more memory) are not back.
+            raise Unavailable(
+                f"no engine that takes {rows} rows of {name} in one request is ready; retry"
+            )
         if serving or ready:
             return min(serving or ready, key=lambda link: link.load)
         return self._connected()[0]
@@ -685,23 +692,32 @@ class RemotePlane(PlaneState):
         return reply, data
 
     async def _contract(self, name: str, version: str | None) -> Contract:
-        """The model version's contract, asked of the engine once (a loaded version's
-        tensors never change while the engine lives; refusals are not kept)."""
-        found = self._contracts.get((name, version))
-        if found is None:
-            found = Contract.from_json(await self._value("describe", name=name, version=version))
-            # Engines may have shrunk the version to different max batches: the contract is
-            # that of the one taking the most rows, and a request larger than another's max
-            # batch is routed past that one (``_choose``), not refused.
-            concrete = found.version
-            ready = [link for link in self._links if link.ready]
-            best = max(ready, key=lambda link: link.max_batch(name, concrete), default=None)
-            if best is not None and best.max_batch(name, concrete) > found.spec.max_batch_size:
+        """The model version's contract, asked of the engines once (a loaded version's
+        tensors never change while the engine lives; refusals are not kept), and again when
+        an engine has become ready since."""
+        ready = frozenset(i for i, link in enumerate(self._links) if link.ready)
+        cached = self._contracts.get((name, version))
+        if cached is not None and ready <= cached[1]:
+            return cached[0]
+        found = Contract.from_json(await self._value("describe", name=name, version=version))
+        # Engines may have shrunk the version to different max batches: the contract is that
+        # of the one taking the most rows, and a request larger than another's max batch is
+        # routed past that one (``_choose``), not refused.
+        concrete = found.version
+        best = max(
+            (self._links[i] for i in ready),
+            key=lambda link: link.max_batch(name, concrete),
+            default=None,
+        )
+        if best is not None and best.max_batch(name, concrete) > found.spec.max_batch_size:
+            try:
                 reply, _ = await self._call(
                     best, {"op": "describe", "name": name, "version": concrete}
                 )
                 found = Contract.from_json(reply["value"])
-            self._contracts[(name, version)] = found
+            except StokerError:  # gone meanwhile: the first answer holds, not kept
+                return found
+        self._contracts[(name, version)] = (found, ready)
         return found
 
     def _count_failure(self, contract: Contract, reason: str, seconds: float) -> None:

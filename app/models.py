@@ -34,6 +34,7 @@ from app.settings import Settings
 from engines import backends
 from engines.backends.onnxruntime import read_spec
 from engines.base import Engine, EngineOptions
+from engines.devices.options import GPU_BACKENDS
 from engines.precision.build import (
     BuildPlan,
     Cancelled,
@@ -45,7 +46,6 @@ from engines.spec import ModelSpec
 from engines.store import EngineStore
 
 log = logging.getLogger(__name__)
-GPU_BACKENDS = ("torch", "tensorrt")
 
 
 # -- a model's contract -------------------------------------------------------------------

@@ -154,11 +154,15 @@ class ModelConfig(BaseModel):
         return self
 
     def runner_count(self, backend: str) -> int:
-        """The runners ``backend`` (a resolved name) runs this model with."""
+        """The runners ``backend`` (a resolved name, not ``auto``) runs this model with."""
+        if backend == "auto":
+            raise ValueError("runner_count takes a resolved backend, not 'auto'")
         if self.runners is not None:
             return self.runners
-        if backend in GPU_BACKENDS:
+        if backend == "torch":  # its runners go round-robin over the model's GPUs
             return RUNNERS_PER_GPU * max(1, len(self.gpus))
+        if backend in GPU_BACKENDS:  # TensorRT: every context on one GPU
+            return RUNNERS_PER_GPU
         return 1
 
 

@@ -1,7 +1,9 @@
-"""``stoker accuracy --gpu``: each precision as the torch backend serves it on GPU 0.
+"""``stoker accuracy --gpu``: each precision on GPU 0 through the torch backend.
 
 Per precision (fp32 and fp16: the variants the server builds; bf16: torch's cast of the FP32
-graph, as ``TorchOptions(precision="bf16")`` gives it): agreement with ONNX Runtime's FP32 on
+graph, as ``TorchOptions(precision="bf16")`` gives it, not a precision the server serves),
+one runner with FP32 input and the report's batch sizes as its buckets, compiled afresh (no
+engine store): agreement with ONNX Runtime's FP32 on
 the same photos, top-1/top-5 where the file names carry labels, img/s of one runner at each
 batch size, the median batch-1 latency, and the GPU memory of the weights and of one runner
 (its buffers and CUDA graphs), compiled as the model's ``gpu:`` section says.

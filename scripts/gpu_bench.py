@@ -194,9 +194,9 @@ def bench_model(name: str, path: Path, seconds: float) -> None:
 
 
 def bench_as_served(name: str, path: Path, max_batch: int, rows: int, seconds: float) -> None:
-    """The engine exactly as ``stoker serve`` loads it (registry loader: the graph's own
-    precision, FP32 input, default buckets), two runners at ``rows``: the raw runner that
-    the service over HTTP is divided by."""
+    """The engine as ``stoker serve`` loads it (registry loader: the graph's own precision,
+    FP32 input, default buckets, compiled as the default says, with no engine store), two
+    runners at ``rows``."""
     from engines import backends
 
     print(f"== {name} as served (registry loader), batch {rows}", flush=True)

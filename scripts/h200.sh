@@ -107,9 +107,10 @@ bench() {
 
 if has http; then
     echo "== service over HTTP (stoker bench)"
-    bench 100 http_resnet50_rows32 --serve --model resnet50 --rows 32 --concurrency 8,16,32
-    bench 90 http_effnet_rows32 --serve --model efficientnet_lite0 --rows 32 --concurrency 8,16,32
-    bench 110 http_effnet_b1_c256 --serve --naive --model efficientnet_lite0 --rows 1 \
+    # Each --serve starts a server that compiles its buckets (gpu.compile default): minutes.
+    bench 240 http_resnet50_rows32 --serve --model resnet50 --rows 32 --concurrency 8,16,32
+    bench 240 http_effnet_rows32 --serve --model efficientnet_lite0 --rows 32 --concurrency 8,16,32
+    bench 240 http_effnet_b1_c256 --serve --naive --model efficientnet_lite0 --rows 1 \
         --concurrency 256 --duration 5 --warmup 2
 fi
 

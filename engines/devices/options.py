@@ -13,7 +13,8 @@ GPU_BACKENDS = ("torch", "tensorrt")
 """The backends whose runners run on a GPU."""
 RUNNERS_PER_GPU = 4
 """Runners a GPU backend gets per GPU when the model config leaves ``runners`` unset: the
-count measured best on the H200 (BENCHMARKS.md, "Runners per GPU")."""
+count that made the most images/s on the H200, measured with the torch backend compiled
+(BENCHMARKS.md, "Runners per GPU")."""
 
 
 class GpuOptions(BaseModel):
@@ -22,14 +23,15 @@ class GpuOptions(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid", frozen=True)
 
     compile: CompileMode = "default"
-    """torch backend: ``default`` (the default) compiles the converted graph with ``torch.compile``
-    (Inductor's fused Triton kernels, cuDNN's convolutions) before each batch size's CUDA
-    graph is captured; ``max-autotune`` also times Triton's convolution and matmul templates
-    against cuDNN's and keeps the fastest (a much longer first build). What is compiled is
-    kept in the engine store, keyed by GPU, versions and batch sizes, so a restart loads it
-    instead of compiling again: the first start on a GPU takes about 10 s per batch size and
-precision (logged as it goes), a restart a few. ``none`` captures the converted graph as it
-is: a start in seconds, about half the images/s (BENCHMARKS.md, "Compiled")."""
+    """torch backend: ``default`` (the default) compiles the converted graph with
+    ``torch.compile`` (Inductor's fused Triton kernels, cuDNN's convolutions) before each
+    batch size's CUDA graph is captured; ``max-autotune`` also times Triton's convolution and
+    matmul templates against cuDNN's and keeps the fastest (a much longer first build). What
+    is compiled is kept in the engine store, keyed by GPU, versions and batch sizes, so a
+    restart loads it instead of compiling again: the first start on a GPU takes about 10 s
+    per batch size and precision (logged as it goes), a restart a few. ``none`` captures the
+    converted graph as it is: a start in seconds, about half the images/s (BENCHMARKS.md,
+    "Compiled")."""
     memory_fraction: float = Field(default=1.0, gt=0, le=1)
     """The share of each GPU's memory the engine process's allocator may hold (weights,
     every runner's buffers and CUDA graphs, its cache): torch caps it per process, so with

@@ -17,6 +17,7 @@ from PIL import Image
 
 torch = pytest.importorskip("torch", reason="the GPU tests need torch")
 
+from engines.devices.options import GpuOptions  # noqa: E402
 from engines.preprocess import ImagePreprocess, preprocess  # noqa: E402
 from tests.conftest import configure, sample_jpegs  # noqa: E402
 from tests.integration.conftest import (  # noqa: E402
@@ -139,7 +140,10 @@ def test_runners_are_spread_over_two_gpus(efficientnet_dir: Path) -> None:
 
     path = efficientnet_dir / "model.onnx"
     spec = read_spec(path, "efficientnet_lite0", 8)
-    engine = load(path, spec, EngineOptions(runners=4, devices=(0, 1), image=ImagePreprocess()))
+    options = EngineOptions(
+        runners=4, devices=(0, 1), image=ImagePreprocess(), gpu=GpuOptions(compile="none")
+    )  # placement is the point; the compiled engine has its tests in test_torch_backend.py
+    engine = load(path, spec, options)
     runners = [engine.new_runner() for _ in range(4)]
     assert [r.device for r in runners] == [0, 1, 0, 1]
     pixels = np.random.default_rng(5).integers(0, 256, (3, 3, 224, 224), dtype=np.uint8)

@@ -380,8 +380,8 @@ class TorchEngine:
             runner.close()
         fits = f"the largest that fits is {largest}" if largest else "not even a batch of 1 fits"
         raise ModelDoesNotFit(
-            f"{where}; {fits}: lower max_batch_size, raise gpu.memory_fraction or set "
-            "gpu.on_out_of_memory: shrink"
+            f"{where}; {fits}: lower max_batch_size or runners, raise gpu.memory_fraction "
+            "or set gpu.on_out_of_memory: shrink"
         )
 
     def close(self) -> None:

@@ -19,10 +19,12 @@ import yaml
 
 from app.dataplane import Contract, DataPlane, decode_infer
 from app.engine_process import EngineServer
+from app.errors import Unavailable
 from app.frontend import (
     ENGINE_REGIONS,
     PAGE,
     Arena,
+    EngineLink,
     ForwardToEngine,
     RemotePlane,
     place_inputs,
@@ -429,12 +431,10 @@ def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) ->
         front.arena.close()
 
 
-def test_a_request_larger_than_one_engines_max_batch_goes_to_one_that_takes_it(
-    tmp_path: Path,
-) -> None:
-    """Two GPUs with different memory shrank a version to different max batches
-    (``gpu.on_out_of_memory: shrink``): a request of more rows than the smaller takes goes
-    to the larger, however busy; one both take goes by load; each engine says its max."""
+def shrunk_engines(tmp_path: Path) -> tuple[RemotePlane, EngineLink, EngineLink]:
+    """A front end before two engines that shrank version fp16 of model m to different max
+    batches (GPUs of different memory, ``gpu.on_out_of_memory: shrink``): 64 on the idle
+    one, 256 on the busy one. Each answers ``describe`` with its own contract."""
 
     class Open:
         def is_closing(self) -> bool:
@@ -446,11 +446,57 @@ def test_a_request_larger_than_one_engines_max_batch_goes_to_one_that_takes_it(
         link.writer = Open()  # type: ignore[assignment]
         link.state = {"alive": True, "ready": True, "queued": queued,
                       "serving": [["m", "fp16", most]]}  # fmt: skip
+
+    async def describe(link: EngineLink, header: dict[str, Any], payload: bytes = b"") -> Any:
+        assert header["op"] == "describe"
+        most = link.max_batch("m", "fp16")
+        contract = Contract("m", "fp16", ModelSpec("m", SPEC.inputs, SPEC.outputs, most), None, 1)
+        return {"value": contract.as_json()}, b""
+
+    front._call = describe  # type: ignore[method-assign]
+    return front, small, large
+
+
+def test_a_request_larger_than_one_engines_max_batch_goes_to_one_that_takes_it(
+    tmp_path: Path,
+) -> None:
+    """A request of more rows than the smaller engine takes goes to the larger, however
+    busy; one both take goes by load; with the larger one down it is a 503 to retry, not
+    the smaller one's 400; each engine says its max."""
+    front, small, large = shrunk_engines(tmp_path)
     try:
         assert front._choose("m", "fp16", rows=200) is large
         assert front._choose("m", "fp16", rows=64) is small
         assert front._choose("m", None, rows=65) is large
         assert (small.max_batch("m", "fp16"), large.max_batch("m", "fp16")) == (64, 256)
         assert small.max_batch("m", "int8") == 0
+        large.state["ready"] = False
+        with pytest.raises(Unavailable, match="no engine that takes 200 rows of m"):
+            front._choose("m", "fp16", rows=200)
+        assert front._choose("m", "fp16", rows=64) is small
+    finally:
+        front.arena.close()
+
+
+def test_the_contract_is_the_largest_engines_and_is_asked_again_when_one_comes_back(
+    tmp_path: Path,
+) -> None:
+    """The contract a front end decodes with (its max batch bounds a request's rows) is that
+    of the engine taking the most rows, even when the idle, smaller one answers first; asked
+    while only the smaller is ready, it is asked again once the larger is back."""
+    front, _, large = shrunk_engines(tmp_path)
+
+    async def max_batch(version: str | None) -> int:
+        return (await front._contract("m", version)).spec.max_batch_size
+
+    try:
+        assert asyncio.run(max_batch("fp16")) == 256
+        assert asyncio.run(max_batch(None)) == 256  # the default version, the same rule
+        large.state["ready"] = False
+        front._contracts.clear()
+        assert asyncio.run(max_batch("fp16")) == 64
+        assert asyncio.run(max_batch("fp16")) == 64  # kept while the larger is down
+        large.state["ready"] = True
+        assert asyncio.run(max_batch("fp16")) == 256
     finally:
         front.arena.close()

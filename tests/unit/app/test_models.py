@@ -98,14 +98,18 @@ def test_engine_options_carry_gpus_batch_sizes_and_preprocessing() -> None:
 
 
 def test_unset_runners_are_one_on_the_cpu_and_some_per_gpu_on_a_gpu_backend() -> None:
-    """``runners`` left out: ONNX Runtime gets one runner with every core; a GPU backend gets
-    ``RUNNERS_PER_GPU`` on each of its GPUs; a configured count is taken as it is."""
+    """``runners`` left out: ONNX Runtime gets one runner with every core; the torch backend
+    ``RUNNERS_PER_GPU`` on each of the model's GPUs; TensorRT, whose contexts all run on one
+    GPU, ``RUNNERS_PER_GPU``; a configured count is taken as it is."""
     unset, two_gpus = entry(), entry(gpus=[0, 1])
     assert models.engine_options(unset, SPEC, "onnxruntime").runners == 1
     assert models.engine_options(unset, SPEC, "torch").runners == RUNNERS_PER_GPU
-    assert models.engine_options(two_gpus, SPEC, "tensorrt").runners == 2 * RUNNERS_PER_GPU
+    assert models.engine_options(two_gpus, SPEC, "torch").runners == 2 * RUNNERS_PER_GPU
+    assert models.engine_options(two_gpus, SPEC, "tensorrt").runners == RUNNERS_PER_GPU
     assert models.engine_options(entry(runners=3), SPEC, "torch").runners == 3
     assert models.engine_options(entry(runners=3), SPEC, "onnxruntime").runners == 3
+    with pytest.raises(ValueError, match="resolved backend"):
+        unset.config.runner_count("auto")
 
 
 # -- a model's contract -------------------------------------------------------------------

@@ -66,10 +66,11 @@ def test_accuracy_report_compares_precisions_and_calibrators(
     assert 10 < model_mb < 40 and resident >= 0.5 * model_mb
     int8 = rows[1].split("|")
     assert float(int8[columns.index("model MB")]) < 0.5 * model_mb
-    # One run at batch 1 is a positive time, and the same rounds' rate: ms = 1000 / img/s.
-    latency = float(fp32[columns.index("ms@1 (mean)")])
+    # Timed on their own, batch-1 runs take about what the batch-1 rate says: within a
+    # factor of three either way (a busy machine slows one measure more than the other).
+    latency = float(fp32[columns.index("ms@1 (median)")])
     speed = float(fp32[columns.index("img/s@1")])
-    assert latency > 0 and latency == pytest.approx(1000 / speed, rel=0.02, abs=0.01)
+    assert 1000 / speed / 3 < latency < 3 * 1000 / speed
     assert (out / "accuracy.png").stat().st_size > 10_000
     assert "img/s at batch 1: round 5/5" in capsys.readouterr().out
 
