@@ -500,3 +500,44 @@ def test_the_contract_is_the_largest_engines_and_is_asked_again_when_one_comes_b
         assert asyncio.run(max_batch("fp16")) == 256
     finally:
         front.arena.close()
+
+
+def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> None:
+    """Requests of one loop turn that share a batch gather into frames of at most the chosen
+    engine's max batch (64 on the smaller engine), not the contract's (256, the larger
+    engine's): three requests of 40 rows to the idle, smaller engine cross as frames of 40
+    rows each, every row answered."""
+    front, small, large = shrunk_engines(tmp_path)
+    sent: list[tuple[EngineLink, int]] = []
+
+    def capture(link: EngineLink) -> Any:
+        def request(header: dict[str, Any], payload: bytes = b"", future: Any = None) -> int:
+            sent.append((link, sum(item["rows"] for item in header["items"])))
+            future.set_result(({"items": [{"rows": i["rows"]} for i in header["items"]]}, b""))
+            return len(sent)
+
+        return request
+
+    for link in (small, large):
+        link.request = capture(link)  # type: ignore[method-assign]
+    contract = Contract("m", "fp16", ModelSpec("m", SPEC.inputs, SPEC.outputs, 256), None, 1)
+    shared = {"name": "m", "version": "fp16", "timeout_us": 0, "priority": 0, "client": "c"}
+
+    async def three() -> list[Any]:
+        def item() -> dict[str, Any]:
+            return {"rows": 40, "inputs": [["a", "FP32", [40, 4], 0, 640]]}
+
+        return list(
+            await asyncio.gather(
+                *(front._gathered(contract, dict(shared), item(), b"", None) for _ in range(3))
+            )
+        )
+
+    try:
+        answers = asyncio.run(three())
+        assert [part["rows"] for part, _, _ in answers] == [40, 40, 40]
+        assert sent and all(rows <= 64 for _, rows in sent)
+        assert sum(rows for _, rows in sent) == 120
+        assert {link for link, _ in sent} == {small}
+    finally:
+        front.arena.close()
