@@ -2,11 +2,11 @@
 
 Per precision (fp32 and fp16: the variants the server builds; bf16: torch's cast of the FP32
 graph, as ``TorchOptions(precision="bf16")`` gives it, not a precision the server serves),
-one runner with FP32 input and the report's batch sizes as its buckets, compiled afresh (no
-engine store): agreement with ONNX Runtime's FP32 on
-the same photos, top-1/top-5 where the file names carry labels, img/s of one runner at each
-batch size, the median batch-1 latency, and the GPU memory of the weights and of one runner
-(its buffers and CUDA graphs), compiled as the model's ``gpu:`` section says.
+one runner with FP32 input and the report's batch sizes as its buckets, compiled as the
+model's ``gpu:`` section says, afresh (no engine store): agreement with ONNX Runtime's FP32
+on the same photos, top-1/top-5 where the file names carry labels, img/s of the runner at
+each batch size, the median batch-1 latency, and the GPU memory of the weights and of the
+runner (its buffers and CUDA graphs).
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def rows_on_gpu(
     if "fp16" in variants:
         plan.append(("fp16", variants["fp16"], None))
     plan.append(("bf16", variants["fp32"], "bf16"))
-    labelled = labels >= 0
     results = []
     for name, path, cast in plan:
         print(f"GPU {name}: loading (gpu.compile {gpu.compile}, buckets {list(buckets)})")
@@ -65,12 +64,8 @@ def rows_on_gpu(
             )
             result: dict[str, Any] = {
                 "precision": name,
-                "top1_agreement": accuracy.top1_agreement(reference, logits),
-                "mean_kl": accuracy.mean_kl(reference, logits),
+                **accuracy.scores(reference, logits, labels),
             }
-            if labelled.any():
-                result["top1"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 1)
-                result["top5"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 5)
             for batch in batches:
                 result[f"img/s@{batch}"] = rate(runner, input_name, data[0], batch)
             result["ms@1 (median)"] = latency_ms(runner, input_name, data[0])

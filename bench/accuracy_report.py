@@ -243,14 +243,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         logits = accuracy.run_onnx(path, data, plan.input_name, threads=os.cpu_count() or 1)
         if reference is None:
             reference = logits
-        result: dict[str, Any] = {
-            "precision": name,
-            "top1_agreement": accuracy.top1_agreement(reference, logits),
-            "mean_kl": accuracy.mean_kl(reference, logits),
-        }
-        if labelled.any():
-            result["top1"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 1)
-            result["top5"] = accuracy.topk_accuracy(logits[labelled], labels[labelled], 5)
+        result: dict[str, Any] = {"precision": name, **accuracy.scores(reference, logits, labels)}
         result["gate"] = gate_verdict(plan, precision, build_report)
         results.append(result)
         paths[name] = path

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import zoo
-from bench import payloads
+from bench import accuracy_gpu, payloads
 from engines.backends.onnxruntime import read_spec
 from engines.backends.torch.engine import TorchEngine, TorchOptions, TorchRunner
 from engines.base import EngineOptions
@@ -141,14 +141,8 @@ def runner_rate(runners: list[TorchRunner], batches: list[np.ndarray], seconds: 
 
 
 def latency_ms(runner: TorchRunner, batch: np.ndarray, count: int = 200) -> float:
-    for _ in range(10):
-        runner.run({"input": batch})
-    times = []
-    for _ in range(count):
-        t0 = time.perf_counter()
-        runner.run({"input": batch})
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
+    """The median ms of ``runner.run`` on a batch of one row."""
+    return accuracy_gpu.latency_ms(runner, "input", batch[0], count)
 
 
 def model_path(name: str, root: Path) -> Path:

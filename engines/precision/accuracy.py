@@ -77,6 +77,21 @@ def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
     return float((top == labels[:, None]).any(axis=-1).mean())
 
 
+def scores(reference: np.ndarray, logits: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """A variant's row of a precision report: top-1 agreement and mean KL against the
+    reference logits, and top-1/top-5 on the rows whose label is known (``labels`` >= 0;
+    left out when none is)."""
+    found: dict[str, float] = {
+        "top1_agreement": top1_agreement(reference, logits),
+        "mean_kl": mean_kl(reference, logits),
+    }
+    labelled = labels >= 0
+    if labelled.any():
+        found["top1"] = topk_accuracy(logits[labelled], labels[labelled], 1)
+        found["top5"] = topk_accuracy(logits[labelled], labels[labelled], 5)
+    return found
+
+
 @cache
 def _imagenet_1k_index() -> dict[str, int]:
     try:
