@@ -3,7 +3,7 @@ socket.
 
 A frame is two big-endian 32-bit lengths, a JSON header (orjson) and an optional payload of
 raw bytes. Descriptors travel in the header; tensor and image bytes travel in a front end's
-shared-memory arena (``app.frontend``) and only when they do not fit there, in the payload.
+shared-memory arena (``app.frontend.remote``) and only when they do not fit there, in the payload.
 Nothing is ever pickled. Requests carry an ``id``; the engine answers every request once,
 cancelled ones included, so the front end knows when a slot is free again.
 """

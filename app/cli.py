@@ -96,15 +96,15 @@ def serve(settings: Settings) -> int:
         log.info("settings: %s", json.dumps(settings.loggable()))
         return serve_processes(settings)
     from app.processes import run_server
-    from app.server import create_app
+    from app.frontend.server import create_app
 
     log.info("settings: %s", json.dumps(settings.loggable()))
     return run_server(settings, lambda on_fatal: create_app(settings, on_fatal=on_fatal))
 
 
 def prepare(settings: Settings) -> int:
-    from app.models import prepare as prepare_model
-    from app.repository import discover
+    from app.engine.models import prepare as prepare_model
+    from app.engine.repository import discover
 
     for entry in discover(settings.models.repository, settings.models.models):
         if entry.onnx_path.exists():
@@ -122,8 +122,8 @@ def prepare(settings: Settings) -> int:
 def build_engines(settings: Settings) -> int:
     """What startup does before serving, ahead of time: every precision of every model is
     built (or found) in the engine store, with progress in the log."""
-    from app import models
-    from app.repository import discover
+    from app.engine import models
+    from app.engine.repository import discover
     from engines import backends
     from engines.precision.build import AccuracyBudgetExceeded
     from engines.store import EngineStore
@@ -166,8 +166,8 @@ def build_engines(settings: Settings) -> int:
 def list_models(settings: Settings) -> int:
     """The repository's models, and per precision what the engine store holds for this CPU:
     built, refused (and why: such a version answers 503 when served) or not built yet."""
-    from app.models import model_spec
-    from app.repository import discover
+    from app.engine.models import model_spec
+    from app.engine.repository import discover
     from engines import backends
     from engines.precision.build import variant_state
     from engines.store import EngineStore
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(arguments[1:])
     args = parse_args(argv)
-    from app.repository import ConfigError
+    from app.engine.repository import ConfigError
 
     try:
         settings = build_settings(args)

@@ -1,7 +1,7 @@
 """One error family; each member carries its HTTP status and a failure reason for metrics.
 
 Routes never build error responses themselves: they raise, and the single handler in
-``app.server`` turns any ``StokerError`` into ``{"error": message}`` with its status.
+``app.frontend.server`` turns any ``StokerError`` into ``{"error": message}`` with its status.
 """
 
 from __future__ import annotations

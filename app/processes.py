@@ -2,9 +2,9 @@
 
 With ``server.front_ends`` = 1 the one process serves HTTP and runs the models (``run_server``
 with a ``DataPlane``). With N > 1 (or several ``server.engine_gpus``), this process becomes a
-supervisor: it binds the port once, spawns the engine process (``app.engine_process``; one per
+supervisor: it binds the port once, spawns the engine process (``app.engine.process``; one per
 GPU of ``server.engine_gpus``) and N front-end processes that accept on that one socket
-(``app.frontend``), and restarts a front end that dies. With one engine, it stops everything
+(``app.frontend.remote``), and restarts a front end that dies. With one engine, it stops everything
 (exit 1) if the engine dies, which the orchestrator then restarts; with several, it restarts
 the one that died while the others serve. SIGTERM drains every process: the front ends stop
 taking requests and wait for theirs, the engines answer what they accepted within
@@ -32,7 +32,7 @@ from types import FrameType
 
 from fastapi import FastAPI
 
-from app.http_limits import guarded
+from app.frontend.http_limits import guarded
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,8 @@ def front_end_main(
     """A front-end process: the routes over a ``RemotePlane`` (``controls``: each engine's
     label and control socket), on the shared listener."""
     supervised()
-    from app.frontend import RemotePlane
-    from app.server import create_app
+    from app.frontend.remote import RemotePlane
+    from app.frontend.server import create_app
 
     logging.basicConfig(
         level=settings.server.log_level.upper(),
@@ -194,7 +194,7 @@ def bind(settings: Settings) -> socket.socket:
 
 def serve_processes(settings: Settings) -> int:
     """Supervise the engine processes and ``server.front_ends`` front ends on one port."""
-    from app import engine_process
+    from app.engine import process as engine_process
 
     context = multiprocessing.get_context("spawn")
     listener = bind(settings)

@@ -150,7 +150,7 @@ class RequestedOutput:
 
 
 class Regions(Protocol):
-    """Registered shared-memory regions (``app.shared_memory.SharedRegions``)."""
+    """Registered shared-memory regions (``app.engine.shared_memory.SharedRegions``)."""
 
     def view(self, name: str, offset: int, size: int, what: str) -> memoryview: ...
 
@@ -310,7 +310,7 @@ def encode_response(
 def pack_tensor(name: str, array: Array) -> tuple[str, bytes | memoryview]:
     """An array's V2 datatype and its bytes as V2 binary data (little-endian; BYTES elements
     length-prefixed): zero-copy for a contiguous little-endian array. ``unpack_tensor``
-    reverses it. How tensors cross between processes (``app.engine_process``)."""
+    reverses it. How tensors cross between processes (``app.engine.process``)."""
     datatype = _output_datatype(name, array)
     return datatype, _binary_chunk(name, array, datatype)
 

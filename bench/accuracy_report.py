@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from app import models
-from app.repository import discover
+from app.engine import models
+from app.engine.repository import discover
 from app.settings import Settings
 from bench import accuracy_gpu
 from engines import backends

@@ -159,7 +159,7 @@ def fetch_json(url: str) -> Any:
 
 def configured_preprocess(repository: Path, model: str, datatype: str) -> ImagePreprocess | None:
     """The model's own preprocessing when its config is in the local repository."""
-    from app.repository import ConfigError, load_config
+    from app.engine.repository import ConfigError, load_config
 
     folder = repository / model
     if not (folder / "config.yaml").is_file():
@@ -172,8 +172,8 @@ def configured_preprocess(repository: Path, model: str, datatype: str) -> ImageP
 
 
 def in_process_inputs(repository: Path, model: str) -> ModelInputs:
-    from app import models
-    from app.repository import discover
+    from app.engine import models
+    from app.engine.repository import discover
 
     spec = models.source(discover(repository, [model])[0]).spec
     return ModelInputs(spec.name, spec.inputs, spec.batched)

@@ -36,7 +36,7 @@ from bench.payloads import Payload
 from bench.scrape import ServerStats, step_stats
 
 if TYPE_CHECKING:
-    from app.models import LoadedModel
+    from app.engine.models import LoadedModel
 
 Mode = Literal["closed", "open"]
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p99": 99.0, "p99.9": 99.9}
@@ -250,9 +250,9 @@ class InProcessClient:
 
     @classmethod
     async def load(cls, target: InProcessTarget, payloads: list[Payload]) -> InProcessClient:
-        from app import models
-        from app.dataplane import batch_key, validate_inputs
-        from app.repository import discover
+        from app.engine import models
+        from app.frontend.plane import batch_key, validate_inputs
+        from app.engine.repository import discover
         from app.settings import Settings
         from engines import backends
         from engines.store import EngineStore

@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
-from app import models
-from app.dataplane import requested_outputs, validate_inputs
+from app.engine import models
+from app.frontend.plane import requested_outputs, validate_inputs
 from app.errors import BadRequest, NotFound, StokerError
-from app.handlers import Handler, check_uploads, handler_for
+from app.engine.handlers import Handler, check_uploads, handler_for
 from app.metrics import ModelMetrics
 from app.protocol import classify, decode_request, encode_response
-from app.repository import discover
-from app.routes import header_length, json_response, uploaded_images
+from app.engine.repository import discover
+from app.frontend.routes import header_length, json_response, uploaded_images
 from app.settings import Settings
 from engines import backends
 from engines.base import Runner
@@ -53,7 +53,7 @@ class Model:
 
 
 def load(repository: Path, name: str, backend: str | None) -> Model:
-    """The model as Stoker loads it (``app.models``), with one runner and no batcher."""
+    """The model as Stoker loads it (``app.engine.models``), with one runner and no batcher."""
     settings = Settings()
     entry = discover(repository, [name])[0]
     model = models.source(entry)

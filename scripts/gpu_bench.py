@@ -426,10 +426,10 @@ def pool_latencies(
 ) -> tuple[float, float, float]:
     """Images/s through the batcher and pool as ``pool_rate`` measures it, with the median
     and p99 of the requests' own latency (ms) in the median window."""
-    from app.batcher import Batcher
+    from app.engine.batcher import Batcher
     from app.metrics import ModelMetrics
-    from app.pool import RunnerPool
-    from app.repository import DynamicBatching
+    from app.engine.pool import RunnerPool
+    from app.engine.repository import DynamicBatching
 
     engine = runners[0].engine
     batches = pixels(rows)

@@ -162,10 +162,10 @@ def test_unsupported_op_is_named(tmp_path: Path) -> None:
 def test_pool_and_batcher_drive_torch_runners(efficientnet_onnx: Path) -> None:
     """Concurrent requests through the real batcher and two GPU runners: every request gets
     its own rows back, batches form, and the results match the CPU reference."""
-    from app.batcher import Batcher
+    from app.engine.batcher import Batcher
     from app.metrics import ModelMetrics
-    from app.pool import RunnerPool
-    from app.repository import DynamicBatching
+    from app.engine.pool import RunnerPool
+    from app.engine.repository import DynamicBatching
 
     torch_engine = engine(efficientnet_onnx, precision="fp32")
     requests = [normalized(images(1 + i % 3)) for i in range(24)]

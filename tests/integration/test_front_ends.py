@@ -74,7 +74,7 @@ def front_ends(
 def coffee(efficientnet_dir: Path, coffee_jpeg: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The coffee photo as UINT8 pixels and as normalised FP32 rows, and ONNX Runtime's
     logits for it: what every answer about it is checked against."""
-    from app.images import decode
+    from app.engine.images import decode
 
     pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
     floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 
-from app.server import create_app
+from app.frontend.server import create_app
 from app.settings import ModelRepositorySettings, Settings, StoreSettings
 from engines import backends
 from engines.backends import onnxruntime

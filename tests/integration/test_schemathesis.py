@@ -27,7 +27,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from app.server import create_app
+from app.frontend.server import create_app
 from app.settings import Settings
 from tests.integration.conftest import Server, start_server, stop_server
 from tests.integration.test_hardening_http import hardening_repository

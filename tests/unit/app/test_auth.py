@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from app.auth import ApiKeys
+from app.frontend.auth import ApiKeys
 from app.settings import Settings
 
 KEYS = ["k-alpha-0123456789", "k-beta-9876543210"]

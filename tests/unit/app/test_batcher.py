@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.batcher import Batcher
+from app.engine.batcher import Batcher
 from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
 from app.metrics import ModelMetrics
-from app.pool import RunnerPool
-from app.repository import DynamicBatching
+from app.engine.pool import RunnerPool
+from app.engine.repository import DynamicBatching
 from engines.spec import ModelSpec, TensorSpec
 
 SPEC = ModelSpec(

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.dataplane import DataPlane, batch_key, validate_inputs
+from app.frontend.plane import DataPlane, batch_key, validate_inputs
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Unavailable
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec

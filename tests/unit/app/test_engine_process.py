@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from app.channel import Sender, receive
-from app.dataplane import DataPlane
-from app.engine_process import EngineServer, visible_device
+from app.frontend.plane import DataPlane
+from app.engine.process import EngineServer, visible_device
 from app.settings import Settings
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 

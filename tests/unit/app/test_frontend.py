@@ -17,10 +17,10 @@ import orjson
 import pytest
 import yaml
 
-from app.dataplane import Contract, DataPlane, decode_infer
-from app.engine_process import EngineServer
+from app.frontend.plane import Contract, DataPlane, decode_infer
+from app.engine.process import EngineServer
 from app.errors import Unavailable
-from app.frontend import (
+from app.frontend.remote import (
     ENGINE_REGIONS,
     PAGE,
     Arena,
@@ -107,7 +107,7 @@ def binary_body(a: np.ndarray, b: np.ndarray) -> tuple[bytes, int]:
 
 
 def engine_reads(described: list[list[object]], source: memoryview) -> dict[str, np.ndarray]:
-    """What the engine rebuilds from the descriptors (``app.engine_process``)."""
+    """What the engine rebuilds from the descriptors (``app.engine.process``)."""
     found = {}
     for name, datatype, shape, at, size in described:
         assert isinstance(at, int) and isinstance(size, int)

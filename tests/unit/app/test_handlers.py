@@ -15,9 +15,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.dataplane import DataPlane
+from app.frontend.plane import DataPlane
 from app.errors import BadRequest
-from app.handlers import HandlerContext, ImageClassifier, handler_for, top_k
+from app.engine.handlers import HandlerContext, ImageClassifier, handler_for, top_k
 from app.metrics import ModelMetrics
 from app.settings import LimitSettings, Settings
 from engines.preprocess import ImagePreprocess

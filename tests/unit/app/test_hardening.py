@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app import images
-from app.batcher import Batcher
+from app.engine import images
+from app.engine.batcher import Batcher
 from app.errors import BadRequest, EngineError, PayloadTooLarge, Unavailable
 from app.metrics import ModelMetrics
-from app.pool import RunnerPool
+from app.engine.pool import RunnerPool
 from app.protocol import decode_request
-from app.repository import ConfigError, DynamicBatching, discover
+from app.engine.repository import ConfigError, DynamicBatching, discover
 from app.settings import LimitSettings
 from engines.base import FatalEngineError
 from engines.spec import ModelSpec, TensorSpec

@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from app.errors import BadRequest, PayloadTooLarge
-from app.images import DecodeQueue, inspect
-from app.repository import ModelConfig, ModelEntry
+from app.engine.images import DecodeQueue, inspect
+from app.engine.repository import ModelConfig, ModelEntry
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import jpeg_bytes
 

@@ -14,9 +14,9 @@ import onnx
 import pytest
 import yaml
 
-from app import models
-from app.models import InputPolicy
-from app.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
+from app.engine import models
+from app.engine.models import InputPolicy
+from app.engine.repository import DynamicBatching, ModelConfig, ModelEntry, load_config
 from app.settings import Settings
 from engines.base import Engine, EngineOptions, Runner
 from engines.devices.options import RUNNERS_PER_GPU, GpuOptions

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from app.pool import RunnerPool, warmup_inputs
+from app.engine.pool import RunnerPool, warmup_inputs
 from engines.backends import onnxruntime
 from engines.base import EngineOptions, Runner
 from engines.spec import ModelSpec, TensorSpec

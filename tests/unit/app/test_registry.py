@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from app.errors import NotFound, Unavailable
-from app.registry import Registry
+from app.engine.registry import Registry
 from tests.unit.app.test_models import settings_for, write_tiny
 
 

@@ -25,7 +25,7 @@ def test_a_declared_body_is_read_exactly_or_refused(
 ) -> None:
     from starlette.requests import Request
 
-    from app.routes import read_body
+    from app.frontend.routes import read_body
 
     headers = [] if declared is None else [(b"content-length", str(declared).encode())]
     messages = [
@@ -55,7 +55,7 @@ def test_a_body_buffer_follows_what_arrives_not_what_is_declared() -> None:
 
     from starlette.requests import ClientDisconnect, Request
 
-    from app.routes import UPFRONT_BODY_BYTES, read_body
+    from app.frontend.routes import UPFRONT_BODY_BYTES, read_body
 
     def reader(declared: int, messages: list[dict[str, object]]) -> Request:
         async def receive() -> dict[str, object]:

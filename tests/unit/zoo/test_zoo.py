@@ -17,7 +17,7 @@ from PIL import Image
 from skimage import data
 
 import zoo
-from app import images
+from app.engine import images
 from engines.preprocess import ImagePreprocess, preprocess
 from zoo import resnet50
 from zoo.checkpoint import UnsafePickleError, load_torch_checkpoint

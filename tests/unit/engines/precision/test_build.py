@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
-from app.models import model_spec
-from app.repository import ModelEntry, load_config
+from app.engine.models import model_spec
+from app.engine.repository import ModelEntry, load_config
 from engines.precision import build, calibration
 from engines.precision.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
 from engines.precision.options import Budget

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from app import images
+from app.engine import images
 from app.errors import BadRequest
 from app.metrics import ModelMetrics
 from app.settings import LimitSettings

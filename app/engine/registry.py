@@ -1,6 +1,6 @@
 """The registry: every configured model, its loaded versions, and the versions refused.
 
-It loads them all through ``app.models`` at startup, records a version that misses its
+It loads them all through ``app.engine.models`` at startup, records a version that misses its
 accuracy budget or fails to load (with the reason its 503s give), answers which version
 serves a request, says what is ready, and closes everything in reverse order of loading.
 """
@@ -13,8 +13,8 @@ import threading
 
 from app.errors import NotFound, Unavailable, client_text
 from app.metrics import model_unavailable
-from app.models import LoadedModel, load, source
-from app.repository import ModelEntry, discover
+from app.engine.models import LoadedModel, load, source
+from app.engine.repository import ModelEntry, discover
 from app.settings import Settings
 from engines import backends
 from engines.base import FatalEngineError

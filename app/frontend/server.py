@@ -16,8 +16,8 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.auth import ApiKeys
-from app.dataplane import DataPlane, Plane
+from app.frontend.auth import ApiKeys
+from app.frontend.plane import DataPlane, Plane
 from app.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -27,7 +27,7 @@ from app.errors import (
     client_text,
 )
 from app.metrics import http_refused
-from app.routes import infer_response, json_response, router
+from app.frontend.routes import infer_response, json_response, router
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ import numpy as np
 import orjson
 
 from app.channel import ChannelClosed, Sender, receive
-from app.dataplane import (
+from app.frontend.plane import (
     THREADED_DECODE_BYTES,
     Answer,
     Contract,
@@ -333,7 +333,7 @@ class Gathering:
 
 
 class RemotePlane(PlaneState):
-    """The ``Plane`` of a front end (see ``app.dataplane.Plane``), in front of one engine
+    """The ``Plane`` of a front end (see ``app.frontend.plane.Plane``), in front of one engine
     process or of one per GPU (``engines``: each one's label and control socket). A request
     goes to the ready engine with the least work ahead of it; an engine that goes away is
     out of that choice until it is back (the supervisor restarts it), while the others

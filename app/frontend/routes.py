@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.dataplane import Plane
+from app.frontend.plane import Plane
 from app.errors import BadRequest
 from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
@@ -294,7 +294,7 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
 
 async def infer_response(request: Request, name: str, version: str | None) -> Response:
     """A V2 inference request's response (raises ``StokerError`` for the error answers):
-    the route's work, which ``app.server.InferFastPath`` calls without FastAPI's routing."""
+    the route's work, which ``app.frontend.server.InferFastPath`` calls without FastAPI's routing."""
     plane = plane_of(request)
     await plane.check(name, version)  # 404 or 503 before the body is read
     length = header_length(request)

@@ -123,7 +123,7 @@ class ModelConfig(BaseModel):
     postprocess: Literal["softmax", "none"] = "softmax"
     """How the image classifier turns the first output into probabilities."""
     handler: str | None = None
-    """What ``POST /infer`` does with uploads (``app.handlers``): ``image-classifier``,
+    """What ``POST /infer`` does with uploads (``app.engine.handlers``): ``image-classifier``,
     ``none`` (V2 tensors only) or ``package.module:Class``; unset: the image classifier when
     ``preprocess`` is given, else none."""
 

@@ -25,8 +25,8 @@ import numpy as np
 
 from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Unavailable
 from app.metrics import BatchTimes, ModelMetrics
-from app.pool import RunnerPool
-from app.repository import DynamicBatching
+from app.engine.pool import RunnerPool
+from app.engine.repository import DynamicBatching
 from engines.base import BlockRunner, FatalEngineError, Runner, out_of_memory
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The engine process: the data plane (registry, batchers, runners) behind a control socket.
 
-Front ends (``app.frontend``) connect over a Unix socket (``app.channel``), say which
+Front ends (``app.frontend.remote``) connect over a Unix socket (``app.channel``), say which
 shared-memory arena they lend bodies in, and send one frame per call. An inference request's
 body is read where the front end wrote it, decoded and run exactly as in one process
 (``DataPlane.infer``), and the encoded answer is written back into the same slot. The engine
@@ -26,12 +26,12 @@ from typing import Any
 import orjson
 
 from app.channel import ChannelClosed, Sender, receive
-from app.dataplane import DataPlane, Part
+from app.frontend.plane import DataPlane, Part
 from app.errors import StokerError
 from app.metrics import http_refused
 from app.protocol import RequestedOutput, pack_tensor, unpack_tensor
 from app.settings import Settings
-from app.shared_memory import SHM_ROOT
+from app.engine.shared_memory import SHM_ROOT
 
 log = logging.getLogger(__name__)
 

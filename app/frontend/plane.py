@@ -2,7 +2,7 @@
 
 Routes parse HTTP and serialise what a method here returns; this module decodes a request,
 validates it against the model, keys it for batching once, runs it through the model's
-batcher and shapes the answer. Models are loaded, served and closed by ``app.models``. It is
+batcher and shapes the answer. Models are loaded, served and closed by ``app.engine.models``. It is
 created in the lifespan (never at import) and lives in ``app.state.plane``.
 """
 
@@ -21,10 +21,10 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 from prometheus_client import generate_latest
 
-from app.batcher import Tensors
+from app.engine.batcher import Tensors
 from app.errors import BadRequest, DeadlineExceeded, StokerError, Unavailable
-from app.handlers import check_uploads
-from app.models import LoadedModel
+from app.engine.handlers import check_uploads
+from app.engine.models import LoadedModel
 from app.protocol import (
     InferRequest,
     Regions,
@@ -33,9 +33,9 @@ from app.protocol import (
     decode_request,
     encode_response,
 )
-from app.registry import Registry
+from app.engine.registry import Registry
 from app.settings import Settings
-from app.shared_memory import SharedRegions
+from app.engine.shared_memory import SharedRegions
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ THREADED_DECODE_BYTES = 256 * 1024
 
 @dataclass
 class Slot:
-    """A lent piece of shared memory a request body is read into (``app.frontend``): at
+    """A lent piece of shared memory a request body is read into (``app.frontend.remote``): at
     ``offset`` in its front end's arena, ``len(view)`` bytes."""
 
     offset: int
@@ -163,7 +163,7 @@ class Part:
 
 class Plane(Protocol):
     """What the routes call: this process's ``DataPlane``, or, in a front-end process, the
-    ``app.frontend.RemotePlane`` that forwards to the engine process."""
+    ``app.frontend.remote.RemotePlane`` that forwards to the engine process."""
 
     draining: bool
     failed: BaseException | None
