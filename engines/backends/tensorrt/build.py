@@ -1,8 +1,8 @@
 """Building a TensorRT plan from a precision variant's ONNX, kept in the engine store.
 
-A precision is a property of the ONNX graph (``engines.build``), so the network is created
-strongly typed: TensorRT runs every tensor in the type the graph gives it (FP16 where the
-variant casts to FP16, INT8 between its symmetric Q/DQ pairs) and needs none of the
+A precision is a property of the ONNX graph (``engines.precision.build``), so the network is
+created strongly typed: TensorRT runs every tensor in the type the graph gives it (FP16 where
+the variant casts to FP16, INT8 between its symmetric Q/DQ pairs) and needs none of the
 precision flags and INT8 calibrators that TensorRT 10.12 deprecated and 11 removed. The
 strongly typed flag is required on 10.x; 11 makes every network strongly typed and still
 accepts the flag, which is passed whenever the installed TensorRT has it.

@@ -1,8 +1,8 @@
 """TensorRT: a strongly typed plan per precision variant, execution contexts on their own
 CUDA streams.
 
-The engine deserializes the plan (built or loaded by ``engines.tensorrt_build``) once per
-model and precision. A runner is one execution context with its own non-blocking CUDA stream,
+The engine deserializes the plan (built or loaded by ``engines.backends.tensorrt.build``) once
+per model and precision. A runner is one execution context with its own non-blocking CUDA stream,
 device buffers sized for the max batch and pinned host staging buffers, all through
 ``engines.devices.cuda``. Per batch it sets every input's shape (``set_input_shape``) and every I/O
 tensor's address (``set_tensor_address``, names from ``num_io_tensors`` /

@@ -1,4 +1,5 @@
-"""The torch runner's host-side staging, on the CPU (the GPU half is in tests/gpu)."""
+"""The torch runner's host-side staging (``staging.staged_copy``), on the CPU (the GPU half is
+in tests/gpu)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch backend is torch code: torch is not installed")
 
-from engines.backends.torch.engine import staged_copy
+from engines.backends.torch.staging import staged_copy
 
 
 @pytest.mark.parametrize(
