@@ -1,20 +1,18 @@
 """The control channel between front ends and the engine process: framed messages on a Unix
 socket.
 
-A frame is two big-endian 32-bit lengths, a JSON header (orjson) and an optional payload of
-raw bytes. Descriptors travel in the header; tensor and image bytes travel in a front end's
-shared-memory arena (``app.frontend.remote``) and only when they do not fit there, in the payload.
-Nothing is ever pickled. Requests carry an ``id``; the engine answers every request once,
-cancelled ones included, so the front end knows when a slot is free again.
+A frame is two big-endian 32-bit lengths, a header (a ``app.wire`` message, JSON-encoded by
+msgspec) and an optional payload of raw bytes. Descriptors travel in the header; tensor and
+image bytes travel in a front end's shared-memory arena (``app.frontend.arena``) and only when
+they do not fit there, in the payload. Nothing is ever pickled. Calls carry a number; the
+engine answers every call once, cancelled ones included, so the front end knows when a slot
+is free again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
-from typing import Any
-
-import orjson
 
 _LENGTHS = struct.Struct("!II")
 # A frame's header is a descriptor, never data: anything larger is a bug or a hostile peer.
@@ -40,11 +38,9 @@ class Sender:
     def is_closing(self) -> bool:
         return self.writer.is_closing()
 
-    def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
-        """Queue one frame; raises what ``orjson.dumps`` raises for a header it cannot
-        encode, and then queues nothing."""
-        encoded = orjson.dumps(header)
-        self._parts.append(_LENGTHS.pack(len(encoded), len(payload)) + encoded)
+    def send(self, header: bytes, payload: bytes = b"") -> None:
+        """Queue one frame: an encoded header (``app.wire``) and its payload."""
+        self._parts.append(_LENGTHS.pack(len(header), len(payload)) + header)
         if payload:
             self._parts.append(payload)
         if not self._scheduled:
@@ -62,16 +58,14 @@ class Sender:
         self.writer.close()
 
 
-async def receive(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes]:
-    """The next frame; ``ChannelClosed`` at the end of the stream."""
+async def receive(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """The next frame's header and payload; ``ChannelClosed`` at the end of the stream."""
     try:
         header_bytes, payload_bytes = _LENGTHS.unpack(await reader.readexactly(_LENGTHS.size))
         if header_bytes > MAX_HEADER_BYTES:
             raise ChannelClosed(f"a {header_bytes}-byte frame header: not a Stoker peer")
-        header = orjson.loads(await reader.readexactly(header_bytes))
+        header = await reader.readexactly(header_bytes)
         payload = await reader.readexactly(payload_bytes) if payload_bytes else b""
     except (asyncio.IncompleteReadError, ConnectionError) as gone:
         raise ChannelClosed(str(gone)) from None
-    if not isinstance(header, dict):
-        raise ChannelClosed("a frame header that is not an object")
     return header, payload

@@ -6,11 +6,11 @@ import argparse
 import json
 import logging
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
-from bench import accuracy_report
 
 log = logging.getLogger("stoker")
 
@@ -54,11 +54,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_repository_options(build)
     build.add_argument("--backend", help="the backend to build for (default: as configured)")
 
-    report = commands.add_parser(
-        "accuracy",
-        help="measure each precision against fp32 on labelled photos (Markdown and PNG)",
-    )
-    accuracy_report.add_arguments(report)
+    accuracy = tool("accuracy")
+    if accuracy is not None:
+        report = commands.add_parser(
+            "accuracy",
+            help="measure each precision against fp32 on labelled photos (Markdown and PNG)",
+        )
+        accuracy.add_arguments(report)
 
     listing = commands.add_parser("models", help="list the repository's models")
     add_repository_options(listing)
@@ -95,8 +97,8 @@ def serve(settings: Settings) -> int:
 
         log.info("settings: %s", json.dumps(settings.loggable()))
         return serve_processes(settings)
-    from app.processes import run_server
     from app.frontend.server import create_app
+    from app.processes import run_server
 
     log.info("settings: %s", json.dumps(settings.loggable()))
     return run_server(settings, lambda on_fatal: create_app(settings, on_fatal=on_fatal))
@@ -190,12 +192,30 @@ def list_models(settings: Settings) -> int:
     return 0
 
 
+def tool(name: str) -> Any:
+    """A tooling command's module, as the tooling registers it (the ``stoker.tools`` entry
+    points: ``bench/`` is tooling, and the service never imports it by name); None where it
+    is not installed."""
+    found = [ep for ep in entry_points(group="stoker.tools") if ep.name == name]
+    return found[0].load() if found else None
+
+
+def tool_module(name: str) -> Any:
+    module = tool(name)
+    if module is None:
+        raise SystemExit(f"stoker: the {name} tool is not installed")
+    return module
+
+
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
     if arguments[:1] == ["bench"]:
-        from bench.cli import main as bench
-
-        return bench(arguments[1:])
+        bench = tool("bench")
+        if bench is None:
+            print("stoker: the bench tools are not installed (pip install stoker)", file=sys.stderr)
+            return 2
+        code: int = bench.main(arguments[1:])
+        return code
     args = parse_args(argv)
     from app.engine.repository import ConfigError
 
@@ -214,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         lambda record: record.levelno >= logging.WARNING or "onnxruntime" not in record.pathname
     )
     if args.command == "accuracy":
-        return accuracy_report.run(args, settings)
+        report: int = tool_module("accuracy").run(args, settings)
+        return report
     commands = {
         "serve": serve,
         "prepare": prepare,

@@ -10,6 +10,9 @@ from __future__ import annotations
 class StokerError(Exception):
     status: int = 500
     reason: str = "other"
+    counted: bool = False
+    """Set once the engine counted it as its model's failure: the data plane counts only
+    what no engine did (a request it could not decode, one no engine could take)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)

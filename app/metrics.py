@@ -386,6 +386,12 @@ class ModelMetrics:
         else:
             self.success.count += times
 
+    def request_timed(self, seconds: float) -> None:
+        """The duration of one request counted ``timed=False``, measured by the data plane
+        in this process."""
+        self._request.observe(seconds)
+        self.success.ns += int(seconds * 1e9)
+
     def add_request_durations(self, counts: list[int], total: float) -> None:
         """The durations a front end measured for requests counted ``timed=False``."""
         self._request.merge(counts, total)

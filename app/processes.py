@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import math
 import multiprocessing
 import os
 import signal
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +30,7 @@ from types import FrameType
 
 from fastapi import FastAPI
 
+from app.child import profiled, supervised
 from app.frontend.http_limits import guarded
 from app.settings import Settings
 
@@ -44,7 +43,6 @@ RESTART_BACKOFF_S = 1.0
 # it died starts the count again. When every engine is dead and left out, the server stops.
 ENGINE_RESTARTS = 5
 ENGINE_STEADY_S = 60.0
-PR_SET_PDEATHSIG = 1
 
 
 def run_server(
@@ -123,21 +121,6 @@ def run_server(
     return 1 if failed else 0
 
 
-def supervised() -> None:
-    """Called first in a child (the engine, a front end): it gets SIGTERM, and drains, when
-    the supervisor dies however it dies (Linux's parent-death signal), so a killed
-    supervisor never leaves servers behind holding the port; and it leaves the terminal's
-    process group, so a Ctrl-C reaches the supervisor alone, which then stops the children
-    once, in order."""
-    os.setpgrp()
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
-        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor died before the signal was armed
-
-
 def arena_name(supervisor: int, number: int) -> str:
     """The /dev/shm name of front end ``number``'s arena: fixed, so a restart replaces what a
     crashed predecessor left instead of leaking it."""
@@ -151,10 +134,11 @@ def front_end_main(
     number: int,
     arena: str,
 ) -> None:
-    """A front-end process: the routes over a ``RemotePlane`` (``controls``: each engine's
-    label and control socket), on the shared listener."""
+    """A front-end process: the routes over a data plane with a ``RemoteEngine``
+    (``controls``: each engine's label and control socket), on the shared listener."""
     supervised()
-    from app.frontend.remote import RemotePlane
+    from app.frontend.plane import DataPlane
+    from app.frontend.remote import RemoteEngine
     from app.frontend.server import create_app
 
     logging.basicConfig(
@@ -166,19 +150,12 @@ def front_end_main(
         return create_app(
             settings,
             on_fatal=on_fatal,
-            make_plane=lambda: RemotePlane(settings, controls, arena),
+            make_plane=lambda: DataPlane(settings, RemoteEngine(settings, controls, arena)),
         )
 
-    profile = os.environ.get("STOKER_PROFILE_DIR")
-    if not profile:
-        raise SystemExit(run_server(settings, make_app, sockets=[listener]))
-    # Where a front end spends its time (a diagnostic: a pstats file per process at exit).
-    import cProfile
-
-    profiler = cProfile.Profile()
-    code = profiler.runcall(run_server, settings, make_app, sockets=[listener])
-    profiler.dump_stats(Path(profile) / f"front-end-{number}-{os.getpid()}.pstats")
-    raise SystemExit(code)
+    folder = os.environ.get("STOKER_PROFILE_DIR")
+    profile = str(Path(folder) / f"front-end-{number}-{os.getpid()}.pstats") if folder else None
+    raise SystemExit(profiled(profile, run_server, settings, make_app, [listener]))
 
 
 def bind(settings: Settings) -> socket.socket:

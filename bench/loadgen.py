@@ -250,8 +250,8 @@ class InProcessClient:
 
     @classmethod
     async def load(cls, target: InProcessTarget, payloads: list[Payload]) -> InProcessClient:
+        from app.contract import batch_key, validate_inputs
         from app.engine import models
-        from app.frontend.plane import batch_key, validate_inputs
         from app.engine.repository import discover
         from app.settings import Settings
         from engines import backends

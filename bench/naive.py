@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 from fastapi import FastAPI, Request, Response
 
+from app.contract import requested_outputs, validate_inputs
 from app.engine import models
-from app.frontend.plane import requested_outputs, validate_inputs
-from app.errors import BadRequest, NotFound, StokerError
 from app.engine.handlers import Handler, check_uploads, handler_for
+from app.engine.repository import discover
+from app.errors import BadRequest, NotFound, StokerError
+from app.frontend.routes import header_length, json_response, uploaded_images
 from app.metrics import ModelMetrics
 from app.protocol import classify, decode_request, encode_response
-from app.engine.repository import discover
-from app.frontend.routes import header_length, json_response, uploaded_images
 from app.settings import Settings
 from engines import backends
 from engines.base import Runner

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Unavailable
-from app.metrics import BatchTimes, ModelMetrics
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching
+from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Unavailable
+from app.metrics import BatchTimes, ModelMetrics
 from engines.base import BlockRunner, FatalEngineError, Runner, out_of_memory
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,8 @@
 ``source(entry)`` reads a model's contract (generating its ONNX with its zoo generator when
 missing); ``load_engine`` builds or finds the precision variant in the engine store and
 loads it on a backend; ``load`` adds the runner pool, warms it, and starts the batcher and the
-handler of uploads: a ``LoadedModel``. ``app.engine.registry.Registry`` owns every loaded version of every
-configured model, the versions refused and why, readiness and closing (``app.engine.registry``).
+handler of uploads: a ``LoadedModel``. ``app.engine.registry.Registry`` owns every loaded
+version of every configured model, the versions refused and why, readiness and closing.
 The server, the CLI, the accuracy report, the bench's in-process client and its naive baseline
 all load models through here.
 """
@@ -27,9 +27,9 @@ import zoo
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.handlers import Handler, HandlerContext, handler_for
-from app.metrics import ModelMetrics
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
+from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
 from engines.backends.onnxruntime import read_spec

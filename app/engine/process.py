@@ -18,26 +18,30 @@ import logging
 import mmap
 import os
 import signal
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from app import wire
 from app.channel import ChannelClosed, Sender, receive
-from app.frontend.plane import DataPlane, Part
+from app.child import profiled, supervised, watch_loading
+from app.contract import Part
+from app.engine.local import LocalEngine
+from app.engine.shared_memory import SHM_ROOT
 from app.errors import StokerError
 from app.metrics import http_refused
 from app.protocol import RequestedOutput, pack_tensor, unpack_tensor
 from app.settings import Settings
-from app.engine.shared_memory import SHM_ROOT
 
 log = logging.getLogger(__name__)
 
 
 class Connection:
-    """One front end: its arena, its requests in progress."""
+    """One front end: its arena, its calls in progress."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = Sender(writer)
@@ -56,18 +60,24 @@ class Connection:
             self.arena = mmap.mmap(file.fileno(), 0)
         self.slot_bytes = slot_bytes
 
-    def slot(self, place: list[int], length: int | None = None) -> memoryview:
-        """The piece of the arena a front end lent a request, ``[offset, capacity]``, or its
-        first ``length`` bytes."""
+    def slot(self, place: wire.SlotRef, length: int | None = None) -> memoryview:
+        """The piece of the arena a front end lent a request, or its first ``length``
+        bytes."""
         if self.arena is None:
             raise ValueError("no arena: the front end did not say hello")
-        offset, capacity = (int(n) for n in place)
+        offset, capacity = place.offset, place.capacity
         size = capacity if length is None else length
         if not 0 <= size <= capacity <= self.slot_bytes:
             raise ValueError(f"{size} bytes do not fit a slot of {capacity}")
         if offset < 0 or offset + capacity > len(self.arena):
             raise ValueError(f"slot at {offset} is outside the arena")
         return memoryview(self.arena)[offset : offset + size]
+
+    def send(self, number: int, reply: wire.Reply, data: bytes = b"") -> None:
+        """Send one answer, once (``answered``: a cancelled call is not answered twice)."""
+        self.answered.add(number)
+        if not self.writer.is_closing():
+            self.writer.send(wire.encode_answer(number, reply), data)
 
     def close(self) -> None:
         if self.arena is not None:
@@ -77,39 +87,48 @@ class Connection:
             self.arena = None
 
 
-CANCELLED = {"error": "cancelled", "status": 499, "reason": "cancelled"}
-
-
-def send_reply(writer: Sender, number: int, header: dict[str, Any], data: bytes) -> None:
-    """Send one answer; one that cannot be encoded is answered 500, never left unanswered."""
-    if writer.is_closing():
-        return
-    try:
-        writer.send({**header, "id": number}, data)
-    except (TypeError, ValueError) as error:  # orjson: something not JSON in the header
-        log.error("engine answer %d could not be encoded: %r", number, error)
-        writer.send({"error": "internal server error", "status": 500, "id": number})
-
-
 def finished(connection: Connection, number: int, task: asyncio.Task[None]) -> None:
-    """A request's task is done. One cancelled before it ever ran (its cancel frame was
-    read in the same turn) has sent nothing: answer it here, so the front end frees its
-    slot."""
+    """A call's task is done. One cancelled before it ever ran (its cancel frame was read in
+    the same turn) has sent nothing: answer it here, so the front end frees its slot."""
     connection.tasks.pop(number, None)
     if task.cancelled() and number not in connection.answered:
-        send_reply(connection.writer, number, CANCELLED, b"")
+        connection.send(number, wire.CANCELLED)
     connection.answered.discard(number)
 
 
+Handled = tuple[wire.Reply, bytes]
+Handler = Callable[[Connection, Any, bytes], Awaitable[Handled]]
+
+
 class EngineServer:
-    def __init__(self, plane: DataPlane, on_fault: Callable[[], None] | None = None) -> None:
-        """``on_fault``: called when a front end's poll finds the plane no longer alive (an
+    """The engine's side of the control channel: each call decoded as its ``app.wire`` type
+    and dispatched by a table to the ``LocalEngine`` the data plane calls in one process."""
+
+    def __init__(self, engine: LocalEngine, on_fault: Callable[[], None] | None = None) -> None:
+        """``on_fault``: called when a front end's poll finds the engine no longer alive (an
         unrecoverable engine fault)."""
-        self.plane = plane
+        self.engine = engine
         self.on_fault = on_fault
         self.connections: set[Connection] = set()
         self.none_connected = asyncio.Event()
         self.none_connected.set()
+        self.handlers: dict[type[Any], Handler] = {
+            wire.Hello: self._hello,
+            wire.State: self._state,
+            wire.Describe: self._describe,
+            wire.Run: self._run,
+            wire.Infer: self._infer,
+            wire.Classify: self._classify,
+            wire.Metrics: self._metrics,
+            wire.ModelMetadata: self._metadata,
+            wire.VersionReady: self._version_ready,
+            wire.ModelConfig: self._model_config,
+            wire.Statistics: self._statistics,
+            wire.RepositoryIndex: self._repository_index,
+            wire.ShmRegister: self._shm_register,
+            wire.ShmUnregister: self._shm_unregister,
+            wire.ShmStatus: self._shm_status,
+        }
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = Connection(writer)
@@ -118,13 +137,18 @@ class EngineServer:
         try:
             while True:
                 header, payload = await receive(reader)
-                if header.get("op") == "cancel":
-                    task = connection.tasks.get(header.get("of", -1))
+                try:
+                    number, call = wire.decode_call(header)
+                except wire.BadFrame as bad:
+                    log.error("a call from a front end was refused: %s", bad)
+                    connection.send(bad.number, wire.Failure(str(bad), 500))
+                    continue
+                if isinstance(call, wire.Cancel):
+                    task = connection.tasks.get(call.of)
                     if task is not None:
                         task.cancel()
                     continue
-                number = header.get("id", -1)
-                task = asyncio.create_task(self._answer(connection, number, header, payload))
+                task = asyncio.create_task(self._answer(connection, number, call, payload))
                 connection.tasks[number] = task
                 task.add_done_callback(partial(finished, connection, number))
         except ChannelClosed:
@@ -140,142 +164,77 @@ class EngineServer:
             writer.close()
 
     async def _answer(
-        self, connection: Connection, number: int, header: dict[str, Any], payload: bytes
+        self, connection: Connection, number: int, call: wire.Call, payload: bytes
     ) -> None:
-        reply: dict[str, Any]
+        reply: wire.Reply
         data = b""
         try:
-            reply, data = await self._call(connection, header, payload)
+            reply, data = await self.handlers[type(call)](connection, call, payload)
         except StokerError as error:
-            reply = {"error": error.message, "status": error.status, "reason": error.reason}
+            reply = wire.Failure(error.message, error.status, error.reason)
         except asyncio.CancelledError:
-            reply = CANCELLED
+            reply = wire.CANCELLED
         except Exception as error:
-            log.error("engine call %s failed: %r", header.get("op"), error, exc_info=error)
-            reply = {"error": "internal server error", "status": 500, "reason": "other"}
-        connection.answered.add(number)
-        send_reply(connection.writer, number, reply, data)
+            log.error("engine call %s failed: %r", type(call).__name__, error, exc_info=error)
+            reply = wire.Failure("internal server error", 500)
+        connection.send(number, reply, data)
 
-    async def _call(
-        self, connection: Connection, header: dict[str, Any], payload: bytes
-    ) -> tuple[dict[str, Any], bytes]:
-        plane, op = self.plane, header.get("op")
-        name, version = header.get("name"), header.get("version")
-        if op == "run":
-            return await self._run(connection, header, payload)
-        if op == "infer":
-            # A request the front end did not decode (it names shared-memory regions, which
-            # the engine holds): the body as it came.
-            body: bytes | memoryview = payload
-            if "slot" in header:
-                body = connection.slot(header["slot"], header["length"])
-            answer = await plane.infer(
-                str(name),
-                version,
-                body,
-                header.get("header_length"),
-                client=str(header.get("client", "")),
-            )
-            content, headers = answer.encode()
-            reply: dict[str, Any] = {
-                "model": answer.model,
-                "version": answer.version,
-                "headers": headers,
-            }
-            if "slot" in header and len(content) <= header["slot"][1]:
-                connection.slot(header["slot"], len(content))[:] = content
-                return reply | {"slot_length": len(content)}, b""
-            return reply, content
-        if op == "describe":
-            return {"value": plane.contract(str(name), version).as_json()}, b""
-        if op == "classify":
-            sizes: list[int] = header["sizes"]
-            source: bytes | memoryview = payload
-            if "slot" in header:
-                source = connection.slot(header["slot"], sum(sizes))
-            uploads, at = [], 0
-            for size in sizes:
-                uploads.append(bytes(source[at : at + size]))
-                at += size
-            model, answered, predictions = await plane.classify_images(
-                name, version, uploads, header.get("k"), str(header.get("client", ""))
-            )
-            # The answers go in the payload: k labels per image can be megabytes.
-            return {"model": model, "version": answered}, orjson.dumps(predictions)
-        if op == "hello":
-            connection.attach(str(header["arena"]), int(header["slot"]))
-            return {"value": "hello"}, b""
-        if op == "state":
-            for status, reason, count in header.get("refused", ()):
-                http_refused(int(status), str(reason), float(count))
-            for model, answered, reason, count, seconds in header.get("failed", ()):
-                plane.count_failures(model, answered, reason, int(count), float(seconds))
-            for model, answered, counts, total in header.get("durations", ()):
-                plane.add_request_durations(model, answered, counts, float(total))
-            if not plane.alive and self.on_fault is not None:
-                self.on_fault()
-            state = {
-                "alive": plane.alive,
-                "ready": plane.is_ready,
-                "queued": plane.queued_requests(),
-                "serving": plane.serving(),
-            }
-            return state, b""
-        if op == "metrics":
-            return {}, await plane.metrics_text()
-        if op == "metadata":
-            return {"value": await plane.metadata(str(name), version)}, b""
-        if op == "version_ready":
-            return {"value": await plane.version_ready(str(name), version)}, b""
-        if op == "model_config":
-            return {"value": await plane.model_config(str(name), version)}, b""
-        if op == "statistics":
-            return {"value": await plane.statistics(name, version)}, b""
-        if op == "repository_index":
-            return {"value": await plane.repository_index()}, b""
-        if op == "shm_register":
-            await plane.shm_register(str(name), header["key"], header["offset"], header["size"])
-            return {}, b""
-        if op == "shm_unregister":
-            await plane.shm_unregister(name)
-            return {}, b""
-        if op == "shm_status":
-            return {"value": await plane.shm_status(name)}, b""
-        raise ValueError(f"unknown engine call {op!r}")
+    # -- the table's handlers
 
-    async def _run(
-        self, connection: Connection, header: dict[str, Any], payload: bytes
-    ) -> tuple[dict[str, Any], bytes]:
+    async def _hello(self, connection: Connection, call: wire.Hello, _: bytes) -> Handled:
+        connection.attach(call.arena, call.slot_bytes)
+        return wire.Done(), b""
+
+    async def _state(self, connection: Connection, call: wire.State, _: bytes) -> Handled:
+        engine = self.engine
+        for refused in call.refused:
+            http_refused(refused.status, refused.reason, refused.count)
+        for failed in call.failed:
+            engine.count_failures(
+                failed.model, failed.version, failed.reason, failed.count, failed.mean_s
+            )
+        for timed in call.durations:
+            engine.add_request_durations(timed.model, timed.version, timed.counts, timed.total)
+        if not engine.alive and self.on_fault is not None:
+            self.on_fault()
+        serving = tuple(wire.Serving(*served) for served in engine.serving())
+        state = wire.EngineState(engine.alive, engine.ready, engine.queued_requests(), serving)
+        return state, b""
+
+    async def _describe(self, connection: Connection, call: wire.Describe, _: bytes) -> Handled:
+        contract = await self.engine.contract(call.name, call.version)
+        return wire.Value(contract.as_json()), b""
+
+    async def _run(self, connection: Connection, call: wire.Run, payload: bytes) -> Handled:
         """Requests a front end decoded and gathered: each read where it put its tensors
         (its slot, or the payload), run together; each one's outputs written back into its
         slot when they fit, else into the answer's payload."""
-        items: list[dict[str, Any]] = header["items"]
         parts = []
-        for item in items:
-            source = connection.slot(item["slot"]) if "slot" in item else memoryview(payload)
+        arrived = time.monotonic() - call.spent_us / 1e6
+        for item in call.items:
+            source = connection.slot(item.slot) if item.slot is not None else memoryview(payload)
             inputs = {
-                name: unpack_tensor(name, datatype, shape, source[at : at + size])
-                for name, datatype, shape, at, size in item["inputs"]
+                t.name: unpack_tensor(
+                    t.name, t.datatype, list(t.shape), source[t.offset : t.offset + t.size]
+                )
+                for t in item.inputs
             }
-            wanted = [RequestedOutput(name, True, int(k)) for name, k in item["outputs"]]
-            parts.append(Part(inputs, int(item["rows"]), wanted))
-        model, version, answers = await self.plane.run(
-            str(header["name"]),
-            header.get("version"),
-            parts,
-            header.get("timeout_us"),
-            int(header.get("priority", 0)),
-            str(header.get("client", "")),
+            wanted = [RequestedOutput(o.name, True, o.classification) for o in item.outputs]
+            parts.append(Part(inputs, item.rows, wanted, arrived=arrived))
+        ran = await self.engine.run(
+            call.name, call.version, parts, call.timeout_us, call.priority, call.client
         )
         replies, chunks, at = [], [], 0
-        for item, shaped in zip(items, answers, strict=True):
+        for item, shaped in zip(call.items, ran.outputs, strict=True):
             packed = [(pack_tensor(out.name, array), array.shape) for out, array in shaped]
             size = sum(len(chunk) for (_, chunk), _ in packed)
-            in_slot = "slot" in item and size <= item["slot"][1]
-            view = connection.slot(item["slot"]) if in_slot else None
+            in_slot = item.slot is not None and size <= item.slot.capacity
+            view = connection.slot(item.slot) if in_slot and item.slot is not None else None
             where, described = 0 if in_slot else at, []
-            for (datatype, chunk), shape in packed:
-                described.append([datatype, list(shape), where, len(chunk)])
+            for out, ((datatype, chunk), shape) in zip(shaped, packed, strict=True):
+                described.append(
+                    wire.TensorRef(out[0].name, datatype, tuple(shape), where, len(chunk))
+                )
                 if view is not None:
                     view[where : where + len(chunk)] = chunk
                 else:
@@ -283,14 +242,85 @@ class EngineServer:
                 where += len(chunk)
             if not in_slot:
                 at = where
-            replies.append({"outputs": described, "in_slot": in_slot})
-        return {"model": model, "version": version, "items": replies}, b"".join(chunks)
+            replies.append(wire.ItemReply(tuple(described), in_slot))
+        return wire.Ran(ran.model, ran.version, tuple(replies)), b"".join(chunks)
+
+    async def _infer(self, connection: Connection, call: wire.Infer, payload: bytes) -> Handled:
+        """A request the front end did not decode (it names shared-memory regions, which the
+        engine holds): the body as it came; the answer back in its slot when it fits."""
+        body: bytes | memoryview = payload
+        if call.slot is not None:
+            body = connection.slot(call.slot, call.length)
+        answer = await self.engine.infer_raw(
+            call.name, call.version, body, call.header_length, client=call.client
+        )
+        content, headers = answer.encode()
+        if call.slot is not None and len(content) <= call.slot.capacity:
+            connection.slot(call.slot, len(content))[:] = content
+            return wire.Inferred(answer.model, answer.version, headers, len(content)), b""
+        return wire.Inferred(answer.model, answer.version, headers), content
+
+    async def _classify(
+        self, connection: Connection, call: wire.Classify, payload: bytes
+    ) -> Handled:
+        source: bytes | memoryview = payload
+        if call.slot is not None:
+            source = connection.slot(call.slot, sum(call.sizes))
+        uploads, at = [], 0
+        for size in call.sizes:
+            uploads.append(source[at : at + size])
+            at += size
+        model, version, predictions = await self.engine.classify(
+            call.name, call.version, uploads, call.k, call.client
+        )
+        return wire.Classified(model, version), orjson.dumps(predictions)
+
+    async def _metrics(self, connection: Connection, call: wire.Metrics, _: bytes) -> Handled:
+        return wire.Done(), await self.engine.metrics_text()
+
+    async def _metadata(
+        self, connection: Connection, call: wire.ModelMetadata, _: bytes
+    ) -> Handled:
+        return wire.Value(await self.engine.metadata(call.name, call.version)), b""
+
+    async def _version_ready(
+        self, connection: Connection, call: wire.VersionReady, _: bytes
+    ) -> Handled:
+        return wire.Value(await self.engine.version_ready(call.name, call.version)), b""
+
+    async def _model_config(
+        self, connection: Connection, call: wire.ModelConfig, _: bytes
+    ) -> Handled:
+        return wire.Value(await self.engine.model_config(call.name, call.version)), b""
+
+    async def _statistics(self, connection: Connection, call: wire.Statistics, _: bytes) -> Handled:
+        return wire.Value(await self.engine.statistics(call.name, call.version)), b""
+
+    async def _repository_index(
+        self, connection: Connection, call: wire.RepositoryIndex, _: bytes
+    ) -> Handled:
+        return wire.Value(await self.engine.repository_index()), b""
+
+    async def _shm_register(
+        self, connection: Connection, call: wire.ShmRegister, _: bytes
+    ) -> Handled:
+        await self.engine.shm_register(call.name, call.key, call.offset, call.byte_size)
+        return wire.Done(), b""
+
+    async def _shm_unregister(
+        self, connection: Connection, call: wire.ShmUnregister, _: bytes
+    ) -> Handled:
+        await self.engine.shm_unregister(call.name)
+        return wire.Done(), b""
+
+    async def _shm_status(self, connection: Connection, call: wire.ShmStatus, _: bytes) -> Handled:
+        return wire.Value(await self.engine.shm_status(call.name)), b""
 
 
 async def run(settings: Settings, control: Path, one_device: bool = False) -> int:
-    """Serve the data plane on ``control`` until SIGTERM (then drain) or a loading failure;
+    """Serve the engine on ``control`` until SIGTERM (then drain) or a loading failure;
     ``one_device``: on the one GPU this process sees (``server.engine_gpus``)."""
-    plane = DataPlane(settings, one_device)
+    engine = LocalEngine(settings, one_device)
     stop = asyncio.Event()
     failed = False
 
@@ -303,41 +333,37 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
             failed = True
             stop.set()
 
-    engine = EngineServer(plane, fault)
+    channel = EngineServer(engine, fault)
     await asyncio.to_thread(control.unlink, missing_ok=True)
-    server = await asyncio.start_unix_server(engine.serve, path=str(control))
+    server = await asyncio.start_unix_server(channel.serve, path=str(control))
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:
-        plane.begin_drain()
+        engine.begin_drain()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    loading = asyncio.create_task(plane.start(), name="load-models")
+    loading = asyncio.create_task(engine.start(), name="load-models")
 
-    def loaded(task: asyncio.Task[None]) -> None:
+    def load_failed() -> None:
         nonlocal failed
-        if task.cancelled() or task.exception() is None:
-            return
-        plane.failed = task.exception()
-        log.error("model loading failed: %s", plane.failed)
         failed = True
         stop.set()
 
-    loading.add_done_callback(loaded)
+    watch_loading(loading, engine, load_failed)
     await stop.wait()
     if not loading.done():
         loading.cancel()
     await asyncio.gather(loading, return_exceptions=True)
     if not failed:
-        await plane.drain()
+        await engine.drain()
         # The front ends are answering their last requests; wait for them to hang up.
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(plane.drain_time_left() + 5.0):
-                await engine.none_connected.wait()
+            async with asyncio.timeout(engine.drain_state.time_left() + 5.0):
+                await channel.none_connected.wait()
     server.close()
-    await plane.stop()
+    await engine.stop()
     await asyncio.to_thread(control.unlink, missing_ok=True)
     return 1 if failed else 0
 
@@ -359,8 +385,6 @@ def visible_device(gpu: int, inherited: str | None) -> str:
 def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     """The engine process's entry point (spawned by ``app.processes``); ``gpu``: the one GPU
     it serves on (``server.engine_gpus``), the only one it sees."""
-    from app.processes import supervised
-
     supervised()
     if gpu is not None:  # before anything imports CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = visible_device(
@@ -376,12 +400,5 @@ def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     if os.environ.get("STOKER_PROFILE_DIR"):
         which = "engine.pstats" if gpu is None else f"engine-gpu{gpu}.pstats"
         profile = str(Path(os.environ["STOKER_PROFILE_DIR"]) / which)
-    if not profile:
-        raise SystemExit(asyncio.run(run(settings, Path(control), one_device)))
-    # Where the engine's loop spends its time (a diagnostic: pstats file at exit).
-    import cProfile
-
-    profiler = cProfile.Profile()
-    code = profiler.runcall(asyncio.run, run(settings, Path(control), one_device))
-    profiler.dump_stats(profile)
+    code = profiled(profile, asyncio.run, run(settings, Path(control), one_device))
     raise SystemExit(code)

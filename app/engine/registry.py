@@ -11,10 +11,10 @@ import asyncio
 import logging
 import threading
 
-from app.errors import NotFound, Unavailable, client_text
-from app.metrics import model_unavailable
 from app.engine.models import LoadedModel, load, source
 from app.engine.repository import ModelEntry, discover
+from app.errors import NotFound, Unavailable, client_text
+from app.metrics import model_unavailable
 from app.settings import Settings
 from engines import backends
 from engines.base import FatalEngineError

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.frontend.plane import Plane
 from app.errors import BadRequest
+from app.frontend.plane import DataPlane
 from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
@@ -59,8 +59,8 @@ def client_of(request: Request) -> str:
     return request.client.host if request.client else ""
 
 
-def plane_of(request: Request) -> Plane:
-    plane: Plane = request.app.state.plane
+def plane_of(request: Request) -> DataPlane:
+    plane: DataPlane = request.app.state.plane
     return plane
 
 
@@ -294,7 +294,8 @@ async def infer(request: Request, name: str, version: str | None = None) -> Resp
 
 async def infer_response(request: Request, name: str, version: str | None) -> Response:
     """A V2 inference request's response (raises ``StokerError`` for the error answers):
-    the route's work, which ``app.frontend.server.InferFastPath`` calls without FastAPI's routing."""
+    the route's work, which ``app.frontend.server.InferFastPath`` calls without FastAPI's
+    routing."""
     plane = plane_of(request)
     await plane.check(name, version)  # 404 or 503 before the body is read
     length = header_length(request)

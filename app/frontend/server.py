@@ -16,8 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
-from app.frontend.auth import ApiKeys
-from app.frontend.plane import DataPlane, Plane
+from app.child import watch_loading
 from app.errors import (
     BadRequest,
     PayloadTooLarge,
@@ -26,8 +25,10 @@ from app.errors import (
     Unavailable,
     client_text,
 )
-from app.metrics import http_refused
+from app.frontend.auth import ApiKeys
+from app.frontend.plane import DataPlane
 from app.frontend.routes import infer_response, json_response, router
+from app.metrics import http_refused
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -194,32 +195,31 @@ async def unexpected_error(_: Request, exc: Exception) -> Response:
     return json_response({"error": "internal server error"}, 500)
 
 
+def embedded(settings: Settings) -> DataPlane:
+    """The data plane over the engine in this process: one process serves everything (the
+    embedded default). The one place the front end's room opens the engine's."""
+    from app.engine.local import LocalEngine
+
+    return DataPlane(settings, LocalEngine(settings))
+
+
 def create_app(
     settings: Settings,
     on_fatal: Callable[[], None] | None = None,
-    make_plane: Callable[[], Plane] | None = None,
+    make_plane: Callable[[], DataPlane] | None = None,
 ) -> FastAPI:
     """The application. Models load in the background after startup so liveness answers at
     once while readiness stays false until every runner is warm; ``on_fatal`` is called if
     loading fails (the CLI stops the server, so the process exits non-zero). ``make_plane``:
-    what serves the routes (default: a ``DataPlane`` in this process; a front end passes its
-    ``RemotePlane``)."""
+    what serves the routes (default: the data plane over the engine in this process,
+    ``embedded``; a front-end process passes one over its ``RemoteEngine``)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        plane: Plane = make_plane() if make_plane is not None else DataPlane(settings)
+        plane = make_plane() if make_plane is not None else embedded(settings)
         app.state.plane = plane
-
-        def loaded(task: asyncio.Task[None]) -> None:
-            if task.cancelled() or task.exception() is None:
-                return
-            plane.failed = task.exception()
-            log.error("model loading failed: %s", plane.failed)
-            if on_fatal is not None:
-                on_fatal()
-
         loading = asyncio.create_task(plane.start(), name="load-models")
-        loading.add_done_callback(loaded)
+        watch_loading(loading, plane, on_fatal)
         try:
             yield
         finally:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from app.engine.batcher import Batcher
-from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
-from app.metrics import ModelMetrics
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching
+from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
+from app.metrics import ModelMetrics
 from engines.spec import ModelSpec, TensorSpec
 
 SPEC = ModelSpec(

@@ -16,8 +16,10 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.frontend.plane import DataPlane, batch_key, validate_inputs
+from app.contract import batch_key, validate_inputs
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Unavailable
+from app.frontend.plane import DataPlane
+from app.frontend.server import embedded
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, slow_onnx, tiny_onnx
@@ -47,7 +49,7 @@ def with_plane(tmp_path: Path, scenario: Callable[[DataPlane], Awaitable[T]], **
     )
 
     async def run() -> T:
-        plane = DataPlane(settings)
+        plane = embedded(settings)
         await plane.start()
         try:
             return await scenario(plane)
@@ -71,8 +73,9 @@ def test_a_v2_request_is_answered_with_the_models_outputs(tiny_repo: Path) -> No
         return await plane.infer("tiny", None, v2_body(x, id="r1"), None)
 
     answer = with_plane(tiny_repo, scenario)
-    assert (answer.model, answer.version, answer.request_id) == ("tiny", "fp32", "r1")
-    got = {out.name: value for out, value in answer.outputs}
+    document = orjson.loads(answer.content)
+    assert (answer.model, answer.version, document["id"]) == ("tiny", "fp32", "r1")
+    got = {out["name"]: np.array(out["data"]).reshape(out["shape"]) for out in document["outputs"]}
     np.testing.assert_allclose(got["y"], x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got["s"], x.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-5)
 

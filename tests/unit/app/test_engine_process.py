@@ -1,10 +1,13 @@
-"""The engine process's control server over a real Unix socket, with a real data plane on the
-tiny model: it answers every request exactly once, a cancelled one included, and what cannot
-cross the channel as a descriptor crosses as payload."""
+"""The engine process's control server over a real Unix socket, with a real engine on the
+tiny model: every call is a typed ``app.wire`` message, dispatched by its type; it answers
+every call exactly once, a cancelled one included; what cannot cross the channel as a
+descriptor crosses as payload; a frame of another wire version or an unknown op is refused
+with a reason."""
 
 from __future__ import annotations
 
 import asyncio
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,9 +18,11 @@ import orjson
 import pytest
 import yaml
 
+from app import wire
 from app.channel import Sender, receive
-from app.frontend.plane import DataPlane
+from app.engine.local import LocalEngine
 from app.engine.process import EngineServer, visible_device
+from app.protocol import unpack_tensor
 from app.settings import Settings
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
@@ -29,12 +34,13 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
-async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, dict[str, Any]]:
-    """The next ``count`` answers' headers, by call number (they may come in any order)."""
-    found: dict[int, dict[str, Any]] = {}
+async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.Answer]:
+    """The next ``count`` answers, by call number (they may come in any order)."""
+    found: dict[int, wire.Answer] = {}
     while len(found) < count:
         header, _ = await receive(reader)
-        found[header["id"]] = header
+        answer = wire.decode_answer(header)
+        found[answer.id] = answer
     return found
 
 
@@ -53,9 +59,9 @@ def with_engine(
     path = str(tmp_path / "engine.sock")
 
     async def main() -> T:
-        plane = DataPlane(settings)
-        await plane.start()
-        server = await asyncio.start_unix_server(EngineServer(plane).serve, path=path)
+        engine = LocalEngine(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=path)
         try:
             reader, writer = await asyncio.open_unix_connection(path)
             try:
@@ -64,7 +70,7 @@ def with_engine(
                 writer.close()
         finally:
             server.close()
-            await plane.stop()
+            await engine.stop()
 
     return asyncio.run(main())
 
@@ -74,11 +80,13 @@ def test_an_inference_is_answered_with_its_encoded_response(tmp_path: Path) -> N
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
-        out.send({"op": "infer", "id": 7, "name": "tiny", "header_length": None}, body(x))
+        out.send(wire.encode_call(7, wire.Infer("tiny", None, None, "")), body(x))
         return await receive(reader)
 
     header, payload = with_engine(tmp_path, talk)
-    assert header["id"] == 7 and header["model"] == "tiny" and header["version"] == "fp32"
+    answer = wire.decode_answer(header)
+    assert answer.id == 7 and isinstance(answer.reply, wire.Inferred)
+    assert (answer.reply.model, answer.reply.version) == ("tiny", "fp32")
     outputs = {o["name"]: o for o in orjson.loads(payload)["outputs"]}
     np.testing.assert_allclose(
         np.array(outputs["y"]["data"]).reshape(2, 3), x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5
@@ -92,26 +100,49 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         x = np.ones((1, 4), np.float32)
-        out.send({"op": "infer", "id": 1, "name": "tiny", "header_length": None}, body(x))
-        out.send({"op": "cancel", "of": 1})
-        out.send({"op": "state", "id": 2})
+        out.send(wire.encode_call(1, wire.Infer("tiny", None, None, "")), body(x))
+        out.send(wire.encode_call(0, wire.Cancel(1)))
+        out.send(wire.encode_call(2, wire.State()))
         return await replies(reader, 2)
 
     answers = with_engine(tmp_path, talk)
-    assert answers[1]["status"] == 499 and answers[1]["error"] == "cancelled"
-    assert answers[2]["alive"] is True
+    assert answers[1].reply == wire.Failure("cancelled", 499, "cancelled")
+    state = answers[2].reply
+    assert isinstance(state, wire.EngineState) and state.alive and state.ready
+    assert state.serving == (wire.Serving("tiny", "fp32", 8),)
 
 
-def test_errors_keep_their_status_and_unknown_calls_are_500(tmp_path: Path) -> None:
+def test_errors_keep_their_status_and_foreign_frames_are_refused_with_why(
+    tmp_path: Path,
+) -> None:
+    lengths = struct.Struct("!II")
+
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
-        out.send({"op": "infer", "id": 1, "name": "nope", "header_length": None}, b"{}")
-        out.send({"op": "teleport", "id": 2})
-        return await replies(reader, 2)
+        out.send(wire.encode_call(1, wire.Infer("nope", None, None, "")), b"{}")
+        out.send(b'[2,1,{"op":"teleport"}]')
+        newer = f'[3,{wire.WIRE_VERSION + 1},{{"op":"metrics"}}]'.encode()
+        out.send(newer)
+        out.send(b'[4,1,{"op":"describe","name":7}]')
+        found = await replies(reader, 4)
+        # Still serving after all of them.
+        writer.write(lengths.pack(len(state := wire.encode_call(5, wire.State())), 0) + state)
+        found |= await replies(reader, 1)
+        return found
 
     got = with_engine(tmp_path, talk)
-    assert got[1]["status"] == 404 and "unknown model" in got[1]["error"]
-    assert got[2]["status"] == 500 and got[2]["error"] == "internal server error"
+    replies_ = {number: answer.reply for number, answer in got.items()}
+    for number in (1, 2, 3, 4):
+        assert isinstance(replies_[number], wire.Failure), number
+    unknown, teleport, newer, typed = (replies_[n] for n in (1, 2, 3, 4))
+    assert isinstance(unknown, wire.Failure) and unknown.status == 404
+    assert "unknown model" in unknown.error
+    assert isinstance(teleport, wire.Failure) and "'teleport'" in teleport.error
+    assert isinstance(newer, wire.Failure)
+    assert f"wire version {wire.WIRE_VERSION + 1}" in newer.error
+    assert f"speaks {wire.WIRE_VERSION}" in newer.error
+    assert isinstance(typed, wire.Failure) and "$.name" in typed.error
+    assert isinstance(replies_[5], wire.EngineState) and replies_[5].alive
 
 
 def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path) -> None:
@@ -121,39 +152,38 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
     xs = [np.full((n, 4), float(n), np.float32) for n in (1, 2, 3)]
     payload, items, at = b"", [], 0
     for i, x in enumerate(xs):
-        items.append(
-            {
-                "inputs": [["x", "FP32", list(x.shape), at, x.nbytes]],
-                "rows": len(x),
-                "outputs": [["y", 2 if i == 2 else 0]],
-            }
-        )
+        tensor = wire.TensorRef("x", "FP32", x.shape, at, x.nbytes)
+        wanted = wire.Wanted("y", 2 if i == 2 else 0)
+        items.append(wire.RunItem((tensor,), len(x), (wanted,)))
         payload += x.tobytes()
         at += x.nbytes
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
-        header = {"op": "run", "id": 3, "name": "tiny", "version": None, "items": items}
-        out.send(header, payload)
+        call = wire.Run("tiny", "fp32", None, 0, "", tuple(items))
+        out.send(wire.encode_call(3, call), payload)
         reply = await receive(reader)
-        out.send({"op": "statistics", "id": 4, "name": "tiny"})
+        out.send(wire.encode_call(4, wire.Statistics("tiny")))
         return reply, await receive(reader)
 
-    (reply, data), (stats, _) = with_engine(tmp_path, talk)
-    assert reply["id"] == 3 and len(reply["items"]) == 3
-    from app.protocol import unpack_tensor
-
+    (header, data), (stats_header, _) = with_engine(tmp_path, talk)
+    answer = wire.decode_answer(header)
+    ran = answer.reply
+    assert answer.id == 3 and isinstance(ran, wire.Ran) and len(ran.items) == 3
     got = []
-    for part in reply["items"]:
-        assert part["in_slot"] is False
-        ((datatype, shape, start, size),) = part["outputs"]
-        got.append(unpack_tensor("y", datatype, shape, memoryview(data)[start : start + size]))
+    for part in ran.items:
+        assert part.in_slot is False
+        (t,) = part.outputs
+        source = memoryview(data)[t.offset : t.offset + t.size]
+        got.append(unpack_tensor("y", t.datatype, list(t.shape), source))
     for x, y in zip(xs[:2], got[:2], strict=True):
         np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
     scores = xs[2] @ TINY_WEIGHTS + TINY_BIAS
     assert got[2].shape == (3, 2)
     assert [int(e.split(b":")[1]) for e in got[2][0]] == list(np.argsort(-scores[0])[:2])
-    (model,) = stats["value"]
+    stats = wire.decode_answer(stats_header).reply
+    assert isinstance(stats, wire.Value)
+    (model,) = stats.value
     assert model["execution_count"] == 1 and model["inference_count"] == 6
     assert model["inference_stats"]["success"]["count"] == 3
 

@@ -11,25 +11,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import onnx
 import orjson
 import pytest
 import yaml
 
-from app.frontend.plane import Contract, DataPlane, decode_infer
+from app import wire
+from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode_infer
+from app.engine.local import LocalEngine
 from app.engine.process import EngineServer
 from app.errors import Unavailable
-from app.frontend.remote import (
-    ENGINE_REGIONS,
-    PAGE,
-    Arena,
-    EngineLink,
-    ForwardToEngine,
-    RemotePlane,
-    place_inputs,
-)
-from app.protocol import unpack_tensor
+from app.frontend.arena import PAGE, Arena, place_inputs
+from app.frontend.plane import DataPlane
+from app.frontend.remote import EngineLink, RemoteEngine
+from app.protocol import RequestedOutput, unpack_tensor
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
@@ -106,13 +103,14 @@ def binary_body(a: np.ndarray, b: np.ndarray) -> tuple[bytes, int]:
     return header + a.tobytes() + b.tobytes(), len(header)
 
 
-def engine_reads(described: list[list[object]], source: memoryview) -> dict[str, np.ndarray]:
+def engine_reads(described: list[wire.TensorRef], source: memoryview) -> dict[str, np.ndarray]:
     """What the engine rebuilds from the descriptors (``app.engine.process``)."""
-    found = {}
-    for name, datatype, shape, at, size in described:
-        assert isinstance(at, int) and isinstance(size, int)
-        found[str(name)] = unpack_tensor(str(name), str(datatype), shape, source[at : at + size])  # type: ignore[arg-type]
-    return found
+    return {
+        t.name: unpack_tensor(
+            t.name, t.datatype, list(t.shape), source[t.offset : t.offset + t.size]
+        )
+        for t in described
+    }
 
 
 def test_binary_inputs_stay_where_the_body_put_them(arena: Arena) -> None:
@@ -125,7 +123,7 @@ def test_binary_inputs_stay_where_the_body_put_them(arena: Arena) -> None:
     decoded = decode_infer(CONTRACT, slot.view[: len(body)], length, 64, ENGINE_REGIONS)
     described, payload = place_inputs(decoded.request.inputs, slot, len(body))
     assert payload == b""
-    assert [d[3] for d in described] == [length, length + a.nbytes]  # no copy: in the body
+    assert [d.offset for d in described] == [length, length + a.nbytes]  # no copy: in the body
     got = engine_reads(described, slot.view)
     np.testing.assert_array_equal(got["a"], a)
     np.testing.assert_array_equal(got["b"], b)
@@ -145,7 +143,7 @@ def test_json_inputs_are_copied_into_the_slot_over_the_body(arena: Arena) -> Non
     slot.view[: len(body)] = body
     decoded = decode_infer(CONTRACT, slot.view[: len(body)], None, 64, ENGINE_REGIONS)
     described, payload = place_inputs(decoded.request.inputs, slot, len(body))
-    assert payload == b"" and described[0][3] == 0
+    assert payload == b"" and described[0].offset == 0
     got = engine_reads(described, slot.view)
     np.testing.assert_array_equal(got["a"], [[1.5, 2, 3, 4]])
     np.testing.assert_array_equal(got["b"], [[7, -8]])
@@ -171,7 +169,7 @@ def test_mixed_inputs_are_copied_after_the_body_and_too_many_bytes_go_in_the_pay
     decoded = decode_infer(CONTRACT, slot.view[: len(body)], len(header), 64, ENGINE_REGIONS)
     described, payload = place_inputs(decoded.request.inputs, slot, len(body))
     assert payload == b""
-    assert described[0][3] == len(header) and described[1][3] >= len(body)  # after the body
+    assert described[0].offset == len(header) and described[1].offset >= len(body)  # after the body
     got = engine_reads(described, slot.view)
     np.testing.assert_array_equal(got["b"], [[1, 2], [3, 4]])
     np.testing.assert_array_equal(got["a"], a)
@@ -246,11 +244,12 @@ def tiny_repository(tmp_path: Path, max_batch: int, **sections: Any) -> Settings
 def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     tmp_path: Path,
 ) -> None:
-    """A real front-end plane before a real engine server (the tiny model): five requests
-    started in one turn of the loop, three binary in the arena and two JSON too large for
-    a slot (over the socket, their tensors in the frame's payload), reach the engine as one
-    frame of five items; each gets its own rows; one whose caller leaves while the frame is
-    in the engine leaves the others answered, and every page of the arena is free again."""
+    """A real data plane over a real remote engine client before a real engine server (the
+    tiny model): five requests started in one turn of the loop, three binary in the arena
+    and two JSON too large for a slot (over the socket, their tensors in the frame's
+    payload), reach the engine as one frame of five items; each gets its own rows; one whose
+    caller leaves while the frame is in the engine leaves the others answered, and every
+    page of the arena is free again."""
     settings = tiny_repository(tmp_path, 64, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
     control = tmp_path / "engine.sock"
     frames: list[int] = []
@@ -275,18 +274,19 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
         class Held(EngineServer):
             """Holds each frame until the test lets it go."""
 
-            async def _run(self, connection: Any, header: dict[str, Any], payload: bytes) -> Any:
-                frames.append(len(header["items"]))
+            async def _run(self, connection: Any, call: wire.Run, payload: bytes) -> Any:
+                frames.append(len(call.items))
                 arrived.set()
                 await release.wait()
-                return await super()._run(connection, header, payload)
+                return await super()._run(connection, call, payload)
 
-        plane = DataPlane(settings)
-        await plane.start()
-        server = await asyncio.start_unix_server(Held(plane).serve, path=str(control))
-        front = RemotePlane(settings, [("", control)])
+        engine = LocalEngine(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(Held(engine).serve, path=str(control))
+        remote = RemoteEngine(settings, [("", control)])
+        front = DataPlane(settings, remote)
         await front.start()
-        await front._contract("tiny", None)  # asked once, before the five
+        await remote.contract("tiny", None)  # asked once, before the five
 
         async def one(i: int) -> np.ndarray:
             x = xs[i]
@@ -314,13 +314,16 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
                     answers.append(await task)
                 except asyncio.CancelledError:
                     answers.append(None)
-            await asyncio.sleep(0.05)
-            assert front.arena.free_bytes == 2 * 16 * PAGE
+            for _ in range(200):  # the cancelled one's slot comes back with the answer
+                if remote.arena.free_bytes == 2 * 16 * PAGE:
+                    break
+                await asyncio.sleep(0.01)
+            assert remote.arena.free_bytes == 2 * 16 * PAGE
             return answers
         finally:
             await front.stop()
             server.close()
-            await plane.stop()
+            await engine.stop()
 
     answers = asyncio.run(main())
     assert frames == [5]
@@ -333,7 +336,7 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
 def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) -> None:
     """Two engines behind one front end; the first holds its frames. Requests sent while it
     holds one go to the other, which answers them, instead of queueing behind the held one
-    as a round-robin would send half of them (``RemotePlane._choose``)."""
+    as a round-robin would send half of them (``RemoteEngine._choose``)."""
     settings = tiny_repository(tmp_path, 8)
     runs: dict[str, int] = {"0": 0, "1": 0}
 
@@ -345,27 +348,26 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
         release, arrived = asyncio.Event(), asyncio.Event()
 
         class Counted(EngineServer):
-            def __init__(self, plane: DataPlane, label: str, hold: bool) -> None:
-                super().__init__(plane)
+            def __init__(self, engine: LocalEngine, label: str, hold: bool) -> None:
+                super().__init__(engine)
                 self.label, self.hold = label, hold
 
-            async def _run(self, connection: Any, header: dict[str, Any], payload: bytes) -> Any:
-                runs[self.label] += len(header["items"])
+            async def _run(self, connection: Any, call: wire.Run, payload: bytes) -> Any:
+                runs[self.label] += len(call.items)
                 if self.hold:
                     arrived.set()
                     await release.wait()
-                return await super()._run(connection, header, payload)
+                return await super()._run(connection, call, payload)
 
-        planes = [DataPlane(settings), DataPlane(settings)]
+        engines = [LocalEngine(settings), LocalEngine(settings)]
         servers = []
-        for label, plane in zip(("0", "1"), planes, strict=True):
-            await plane.start()
+        for label, engine in zip(("0", "1"), engines, strict=True):
+            await engine.start()
             path = str(tmp_path / f"engine-{label}.sock")
-            engine = Counted(plane, label, hold=label == "0")
-            servers.append(await asyncio.start_unix_server(engine.serve, path=path))
-        front = RemotePlane(
-            settings, [("0", tmp_path / "engine-0.sock"), ("1", tmp_path / "engine-1.sock")]
-        )
+            channel = Counted(engine, label, hold=label == "0")
+            servers.append(await asyncio.start_unix_server(channel.serve, path=path))
+        links = [("0", tmp_path / "engine-0.sock"), ("1", tmp_path / "engine-1.sock")]
+        front = DataPlane(settings, RemoteEngine(settings, links))
         await front.start()
         try:
             for _ in range(200):  # both polled ready (the poll runs every 0.25 s)
@@ -391,8 +393,8 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
             await front.stop()
             for server in servers:
                 server.close()
-            for plane in planes:
-                await plane.stop()
+            for engine in engines:
+                await engine.stop()
 
     answers = asyncio.run(main())
     for i, y in enumerate(answers):
@@ -401,57 +403,61 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
         )
 
 
+class Open:
+    """A writer that is never closing: a link that counts as connected."""
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def state(queued: int, *serving: tuple[str, str, int]) -> wire.EngineState:
+    return wire.EngineState(True, True, queued, tuple(wire.Serving(*s) for s in serving))
+
+
+def not_ready(link: EngineLink) -> None:
+    link.state = msgspec.structs.replace(link.state, ready=False)
+
+
 def test_requests_go_only_to_engines_that_serve_their_version(tmp_path: Path) -> None:
     """The engine of one GPU refused a version (it did not fit there) or lost it to a fault:
     requests for it go to the engine that serves it, whatever the load; other versions, and
     requests naming no version, still go by load; a version no engine serves goes by load
     too, to be answered with the reason."""
-
-    class Open:
-        def is_closing(self) -> bool:
-            return False
-
-    front = RemotePlane(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
+    front = RemoteEngine(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
     first, second = front._links
-    for link, queued, serving in (
-        (first, 0, [["m", "fp32", 8]]),
-        (second, 5, [["m", "fp32", 8], ["m", "int8", 8]]),
-    ):
+    first.state = state(0, ("m", "fp32", 8))
+    second.state = state(5, ("m", "fp32", 8), ("m", "int8", 8))
+    for link in (first, second):
         link.writer = Open()  # type: ignore[assignment]
-        link.state = {"alive": True, "ready": True, "queued": queued, "serving": serving}
     try:
         assert front._choose("m", "int8") is second  # the only one serving it, though busier
         assert front._choose("m", "fp32") is first  # both serve it: the less loaded
         assert front._choose("m", None) is first
         assert front._choose(None, None) is first
         assert front._choose("gone", None) is first  # nobody serves it: it answers why
-        first.state["ready"] = False
+        not_ready(first)
         assert front._choose("m", "fp32") is second
     finally:
         front.arena.close()
 
 
-def shrunk_engines(tmp_path: Path) -> tuple[RemotePlane, EngineLink, EngineLink]:
+def shrunk_engines(tmp_path: Path) -> tuple[RemoteEngine, EngineLink, EngineLink]:
     """A front end before two engines that shrank version fp16 of model m to different max
     batches (GPUs of different memory, ``gpu.on_out_of_memory: shrink``): 64 on the idle
-    one, 256 on the busy one. Each answers ``describe`` with its own contract."""
-
-    class Open:
-        def is_closing(self) -> bool:
-            return False
-
-    front = RemotePlane(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
+    one, 256 on the busy one. Each answers ``Describe`` with its own contract."""
+    front = RemoteEngine(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
     small, large = front._links
     for link, queued, most in ((small, 0, 64), (large, 9, 256)):
         link.writer = Open()  # type: ignore[assignment]
-        link.state = {"alive": True, "ready": True, "queued": queued,
-                      "serving": [["m", "fp16", most]]}  # fmt: skip
+        link.state = state(queued, ("m", "fp16", most))
 
-    async def describe(link: EngineLink, header: dict[str, Any], payload: bytes = b"") -> Any:
-        assert header["op"] == "describe"
+    async def describe(
+        link: EngineLink, call: wire.Call, expected: Any, payload: bytes = b""
+    ) -> Any:
+        assert isinstance(call, wire.Describe)
         most = link.max_batch("m", "fp16")
         contract = Contract("m", "fp16", ModelSpec("m", SPEC.inputs, SPEC.outputs, most), None, 1)
-        return {"value": contract.as_json()}, b""
+        return wire.Value(contract.as_json())
 
     front._call = describe  # type: ignore[method-assign]
     return front, small, large
@@ -470,7 +476,7 @@ def test_a_request_larger_than_one_engines_max_batch_goes_to_one_that_takes_it(
         assert front._choose("m", None, rows=65) is large
         assert (small.max_batch("m", "fp16"), large.max_batch("m", "fp16")) == (64, 256)
         assert small.max_batch("m", "int8") == 0
-        large.state["ready"] = False
+        not_ready(large)
         with pytest.raises(Unavailable, match="no engine that takes 200 rows of m"):
             front._choose("m", "fp16", rows=200)
         assert front._choose("m", "fp16", rows=64) is small
@@ -487,33 +493,45 @@ def test_the_contract_is_the_largest_engines_and_is_asked_again_when_one_comes_b
     front, _, large = shrunk_engines(tmp_path)
 
     async def max_batch(version: str | None) -> int:
-        return (await front._contract("m", version)).spec.max_batch_size
+        return (await front.contract("m", version)).spec.max_batch_size
 
     try:
         assert asyncio.run(max_batch("fp16")) == 256
         assert asyncio.run(max_batch(None)) == 256  # the default version, the same rule
-        large.state["ready"] = False
+        ready = large.state
+        not_ready(large)
         front._contracts.clear()
         assert asyncio.run(max_batch("fp16")) == 64
         assert asyncio.run(max_batch("fp16")) == 64  # kept while the larger is down
-        large.state["ready"] = True
+        large.state = ready
         assert asyncio.run(max_batch("fp16")) == 256
     finally:
         front.arena.close()
 
 
 def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> None:
-    """Requests of one loop turn that share a batch gather into frames of at most the chosen
-    engine's max batch (64 on the smaller engine), not the contract's (256, the larger
-    engine's): three requests of 40 rows to the idle, smaller engine cross as frames of 40
-    rows each, every row answered."""
+    """Requests of one loop turn that share a batch gather into one frame of the contract's
+    max batch (256, the larger engine's), which the remote client sends as frames of at most
+    the chosen engine's max batch (64 on the idle, smaller engine): three requests of 40
+    rows cross as frames of 40 rows each, every request answered with its own rows."""
     front, small, large = shrunk_engines(tmp_path)
+    plane = DataPlane(Settings(), front)
     sent: list[tuple[EngineLink, int]] = []
 
     def capture(link: EngineLink) -> Any:
-        def request(header: dict[str, Any], payload: bytes = b"", future: Any = None) -> int:
-            sent.append((link, sum(item["rows"] for item in header["items"])))
-            future.set_result(({"items": [{"rows": i["rows"]} for i in header["items"]]}, b""))
+        def request(call: wire.Call, payload: bytes = b"") -> int:
+            assert isinstance(call, wire.Run)
+            rows = [item.rows for item in call.items]
+            sent.append((link, sum(rows)))
+            data, items = b"", []
+            for n in rows:  # each request's output: n rows of the value n
+                y = np.full((n, 1), n, np.float32)
+                ref = wire.TensorRef("y", "FP32", (n, 1), len(data), y.nbytes)
+                items.append(wire.ItemReply((ref,), False))
+                data += y.tobytes()
+            future = asyncio.get_running_loop().create_future()
+            future.set_result((wire.Ran("m", "fp16", tuple(items)), data))
+            link.waiting[len(sent)] = future
             return len(sent)
 
         return request
@@ -521,21 +539,24 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
     for link in (small, large):
         link.request = capture(link)  # type: ignore[method-assign]
     contract = Contract("m", "fp16", ModelSpec("m", SPEC.inputs, SPEC.outputs, 256), None, 1)
-    shared = {"name": "m", "version": "fp16", "timeout_us": 0, "priority": 0, "client": "c"}
+
+    def part(rows: int) -> Part:
+        inputs: dict[str, np.ndarray] = {
+            "a": np.zeros((rows, 4), np.float32),
+            "b": np.zeros((rows, 2), np.int64),
+        }
+        return Part(inputs, rows, [RequestedOutput("y", True)])
 
     async def three() -> list[Any]:
-        def item() -> dict[str, Any]:
-            return {"rows": 40, "inputs": [["a", "FP32", [40, 4], 0, 640]]}
-
         return list(
             await asyncio.gather(
-                *(front._gathered(contract, dict(shared), item(), b"", None) for _ in range(3))
+                *(plane._gathered(contract, part(rows), 0, 0, "c") for rows in (40, 40, 40))
             )
         )
 
     try:
         answers = asyncio.run(three())
-        assert [part["rows"] for part, _, _ in answers] == [40, 40, 40]
+        assert [outputs[0][1].shape for _, outputs in answers] == [(40, 1)] * 3
         assert sent and all(rows <= 64 for _, rows in sent)
         assert sum(rows for _, rows in sent) == 120
         assert {link for link, _ in sent} == {small}

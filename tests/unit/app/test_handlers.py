@@ -15,9 +15,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.frontend.plane import DataPlane
-from app.errors import BadRequest
 from app.engine.handlers import HandlerContext, ImageClassifier, handler_for, top_k
+from app.errors import BadRequest
+from app.frontend.server import embedded
 from app.metrics import ModelMetrics
 from app.settings import LimitSettings, Settings
 from engines.preprocess import ImagePreprocess
@@ -135,7 +135,7 @@ def test_a_model_that_is_not_an_image_classifier_serves_uploads_through_its_hand
     uploads = [b"1,2,3,4", b"0.5,0,0,0", b"-1,-1,-1,-1"]  # 3 rows: two batches of at most 2
 
     async def scenario() -> Any:
-        plane = DataPlane(settings)
+        plane = embedded(settings)
         await plane.start()
         try:
             answer = await plane.classify_images("summer", None, uploads, None)

@@ -21,11 +21,11 @@ from PIL import Image
 
 from app.engine import images
 from app.engine.batcher import Batcher
+from app.engine.pool import RunnerPool
+from app.engine.repository import ConfigError, DynamicBatching, discover
 from app.errors import BadRequest, EngineError, PayloadTooLarge, Unavailable
 from app.metrics import ModelMetrics
-from app.engine.pool import RunnerPool
 from app.protocol import decode_request
-from app.engine.repository import ConfigError, DynamicBatching, discover
 from app.settings import LimitSettings
 from engines.base import FatalEngineError
 from engines.spec import ModelSpec, TensorSpec

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.errors import BadRequest, PayloadTooLarge
 from app.engine.images import DecodeQueue, inspect
 from app.engine.repository import ModelConfig, ModelEntry
+from app.errors import BadRequest, PayloadTooLarge
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import jpeg_bytes
 

@@ -19,7 +19,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.frontend.plane import requested_outputs, validate_inputs
+from app.contract import requested_outputs, validate_inputs
 from app.errors import BadRequest
 from app.protocol import MAX_JSON_DEPTH, decode_request
 from engines.spec import V2_TO_NUMPY, ModelSpec, TensorSpec

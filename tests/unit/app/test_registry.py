@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from app.errors import NotFound, Unavailable
 from app.engine.registry import Registry
+from app.errors import NotFound, Unavailable
 from tests.unit.app.test_models import settings_for, write_tiny
 
 

@@ -1,0 +1,235 @@
+"""What both rooms agree on about a request: a served model version's contract, a V2 request
+decoded and validated against it, the batch key, and an encoded answer.
+
+A front end decodes requests with the ``Contract`` its engine described, so only tensors
+reach the engine; the engine keys its batches with the same ``batch_key``. Light on purpose
+(numpy and the V2 codec): importing it loads no engine code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from app.errors import BadRequest, Unavailable
+from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
+from engines.spec import ModelSpec, TensorSpec, v2_datatype
+
+# Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
+THREADED_DECODE_BYTES = 256 * 1024
+
+
+def draining() -> Unavailable:
+    """What a request gets once the server drains (every room refuses with it)."""
+    return Unavailable("server is shutting down; retry on another replica")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What one V2 request gets: which model and version answered, and the encoded body."""
+
+    model: str
+    version: str
+    headers: dict[str, str]
+    content: bytes
+
+    def encode(self) -> tuple[bytes, dict[str, str]]:
+        """The response body and its HTTP headers."""
+        return self.content, self.headers
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What decoding and validating a V2 request for one served model version takes: the
+    model's tensors, which input also takes UINT8 pixels, its priority levels. An engine
+    describes it (``as_json``) and a front end decodes requests with it (``from_json``)."""
+
+    model: str
+    version: str
+    spec: ModelSpec
+    pixels: str | None
+    priority_levels: int
+
+    def as_json(self) -> dict[str, Any]:
+        def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+            return [[t.name, t.datatype, list(t.shape)] for t in specs]
+
+        spec = self.spec
+        return {
+            "model": self.model,
+            "version": self.version,
+            "name": spec.name,
+            "inputs": tensors(spec.inputs),
+            "outputs": tensors(spec.outputs),
+            "max_batch_size": spec.max_batch_size,
+            "pixels": self.pixels,
+            "priority_levels": self.priority_levels,
+        }
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> Contract:
+        def tensors(items: list[list[Any]]) -> tuple[TensorSpec, ...]:
+            return tuple(TensorSpec(n, d, tuple(shape)) for n, d, shape in items)
+
+        spec = ModelSpec(
+            value["name"],
+            tensors(value["inputs"]),
+            tensors(value["outputs"]),
+            int(value["max_batch_size"]),
+        )
+        return cls(
+            value["model"], value["version"], spec, value["pixels"], value["priority_levels"]
+        )
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A V2 request decoded and validated against its model's ``Contract``."""
+
+    request: InferRequest
+    rows: int
+    wanted: list[RequestedOutput]
+
+
+def decode_infer(
+    contract: Contract,
+    body: bytes | bytearray | memoryview,
+    header_length: int | None,
+    max_json_depth: int,
+    regions: Regions | None,
+) -> Decoded:
+    """Decode a V2 request and check it against the model: inputs, rows, outputs,
+    priority. Every refusal is a ``BadRequest``."""
+    spec = contract.spec
+    request = decode_request(body, header_length, spec, max_json_depth, regions)
+    rows = validate_inputs(spec, request.inputs, contract.pixels)
+    wanted = requested_outputs(spec, request)
+    if request.priority > contract.priority_levels:
+        raise BadRequest(
+            f"priority {request.priority} exceeds the model's {contract.priority_levels} level(s)"
+        )
+    return Decoded(request, rows, wanted)
+
+
+class ForwardToEngine(Exception):
+    """A request only the engine can decode: it names shared-memory regions."""
+
+
+class EngineRegions:
+    """Stands for the engine's registered shared-memory regions while a front end decodes:
+    a request that names one goes to the engine as it came (``ForwardToEngine``)."""
+
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
+        raise ForwardToEngine
+
+
+ENGINE_REGIONS = EngineRegions()
+
+
+@dataclass
+class Slot:
+    """A lent piece of a front end's shared-memory arena a request body is read into: at
+    ``offset`` in the arena, ``len(view)`` bytes (``app.frontend.arena``)."""
+
+    offset: int
+    view: memoryview
+    engine_holds: bool = False
+    """Set while an engine may still read it (sent, not answered): not reusable yet."""
+    abandoned: bool = False
+    """Its request went away while an engine held it: given back at the engine's answer."""
+    returned: bool = False
+
+
+@dataclass(frozen=True)
+class Part:
+    """One decoded request of those an engine runs together (``Run``): its tensors, rows and
+    wanted outputs, and where a remote client finds its body (its slot, the body's length)."""
+
+    inputs: dict[str, np.ndarray]
+    rows: int
+    wanted: Sequence[RequestedOutput]
+    slot: Slot | None = None
+    body_length: int = 0
+    arrived: float | None = None
+    """When it arrived (``time.monotonic``): its deadline counts from there, decoding and
+    the trip to the engine included."""
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What an engine answered a frame: the model version and each request's shaped outputs;
+    ``engine``: which engine answered (its label), so durations go to its histograms."""
+
+    model: str
+    version: str
+    outputs: list[list[tuple[RequestedOutput, np.ndarray]]]
+    engine: str = ""
+
+
+def validate_inputs(
+    spec: ModelSpec, inputs: dict[str, np.ndarray], pixels: str | None = None
+) -> int:
+    """Check a request's tensors against the model and return its rows. The ``pixels``
+    input also takes UINT8 pixels of its declared shape."""
+    missing = [t.name for t in spec.inputs if t.name not in inputs]
+    if missing:
+        raise BadRequest(f"missing input(s): {', '.join(missing)}")
+    unknown = [name for name in inputs if spec.input(name) is None]
+    if unknown:
+        expected = ", ".join(t.name for t in spec.inputs)
+        raise BadRequest(f"unknown input(s): {', '.join(unknown[:8])}; the model takes {expected}")
+    rows: int | None = None
+    for tensor in spec.inputs:
+        value = inputs[tensor.name]
+        if not (tensor.name == pixels and value.dtype == np.uint8):
+            check_datatype(tensor, value, pixels=tensor.name == pixels)
+        shape = tuple(value.shape)
+        row_shape = shape[1:] if spec.batched else shape
+        if spec.batched:
+            if not shape:
+                raise BadRequest(f"input {tensor.name!r} needs a batch dimension")
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise BadRequest(f"inputs disagree on the batch size ({rows} vs {shape[0]})")
+        if not tensor.matches(row_shape):
+            raise BadRequest(
+                f"input {tensor.name!r}: shape {list(shape)} does not match "
+                f"{spec.full_shape(tensor)}"
+            )
+    rows = rows if rows is not None else 1
+    if spec.batched and not 1 <= rows <= spec.max_batch_size:
+        raise BadRequest(f"batch of {rows} rows; the model takes 1 to {spec.max_batch_size}")
+    return rows
+
+
+def batch_key(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:
+    """Which requests may share a batch, decided once for both rooms: every input of the
+    same datatype and row shape. A front end gathers requests into one frame by it (of what
+    they sent); the engine's batcher keys its queue by it (of what the engine gets, after
+    the input policy turned UINT8 pixels into the model's datatype)."""
+    return tuple(
+        (value.dtype.str, *(value.shape[1:] if spec.batched else value.shape))
+        for value in (inputs[tensor.name] for tensor in spec.inputs)
+    )
+
+
+def check_datatype(tensor: TensorSpec, value: np.ndarray, pixels: bool = False) -> None:
+    got = v2_datatype(value.dtype)
+    if got != tensor.datatype:
+        also = " (or UINT8 pixels)" if pixels else ""
+        raise BadRequest(
+            f"input {tensor.name!r}: datatype {got}, the model takes {tensor.datatype}{also}"
+        )
+
+
+def requested_outputs(spec: ModelSpec, request: InferRequest) -> list[RequestedOutput]:
+    if not request.outputs:
+        return [RequestedOutput(t.name, request.binary_data_output, 0) for t in spec.outputs]
+    unknown = [o.name for o in request.outputs if spec.output(o.name) is None]
+    if unknown:
+        raise BadRequest(f"unknown output(s): {', '.join(unknown[:8])}")
+    return list(request.outputs)

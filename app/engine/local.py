@@ -1,0 +1,454 @@
+"""The engine behind one interface: the model registry and its batchers, as the data plane
+calls them in one process and as the engine process's control server calls them for its
+front ends (``app.engine.process``). Every engine operation is written here once.
+
+It implements ``app.frontend.client.EngineClient`` in-process: decoding, gathering and
+encoding stay in the data plane above it; this runs what reaches an engine (a frame of
+decoded requests, a body that names shared-memory regions, image uploads) and answers the
+control operations (metadata, statistics, shared-memory registration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from functools import partial
+from typing import Any, TypeVar
+
+import numpy as np
+from prometheus_client import generate_latest
+
+from app.contract import (
+    THREADED_DECODE_BYTES,
+    Answer,
+    Contract,
+    Part,
+    Ran,
+    batch_key,
+    decode_infer,
+    draining,
+)
+from app.drain import Drain
+from app.engine.batcher import Tensors
+from app.engine.handlers import check_uploads
+from app.engine.models import LoadedModel
+from app.engine.registry import Registry
+from app.engine.shared_memory import SharedRegions
+from app.errors import BadRequest, DeadlineExceeded, StokerError
+from app.protocol import RequestedOutput, classify, encode_response
+from app.settings import Settings
+from engines.spec import TensorSpec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Shaped = list[tuple[RequestedOutput, np.ndarray]]
+
+
+def contract_of(model: LoadedModel) -> Contract:
+    levels = model.entry.config.dynamic_batching.priority_levels
+    return Contract(model.name, model.version, model.spec, model.inputs.pixels, levels)
+
+
+class LocalEngine:
+    def __init__(self, settings: Settings, one_device: bool = False) -> None:
+        self.settings = settings
+        self.models = Registry(settings, one_device)
+        self.regions = SharedRegions()
+        self.drain_state = Drain(settings.server.drain_timeout_s)
+        self.failed: BaseException | None = None
+        """Why loading failed, in an engine process (``app.child.watch_loading``)."""
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load every model (``Registry.load_all``); readiness follows."""
+        await self.models.load_all()
+
+    def begin_drain(self) -> None:
+        """New requests get 503 and a build running in a worker thread stops. Plain
+        attributes only: a signal handler may call it."""
+        self.models.stopping.set()
+        self.drain_state.begin()
+
+    async def drain(self) -> None:
+        """Wait until every accepted request has its answer or the drain timeout passes,
+        then fail what is still queued with 503 (a batch already running finishes: a
+        runner's thread cannot be interrupted)."""
+        self.begin_drain()
+        left = self.drain_state.time_left()
+        if not await self.drain_state.all_answered(left):
+            log.warning("drain timeout: %d request(s) still in flight", self.drain_state.active)
+        await self.models.close_batchers(self.drain_state.time_left())
+
+    async def stop(self) -> None:
+        """Free runners and engines in reverse order of loading."""
+        self.begin_drain()
+        await self.models.close_batchers(self.drain_state.time_left())
+        await self.models.close()
+        self.regions.close()
+
+    # -- state --------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """The registry is ready (loading over, something serves, all of it healthy)."""
+        return self.models.ready and not self.drain_state.draining
+
+    @property
+    def alive(self) -> bool:
+        """False once loading failed or a model stopped on an unrecoverable engine fault."""
+        return self.failed is None and self.models.healthy
+
+    def engines(self) -> list[dict[str, object]]:
+        """One engine, this one: nothing to list per GPU."""
+        return []
+
+    def serving(self) -> list[tuple[str, str, int]]:
+        """The model versions answered now (loaded, not stopped by a fault), each with the
+        most rows it takes in one request (engines on different GPUs may have shrunk a
+        version to different max batches)."""
+        return [
+            (model.name, model.version, model.spec.max_batch_size)
+            for model in self.models.loaded()
+            if model.ready
+        ]
+
+    def full(self) -> list[tuple[str, str]]:
+        """The model versions whose queue has no room for one more request."""
+        full = []
+        for model in self.models.loaded():
+            try:
+                model.batcher.admit()
+            except StokerError:
+                full.append((model.name, model.version))
+        return full
+
+    def queued_requests(self) -> int:
+        """Requests queued or executing over every loaded version."""
+        return sum(model.batcher.pending for model in self.models.loaded())
+
+    async def check(self, name: str, version: str | None = None) -> None:
+        """Raise what a request to this model would get (404, 503) before its body is read."""
+        self.models.get(name, version)
+
+    async def contract(self, name: str, version: str | None = None) -> Contract:
+        return contract_of(self.models.get(name, version))
+
+    def admit(self, contract: Contract, requests: int = 1) -> None:
+        """Refuse now (503, 429) what the model's batcher would refuse, before decoding."""
+        self.models.get(contract.model, contract.version).batcher.admit(requests)
+
+    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
+        """The V2 model metadata, with the versions that are configured but not served."""
+        model = self.models.get(name, version)
+        metadata = model.spec.metadata(self.models.versions(name), f"{model.backend}_onnx")
+        unavailable = self.models.unavailable(name)
+        if unavailable:
+            # Not in the V2 schema (clients ignore extra fields): why a version is absent.
+            metadata["unavailable_versions"] = [
+                {"version": v, "reason": reason} for v, reason in unavailable.items()
+            ]
+        return metadata
+
+    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
+        model = self.models.get(name, version)
+        return {"name": model.name, "version": model.version, "ready": model.ready}
+
+    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
+        """Triton's model configuration, as its clients read it."""
+        model = self.models.get(name, version)
+        config = model.entry.config
+        batching = config.dynamic_batching
+        spec = model.spec
+
+        def tensor(t: TensorSpec) -> dict[str, Any]:
+            return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
+
+        return {
+            "name": spec.name,
+            "platform": f"{model.backend}_onnx",
+            "backend": model.backend,
+            "max_batch_size": spec.max_batch_size,
+            "input": [tensor(t) for t in spec.inputs],
+            "output": [tensor(t) for t in spec.outputs],
+            "dynamic_batching": {
+                "preferred_batch_size": batching.preferred_batch_size,
+                "max_queue_delay_microseconds": batching.max_queue_delay_us,
+                "priority_levels": batching.priority_levels,
+                "default_queue_policy": {
+                    "max_queue_size": batching.max_queue_size,
+                    "default_timeout_microseconds": batching.default_timeout_us,
+                },
+            },
+            "instance_group": [{"count": model.pool.size, "kind": model.backend}],
+            "version_policy": {"specific": {"versions": self.models.versions(name)}},
+            "default_version": config.default_precision,
+            "labels": config.labels,
+        }
+
+    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
+        """Triton's statistics: of every served version, of a model's, or of one version."""
+        if name is None:
+            models = self.models.loaded()
+        elif version is None:
+            if not self.models.versions(name):
+                self.models.get(name)  # raises: 404 unknown, 503 loading or refused
+            models = [self.models.get(name, v) for v in self.models.versions(name)]
+        else:
+            models = [self.models.get(name, version)]
+        return [m.metrics.statistics() for m in models]
+
+    async def repository_index(self) -> list[dict[str, str]]:
+        return self.models.index()
+
+    async def metrics_text(self) -> bytes:
+        """The Prometheus exposition of this process."""
+        return generate_latest()
+
+    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        self.regions.register(name, key, offset, byte_size)
+
+    async def shm_unregister(self, name: str | None = None) -> None:
+        self.regions.unregister(name)
+
+    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
+        return self.regions.status(name)
+
+    def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[None]:
+        """In one process a body is read into memory of its own (None: ``read_body``
+        allocates): there is no arena to lend from."""
+        return contextlib.nullcontext(None)
+
+    # -- what the data plane measured ---------------------------------------------------
+
+    def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None:
+        """One request's duration, from its body read to its encoded answer."""
+        with contextlib.suppress(StokerError):
+            self.models.get(model, version).metrics.request_timed(seconds)
+
+    def add_request_durations(
+        self, name: str, version: str, counts: Sequence[int], total: float
+    ) -> None:
+        """Durations a front end measured for requests it sent through ``run``."""
+        with contextlib.suppress(StokerError):
+            self.models.get(name, version).metrics.add_request_durations(list(counts), total)
+
+    def count_failures(
+        self, name: str, version: str, reason: str, count: int, seconds: float
+    ) -> None:
+        """Requests refused before they reached the engine (a request that did not decode):
+        counted with this model's own failures."""
+        with contextlib.suppress(StokerError):
+            self.models.get(name, version).metrics.request_failed(reason, seconds, count)
+
+    # -- inference ----------------------------------------------------------------------
+
+    async def _measured(
+        self,
+        model: LoadedModel,
+        work: Callable[[], Awaitable[T]],
+        requests: int = 1,
+        timed: bool = True,
+    ) -> T:
+        """Run the work of one request (or of ``requests`` run together), counting the
+        outcome (and, ``timed``, the duration) of each by reason; refuse it with 503 once
+        the engine drains, and track it until answered so a drain can wait."""
+        started = time.perf_counter()
+        try:
+            if self.drain_state.draining:
+                raise draining()
+            with self.drain_state.in_flight():
+                result = await work()
+        except StokerError as exc:
+            model.metrics.request_failed(exc.reason, time.perf_counter() - started, requests)
+            exc.counted = True
+            raise
+        except asyncio.CancelledError:
+            model.metrics.request_failed("cancelled", time.perf_counter() - started, requests)
+            raise
+        except Exception:
+            model.metrics.request_failed("backend", time.perf_counter() - started, requests)
+            raise
+        model.metrics.request_succeeded(time.perf_counter() - started, requests, timed)
+        return result
+
+    async def run(
+        self,
+        name: str,
+        version: str | None,
+        parts: Sequence[Part],
+        timeout_us: int | None,
+        priority: int,
+        client: str = "",
+    ) -> Ran:
+        """Requests the data plane decoded, validated and gathered (one model version, batch
+        key, priority, deadline and client): their tensors go through the batcher as one
+        entry (one queue entry and one future for all), and each gets the outputs it asked
+        for, shaped. Each request is counted as one; its duration is the data plane's
+        (``request_timed``), from its body to its encoded answer, in every process model."""
+        model = self.models.get(name, version)
+
+        arrived = min((p.arrived for p in parts if p.arrived is not None), default=None)
+
+        async def work() -> list[Shaped]:
+            model.batcher.admit(len(parts))
+            rows = sum(part.rows for part in parts)
+            every = [RequestedOutput(t.name, True) for t in model.spec.outputs]
+            raw = await self._batched(
+                model,
+                [part.inputs for part in parts],
+                rows,
+                every,
+                (timeout_us, priority),
+                client,
+                time.monotonic() if arrived is None else arrived,
+                len(parts),
+            )
+            outputs = {out.name: value for out, value in raw}
+            answers, start = [], 0
+            for part in parts:
+                mine = outputs
+                if len(parts) > 1:
+                    mine = {key: value[start : start + part.rows] for key, value in outputs.items()}
+                    start += part.rows
+                answers.append([(out, shape_output(model, out, mine)) for out in part.wanted])
+            return answers
+
+        answered = await self._measured(model, work, len(parts), timed=False)
+        return Ran(model.name, model.version, answered)
+
+    async def infer_raw(
+        self,
+        name: str,
+        version: str | None,
+        body: bytes | bytearray | memoryview,
+        header_length: int | None,
+        slot: object = None,
+        client: str = "",
+    ) -> Answer:
+        """A V2 body that names shared-memory regions, decoded here where the regions are
+        registered, batched and encoded (an output region too small for its output is this
+        request's 400, counted as such). ``slot``: where a remote client read the body,
+        nothing here."""
+        model = self.models.get(name, version)
+        contract = contract_of(model)
+
+        async def work() -> Answer:
+            arrived = time.monotonic()
+            # Under overload most requests are refused: refuse before decoding, not after.
+            model.batcher.admit()
+            depth = self.settings.limits.max_json_depth
+            decode = partial(decode_infer, contract, body, header_length, depth, self.regions)
+            if len(body) > THREADED_DECODE_BYTES:
+                decoded = await asyncio.to_thread(decode)
+            else:
+                decoded = decode()
+            request = decoded.request
+            shaped = await self._batched(
+                model,
+                [request.inputs],
+                decoded.rows,
+                decoded.wanted,
+                (request.timeout_us, request.priority),
+                client,
+                arrived,
+            )
+            content, headers = encode_response(
+                model.name, model.version, request.id, shaped, self.regions
+            )
+            return Answer(model.name, model.version, headers, content)
+
+        return await self._measured(model, work)
+
+    async def _batched(
+        self,
+        model: LoadedModel,
+        blocks: list[dict[str, np.ndarray]],
+        rows: int,
+        wanted: Sequence[RequestedOutput],
+        scheduling: tuple[int | None, int],
+        client: str,
+        arrived: float,
+        requests: int = 1,
+    ) -> Shaped:
+        """Through the batcher; ``blocks``: one request's tensors, or those of gathered ones
+        (one batch key), in order; ``scheduling``: the timeout (us) and priority."""
+        timeout_us, priority = scheduling
+        # The key of what the engine gets: normalised pixels batch with FP32 requests.
+        engine_blocks = [model.inputs.for_engine(block) for block in blocks]
+        key = batch_key(model.spec, engine_blocks[0])
+        timeout = time_left(model.timeout_s(timeout_us), arrived)
+        outputs = await model.batcher.infer(
+            engine_blocks, rows, key, timeout, priority, client, requests
+        )
+        return [(out, shape_output(model, out, outputs)) for out in wanted]
+
+    async def classify(
+        self,
+        name: str | None,
+        version: str | None,
+        uploads: Sequence[bytes | memoryview],
+        k: int | None,
+        client: str = "",
+    ) -> tuple[str, str, list[Any]]:
+        """Uploads through the model's handler and batcher: one answer per upload (top-k
+        labels for the image classifier). ``name`` None: the default model."""
+        if name is None:
+            model = self.models.default(self.settings.models.default_model)
+        else:
+            model = self.models.get(name, version)
+        handler = model.handler
+        if handler is None:
+            raise BadRequest(f"model {model.name!r} does not take image uploads")
+        top = k if k is not None else self.settings.limits.default_top_k
+        if top < 1:
+            raise BadRequest("k must be at least 1")
+        images = [bytes(upload) for upload in uploads]
+        check_uploads(images, self.settings.limits)
+
+        async def work() -> list[Any]:
+            arrived = time.monotonic()
+            model.batcher.admit()
+            inputs = await handler.decode(images)
+            rows = len(next(iter(inputs.values())))
+            timeout = time_left(model.timeout_s(None), arrived)
+            step = model.spec.max_batch_size or 1
+            key = batch_key(model.spec, inputs)
+            chunks = [
+                {n: value[i : i + step] for n, value in inputs.items()}
+                for i in range(0, rows, step)
+            ]
+            results = await asyncio.gather(
+                *(
+                    model.batcher.infer(c, len(next(iter(c.values()))), key, timeout, 0, client)
+                    for c in chunks
+                )
+            )
+            outputs = {
+                t.name: np.concatenate([r[t.name] for r in results]) for t in model.spec.outputs
+            }
+            return handler.encode(outputs, top)
+
+        return model.name, model.version, await self._measured(model, work)
+
+
+def shape_output(model: LoadedModel, out: RequestedOutput, outputs: Tensors) -> np.ndarray:
+    value = outputs[out.name]
+    if out.classification:
+        return classify(value, out.classification, model.labels)
+    return value
+
+
+def time_left(timeout_s: float | None, arrived: float) -> float | None:
+    """What is left of a request's deadline after decoding it; 504 if nothing is (it never
+    reaches the queue, let alone a runner)."""
+    if timeout_s is None:
+        return None
+    left = timeout_s - (time.monotonic() - arrived)
+    if left <= 0:
+        raise DeadlineExceeded(f"deadline of {timeout_s * 1000:g} ms passed while decoding")
+    return left

@@ -1,0 +1,155 @@
+"""A front end's shared-memory arena: request bodies are read from the socket straight into
+a slot of it, the engine reads their tensors there and writes its answers back into the same
+slot, so tensor bytes never cross the control channel."""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import logging
+import os
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from app.contract import Slot
+from app.protocol import pack_tensor
+from app.wire import TensorRef
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+
+
+class Arena:
+    """Shared memory this front end lends to request bodies: ``slots x slot_bytes`` bytes in
+    4 KiB pages; a body takes the pages it needs (at most ``slot_bytes``), so many small
+    bodies share the arena and a few large ones still fit."""
+
+    def __init__(
+        self, slots: int, slot_bytes: int, share: int = 1, name: str | None = None
+    ) -> None:
+        # /dev/shm is a tmpfs with a size (64 MB in a default Docker container): writing past
+        # it kills the process with SIGBUS, so the arena takes at most half of what is free,
+        # split over the ``share`` front ends.
+        wanted = slots * slot_bytes
+        fits = shm_bytes_free() // (2 * max(1, share))
+        if fits < wanted:
+            log.warning(
+                "/dev/shm has room for %d of the %d bytes of this front end's shared-memory "
+                "arena; bodies that find no room travel over the control socket (give the "
+                "container a larger /dev/shm: docker --shm-size, or a memory-backed emptyDir)",
+                fits,
+                wanted,
+            )
+            wanted = int(fits)
+        pages = wanted // PAGE
+        # Whole pages: a body lent the pages it needs never exceeds what the engine allows.
+        self.slot_bytes = min(slot_bytes, pages * PAGE) // PAGE * PAGE
+        if name is not None:
+            # A fixed name: what a crashed predecessor left is replaced, not leaked.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        self.memory = shared_memory.SharedMemory(
+            name=name, create=True, size=max(PAGE, pages * PAGE)
+        )
+        # Free runs of pages, (first page, count), sorted and never adjacent.
+        self._free: list[tuple[int, int]] = [(0, pages)] if pages else []
+
+    @property
+    def name(self) -> str:
+        return self.memory.name
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(count for _, count in self._free) * PAGE
+
+    def lend(self, size: int) -> Slot | None:
+        """Room for ``size`` bytes (first fit), or None when it is larger than a slot or no
+        run of free pages is long enough."""
+        if size > self.slot_bytes:
+            return None
+        need = max(1, -(-size // PAGE))
+        for i, (first, count) in enumerate(self._free):
+            if count >= need:
+                if count == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (first + need, count - need)
+                start, length = first * PAGE, need * PAGE
+                assert self.memory.buf is not None
+                return Slot(start, self.memory.buf[start : start + length])
+        return None
+
+    def give_back(self, slot: Slot) -> None:
+        """Make a slot's pages lendable again (once: a second call is a no-op)."""
+        if slot.returned:
+            return
+        slot.returned = True
+        first, count = slot.offset // PAGE, len(slot.view) // PAGE
+        slot.view.release()
+        at = bisect.bisect(self._free, (first, 0))
+        if at < len(self._free) and self._free[at][0] == first + count:  # joins the next run
+            count += self._free.pop(at)[1]
+        if at > 0 and sum(self._free[at - 1]) == first:  # and the previous one
+            first, before = self._free[at - 1]
+            self._free[at - 1] = (first, before + count)
+        else:
+            self._free.insert(at, (first, count))
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.memory.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.memory.unlink()
+
+
+def shm_bytes_free(root: str = "/dev/shm") -> int:
+    """Bytes free in the shared-memory file system (a large number where it cannot be read)."""
+    try:
+        stats = os.statvfs(root)
+    except OSError:
+        return 1 << 40
+    return stats.f_bavail * stats.f_frsize
+
+
+def address(buffer: bytes | memoryview) -> int:
+    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+
+
+def place_inputs(
+    inputs: dict[str, np.ndarray], slot: Slot | None, body_length: int
+) -> tuple[list[TensorRef], bytes]:
+    """Where the engine finds each input (``TensorRef``s into the slot), and the payload
+    (empty when every input is in the slot). Inputs decoded from binary data are views of
+    the slot already and stay where they are; others (JSON) are copied in after the body, or
+    over it when no input lies in it; all go in the payload when they do not fit. (Offsets
+    into the payload count from its start.)"""
+    packed = [
+        (name, *pack_tensor(name, array), list(array.shape)) for name, array in inputs.items()
+    ]
+    if slot is not None:
+        capacity = len(slot.view)
+        base = address(slot.view)
+
+        def inside(chunk: bytes | memoryview) -> int | None:
+            at = address(chunk) - base if len(chunk) else 0
+            return at if at >= 0 and at + len(chunk) <= capacity else None
+
+        where = [inside(chunk) for _, _, chunk, _ in packed]
+        cursor = -(-body_length // 64) * 64 if any(at is not None for at in where) else 0
+        copies = [
+            len(chunk) for (_, _, chunk, _), at in zip(packed, where, strict=True) if at is None
+        ]
+        if cursor + sum(copies) <= capacity:
+            described = []
+            for (name, datatype, chunk, shape), at in zip(packed, where, strict=True):
+                if at is None:
+                    slot.view[cursor : cursor + len(chunk)] = chunk
+                    at, cursor = cursor, cursor + len(chunk)
+                described.append(TensorRef(name, datatype, tuple(shape), at, len(chunk)))
+            return described, b""
+    described, at = [], 0
+    for name, datatype, chunk, shape in packed:
+        described.append(TensorRef(name, datatype, tuple(shape), at, len(chunk)))
+        at += len(chunk)
+    return described, b"".join(chunk for _, _, chunk, _ in packed)

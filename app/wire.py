@@ -1,0 +1,383 @@
+"""The control channel's messages, declared once: what a front end asks an engine process and
+what it answers.
+
+Every call is a frozen ``msgspec`` struct tagged with its ``Op``; every answer is one of the
+reply structs. A frame's header is ``Frame``: the call number, the wire version and the
+message, so the engine decodes and checks a frame in one step and dispatches it by type
+(``app.engine.process``). Tensors cross as ``TensorRef``: a typed reference to bytes in the
+front end's arena or the frame's payload, never the bytes themselves and never a pickle.
+
+A front end of another wire version is refused at ``Hello`` with both versions named; a
+frame that does not decode is answered with a ``Failure`` that says why.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+WIRE_VERSION = 1
+"""Raised whenever a message changes shape: front ends and engines of one release agree."""
+
+
+class Op(enum.StrEnum):
+    HELLO = "hello"
+    CANCEL = "cancel"
+    STATE = "state"
+    DESCRIBE = "describe"
+    RUN = "run"
+    INFER = "infer"
+    CLASSIFY = "classify"
+    METRICS = "metrics"
+    METADATA = "metadata"
+    VERSION_READY = "version_ready"
+    MODEL_CONFIG = "model_config"
+    STATISTICS = "statistics"
+    REPOSITORY_INDEX = "repository_index"
+    SHM_REGISTER = "shm_register"
+    SHM_UNREGISTER = "shm_unregister"
+    SHM_STATUS = "shm_status"
+
+
+class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
+    """A call's fields; its tag (``op``) is its ``Op``."""
+
+
+class TensorRef(msgspec.Struct, frozen=True, array_like=True):
+    """Where a tensor's bytes are: ``size`` bytes at ``offset`` in its slot, or in the frame's
+    payload when the message has no slot."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+
+
+class SlotRef(msgspec.Struct, frozen=True, array_like=True):
+    """The piece of a front end's arena lent to one request: ``capacity`` bytes at
+    ``offset``."""
+
+    offset: int
+    capacity: int
+
+
+class Wanted(msgspec.Struct, frozen=True, array_like=True):
+    """An output a request asked for; ``classification``: top-k labels instead of values."""
+
+    name: str
+    classification: int = 0
+
+
+class Durations(msgspec.Struct, frozen=True, array_like=True):
+    """How long a front end's requests of one model version took: histogram bucket counts
+    and the total."""
+
+    model: str
+    version: str
+    counts: tuple[int, ...]
+    total: float
+
+
+class Refused(msgspec.Struct, frozen=True, array_like=True):
+    """HTTP refusals a front end made since its last poll (status, reason, how many)."""
+
+    status: int
+    reason: str
+    count: float
+
+
+class Failed(msgspec.Struct, frozen=True, array_like=True):
+    """Requests a front end refused before they reached an engine (it could not decode
+    them): counted with the model's own failures."""
+
+    model: str
+    version: str
+    reason: str
+    count: int
+    mean_s: float
+
+
+class Serving(msgspec.Struct, frozen=True, array_like=True):
+    """A model version an engine answers, with the most rows it takes in one request."""
+
+    model: str
+    version: str
+    max_batch: int
+
+
+# -- calls ---------------------------------------------------------------------------------
+
+
+class Hello(_Message, frozen=True, tag=Op.HELLO.value):
+    """The first call on a connection: the front end's arena and the wire it speaks."""
+
+    arena: str
+    slot_bytes: int
+    wire: int = WIRE_VERSION
+
+
+class Cancel(_Message, frozen=True, tag=Op.CANCEL.value):
+    """Every caller of call ``of`` went away: drop it if it has not run (no answer of its
+    own; call ``of`` is still answered once)."""
+
+    of: int
+
+
+class State(_Message, frozen=True, tag=Op.STATE.value):
+    """The poll: the engine's state, carrying what the front end measured since the last."""
+
+    durations: tuple[Durations, ...] = ()
+    refused: tuple[Refused, ...] = ()
+    failed: tuple[Failed, ...] = ()
+
+
+class Describe(_Message, frozen=True, tag=Op.DESCRIBE.value):
+    """The contract of a model version (``app.contract.Contract``)."""
+
+    name: str
+    version: str | None = None
+
+
+class RunItem(msgspec.Struct, frozen=True, array_like=True):
+    """One decoded request of a ``Run``: its inputs, rows, the outputs it wants, its slot."""
+
+    inputs: tuple[TensorRef, ...]
+    rows: int
+    outputs: tuple[Wanted, ...]
+    slot: SlotRef | None = None
+
+
+class Run(_Message, frozen=True, tag=Op.RUN.value):
+    """Requests a front end decoded and gathered (one batch key, deadline, priority and
+    client), run as one queue entry."""
+
+    name: str
+    version: str
+    timeout_us: int | None
+    priority: int
+    client: str
+    items: tuple[RunItem, ...]
+    spent_us: int = 0
+    """How long its oldest request has been on its way: its deadline counts from there."""
+
+
+class Infer(_Message, frozen=True, tag=Op.INFER.value):
+    """A V2 body as it came, for the engine to decode: it names shared-memory regions, which
+    the engine holds. In ``slot`` (its first ``length`` bytes) or the payload."""
+
+    name: str
+    version: str | None
+    header_length: int | None
+    client: str
+    slot: SlotRef | None = None
+    length: int = 0
+
+
+class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
+    """Image uploads of ``sizes`` bytes each, one after the other in ``slot`` or the payload."""
+
+    name: str | None
+    version: str | None
+    k: int | None
+    sizes: tuple[int, ...]
+    client: str
+    slot: SlotRef | None = None
+
+
+class Metrics(_Message, frozen=True, tag=Op.METRICS.value):
+    """The engine's Prometheus text (in the answer's payload)."""
+
+
+class ModelMetadata(_Message, frozen=True, tag=Op.METADATA.value):
+    name: str
+    version: str | None = None
+
+
+class VersionReady(_Message, frozen=True, tag=Op.VERSION_READY.value):
+    name: str
+    version: str | None = None
+
+
+class ModelConfig(_Message, frozen=True, tag=Op.MODEL_CONFIG.value):
+    name: str
+    version: str | None = None
+
+
+class Statistics(_Message, frozen=True, tag=Op.STATISTICS.value):
+    name: str | None = None
+    version: str | None = None
+
+
+class RepositoryIndex(_Message, frozen=True, tag=Op.REPOSITORY_INDEX.value):
+    pass
+
+
+class ShmRegister(_Message, frozen=True, tag=Op.SHM_REGISTER.value):
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+
+
+class ShmUnregister(_Message, frozen=True, tag=Op.SHM_UNREGISTER.value):
+    name: str | None = None
+
+
+class ShmStatus(_Message, frozen=True, tag=Op.SHM_STATUS.value):
+    name: str | None = None
+
+
+Call = (
+    Hello
+    | Cancel
+    | State
+    | Describe
+    | Run
+    | Infer
+    | Classify
+    | Metrics
+    | ModelMetadata
+    | VersionReady
+    | ModelConfig
+    | Statistics
+    | RepositoryIndex
+    | ShmRegister
+    | ShmUnregister
+    | ShmStatus
+)
+
+# -- replies -------------------------------------------------------------------------------
+
+
+class _Reply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="reply"):
+    pass
+
+
+class Failure(_Reply, frozen=True, tag="failure"):
+    """A refusal or an error, with the HTTP status and the metrics' reason it carries."""
+
+    error: str
+    status: int
+    reason: str = "other"
+
+
+class Done(_Reply, frozen=True, tag="done"):
+    """Done, nothing to say (a registration; the metrics text is in the payload)."""
+
+
+class Value(_Reply, frozen=True, tag="value"):
+    """A JSON document the front end passes on as it is (metadata, config, statistics)."""
+
+    value: Any
+
+
+class EngineState(_Reply, frozen=True, tag="state"):
+    alive: bool
+    ready: bool
+    queued: int
+    """Requests queued or running over every version: what routing weighs."""
+    serving: tuple[Serving, ...]
+    full: tuple[tuple[str, str], ...] = ()
+    """Versions whose queue was full: a front end refuses their requests before decoding."""
+
+
+GONE = EngineState(alive=False, ready=False, queued=0, serving=())
+"""What a front end holds for an engine it cannot reach."""
+
+
+class ItemReply(msgspec.Struct, frozen=True, array_like=True):
+    """One request's outputs of a ``Run``: in its slot (``in_slot``), else in the payload."""
+
+    outputs: tuple[TensorRef, ...]
+    in_slot: bool
+
+
+class Ran(_Reply, frozen=True, tag="ran"):
+    model: str
+    version: str
+    items: tuple[ItemReply, ...]
+
+
+class Inferred(_Reply, frozen=True, tag="inferred"):
+    """An encoded V2 answer: in the request's slot (its first ``slot_length`` bytes) or the
+    payload."""
+
+    model: str
+    version: str
+    headers: dict[str, str]
+    slot_length: int | None = None
+
+
+class Classified(_Reply, frozen=True, tag="classified"):
+    """Top-k labels per upload: JSON in the payload (k labels per image can be megabytes)."""
+
+    model: str
+    version: str
+
+
+Reply = Failure | Done | Value | EngineState | Ran | Inferred | Classified
+
+CANCELLED = Failure("cancelled", 499, "cancelled")
+
+
+class Frame(msgspec.Struct, frozen=True, array_like=True):
+    """A call's header: its number, the sender's wire version and the message."""
+
+    id: int
+    wire: int
+    message: msgspec.Raw
+
+
+class Answer(msgspec.Struct, frozen=True, array_like=True):
+    """A reply's header: the number of the call it answers and the reply."""
+
+    id: int
+    reply: Reply
+
+
+class BadFrame(ValueError):
+    """A call that is not one of ours: its number (-1 if unknown) and why."""
+
+    def __init__(self, number: int, why: str) -> None:
+        super().__init__(why)
+        self.number = number
+
+
+_frame = msgspec.json.Decoder(Frame)
+_call: msgspec.json.Decoder[Call] = msgspec.json.Decoder(Call)
+_answer = msgspec.json.Decoder(Answer)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_call(number: int, call: Call) -> bytes:
+    return _encoder.encode(Frame(number, WIRE_VERSION, msgspec.Raw(_encoder.encode(call))))
+
+
+def decode_call(header: bytes) -> tuple[int, Call]:
+    """A frame's number and call; ``BadFrame`` for one of another wire version, an unknown
+    op or fields that do not fit it."""
+    try:
+        frame = _frame.decode(header)
+    except msgspec.DecodeError as error:
+        raise BadFrame(-1, f"not a Stoker frame: {error}") from None
+    if frame.wire != WIRE_VERSION:
+        raise BadFrame(
+            frame.id,
+            f"a front end of wire version {frame.wire}; this engine speaks {WIRE_VERSION} "
+            "(run front ends and engines of one release)",
+        )
+    try:
+        return frame.id, _call.decode(frame.message)
+    except msgspec.DecodeError as error:
+        raise BadFrame(frame.id, f"a call this engine does not know: {error}") from None
+
+
+def encode_answer(number: int, reply: Reply) -> bytes:
+    return _encoder.encode(Answer(number, reply))
+
+
+def decode_answer(header: bytes) -> Answer:
+    return _answer.decode(header)
