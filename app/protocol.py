@@ -8,7 +8,7 @@ Every malformed request becomes a ``BadRequest`` with a short message that names
 but never echoes the payload. Checking an input against the model (names, datatypes, shapes)
 is the data plane's job; only Triton's raw binary form needs the model spec to be read at all.
 
-One module of ~570 lines on purpose: the decoder and the encoder mirror each other (JSON and
+One module of ~700 lines on purpose: the decoder and the encoder mirror each other (JSON and
 binary, every datatype, the schemas the OpenAPI document shows) and are fuzzed together
 (``tests/unit/app/test_protocol_properties.py``); split, a change to one would miss the other.
 """

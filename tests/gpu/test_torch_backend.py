@@ -163,9 +163,9 @@ def test_pool_and_batcher_drive_torch_runners(efficientnet_onnx: Path) -> None:
     """Concurrent requests through the real batcher and two GPU runners: every request gets
     its own rows back, batches form, and the results match the CPU reference."""
     from app.engine.batcher import Batcher
-    from app.metrics import ModelMetrics
     from app.engine.pool import RunnerPool
     from app.engine.repository import DynamicBatching
+    from app.metrics import ModelMetrics
 
     torch_engine = engine(efficientnet_onnx, precision="fp32")
     requests = [normalized(images(1 + i % 3)) for i in range(24)]
