@@ -51,7 +51,7 @@ has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 gpu_tests() {  # $1: the log's name
     timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
-        ${TESTS:-tests/gpu tests/unit/engines/devices/test_cuda.py tests/unit/app/test_images.py tests/unit/app/test_models.py} \
+        ${TESTS:-tests/gpu tests/unit/engines/devices/test_cuda.py tests/unit/app/engine/test_images.py tests/unit/app/engine/test_models.py} \
         >"$OUT/$1" 2>&1
     echo "pytest exit $?" >>"$OUT/$1"
 }

@@ -11,7 +11,7 @@ import pytest
 
 from app.engine.registry import Registry
 from app.errors import NotFound, Unavailable
-from tests.unit.app.test_models import settings_for, write_tiny
+from tests.unit.app.engine.test_models import settings_for, write_tiny
 
 
 def test_the_registry_serves_what_loads_and_says_why_the_rest_does_not(tmp_path: Path) -> None:
