@@ -159,6 +159,32 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Frame:
+    """Decoded requests that run as one queue entry: one model version, batch key, deadline
+    (``timeout_us``), priority and client (``app.frontend.plane`` gathers them)."""
+
+    model: str
+    version: str
+    parts: Sequence[Part]
+    timeout_us: int | None
+    priority: int
+    client: str
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A V2 body as it came, for the engine to decode (it names shared-memory regions, which
+    the engine holds); ``slot``: where a remote client read it, if anywhere."""
+
+    name: str
+    version: str | None
+    body: bytes | bytearray | memoryview
+    header_length: int | None
+    client: str
+    slot: Slot | None = None
+
+
+@dataclass(frozen=True)
 class Ran:
     """What an engine answered a frame: the model version and each request's shaped outputs;
     ``engine``: which engine answered (its label), so durations go to its histograms."""

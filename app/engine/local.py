@@ -26,8 +26,9 @@ from app.contract import (
     THREADED_DECODE_BYTES,
     Answer,
     Contract,
-    Part,
+    Frame,
     Ran,
+    Raw,
     batch_key,
     decode_infer,
     draining,
@@ -276,21 +277,14 @@ class LocalEngine:
         model.metrics.request_succeeded(time.perf_counter() - started, requests, timed)
         return result
 
-    async def run(
-        self,
-        name: str,
-        version: str | None,
-        parts: Sequence[Part],
-        timeout_us: int | None,
-        priority: int,
-        client: str = "",
-    ) -> Ran:
-        """Requests the data plane decoded, validated and gathered (one model version, batch
-        key, priority, deadline and client): their tensors go through the batcher as one
-        entry (one queue entry and one future for all), and each gets the outputs it asked
-        for, shaped. Each request is counted as one; its duration is the data plane's
-        (``request_timed``), from its body to its encoded answer, in every process model."""
-        model = self.models.get(name, version)
+    async def run(self, frame: Frame) -> Ran:
+        """Requests the data plane decoded, validated and gathered: their tensors go through
+        the batcher as one entry (one queue entry and one future for all), and each gets the
+        outputs it asked for, shaped. Each request is counted as one; its duration is the
+        data plane's (``request_timed``), from its body to its encoded answer, in every
+        process model."""
+        model = self.models.get(frame.model, frame.version)
+        parts = frame.parts
 
         arrived = min((p.arrived for p in parts if p.arrived is not None), default=None)
 
@@ -303,8 +297,8 @@ class LocalEngine:
                 [part.inputs for part in parts],
                 rows,
                 every,
-                (timeout_us, priority),
-                client,
+                (frame.timeout_us, frame.priority),
+                frame.client,
                 time.monotonic() if arrived is None else arrived,
                 len(parts),
             )
@@ -321,20 +315,12 @@ class LocalEngine:
         answered = await self._measured(model, work, len(parts), timed=False)
         return Ran(model.name, model.version, answered)
 
-    async def infer_raw(
-        self,
-        name: str,
-        version: str | None,
-        body: bytes | bytearray | memoryview,
-        header_length: int | None,
-        slot: object = None,
-        client: str = "",
-    ) -> Answer:
+    async def infer_raw(self, raw: Raw) -> Answer:
         """A V2 body that names shared-memory regions, decoded here where the regions are
         registered, batched and encoded (an output region too small for its output is this
-        request's 400, counted as such). ``slot``: where a remote client read the body,
-        nothing here."""
-        model = self.models.get(name, version)
+        request's 400, counted as such)."""
+        model = self.models.get(raw.name, raw.version)
+        body, header_length, client = raw.body, raw.header_length, raw.client
         contract = contract_of(model)
 
         async def work() -> Answer:

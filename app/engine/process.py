@@ -29,7 +29,7 @@ import orjson
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
 from app.child import profiled, supervised, watch_loading
-from app.contract import Part
+from app.contract import Frame, Part, Raw
 from app.engine.local import LocalEngine
 from app.engine.shared_memory import SHM_ROOT
 from app.errors import StokerError
@@ -221,9 +221,8 @@ class EngineServer:
             }
             wanted = [RequestedOutput(o.name, True, o.classification) for o in item.outputs]
             parts.append(Part(inputs, item.rows, wanted, arrived=arrived))
-        ran = await self.engine.run(
-            call.name, call.version, parts, call.timeout_us, call.priority, call.client
-        )
+        frame = Frame(call.name, call.version, parts, call.timeout_us, call.priority, call.client)
+        ran = await self.engine.run(frame)
         replies, chunks, at = [], [], 0
         for item, shaped in zip(call.items, ran.outputs, strict=True):
             packed = [(pack_tensor(out.name, array), array.shape) for out, array in shaped]
@@ -252,7 +251,7 @@ class EngineServer:
         if call.slot is not None:
             body = connection.slot(call.slot, call.length)
         answer = await self.engine.infer_raw(
-            call.name, call.version, body, call.header_length, client=call.client
+            Raw(call.name, call.version, body, call.header_length, call.client)
         )
         content, headers = answer.encode()
         if call.slot is not None and len(content) <= call.slot.capacity:

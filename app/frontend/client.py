@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from app.contract import Answer, Contract, Part, Ran, Slot
+from app.contract import Answer, Contract, Frame, Ran, Raw, Slot
 
 
 class EngineClient(Protocol):
@@ -31,24 +31,8 @@ class EngineClient(Protocol):
     async def contract(self, name: str, version: str | None = None) -> Contract: ...
     def admit(self, contract: Contract, requests: int = 1) -> None: ...
     def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]: ...
-    async def run(
-        self,
-        name: str,
-        version: str | None,
-        parts: Sequence[Part],
-        timeout_us: int | None,
-        priority: int,
-        client: str = "",
-    ) -> Ran: ...
-    async def infer_raw(
-        self,
-        name: str,
-        version: str | None,
-        body: bytes | bytearray | memoryview,
-        header_length: int | None,
-        slot: Slot | None = None,
-        client: str = "",
-    ) -> Answer: ...
+    async def run(self, frame: Frame) -> Ran: ...
+    async def infer_raw(self, raw: Raw) -> Answer: ...
     async def classify(
         self,
         name: str | None,

@@ -29,8 +29,10 @@ from app.contract import (
     Answer,
     Contract,
     ForwardToEngine,
+    Frame,
     Part,
     Ran,
+    Raw,
     Slot,
     batch_key,
     decode_infer,
@@ -195,7 +197,8 @@ class DataPlane:
                     raise ForwardToEngine
             except ForwardToEngine:
                 # It names shared-memory regions, which the engine holds: the body as it came.
-                return await self.client.infer_raw(name, version, body, header_length, slot, client)
+                raw = Raw(name, version, body, header_length, client, slot)
+                return await self.client.infer_raw(raw)
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
@@ -278,16 +281,15 @@ class DataPlane:
             self.client.count_failures(contract.model, contract.version, "cancelled", count, 0.0)
             gathering.future.cancel()
             return
-        gathering.task = asyncio.create_task(
-            self.client.run(
-                contract.model,
-                contract.version,
-                gathering.parts,
-                gathering.timeout_us,
-                gathering.priority,
-                gathering.client,
-            )
+        frame = Frame(
+            contract.model,
+            contract.version,
+            gathering.parts,
+            gathering.timeout_us,
+            gathering.priority,
+            gathering.client,
         )
+        gathering.task = asyncio.create_task(self.client.run(frame))
 
         def finished(task: asyncio.Task[Ran]) -> None:
             future = gathering.future

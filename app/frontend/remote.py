@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
 
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
-from app.contract import Answer, Contract, Part, Ran, Slot
+from app.contract import Answer, Contract, Frame, Part, Ran, Raw, Slot
 from app.errors import StokerError, Unavailable
 from app.frontend.arena import Arena, place_inputs
+from app.frontend.links import EngineLink, R, Reply, answered, choose, connected
 from app.metrics import (
-    CountedSeries,
     http_refusal_counts,
     labelled_metrics,
     merged_statistics,
@@ -47,114 +47,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 CONNECT_TIMEOUT_S = 600.0
 RECONNECT_S = 0.5
-R = TypeVar("R", bound=wire.Reply)
-
-
-class RemoteError(StokerError):
-    """An error an engine answered with: its status and reason, as the engine gave them
-    (and counted them)."""
-
-    counted = True
-
-    def __init__(self, message: str, status: int, reason: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.reason = reason
-
-
-Reply = asyncio.Future[tuple[wire.Reply, bytes]]
-
-
-@dataclass(eq=False)
-class EngineLink:
-    """One engine process as a front end sees it: its control channel, the calls waiting
-    for its answers and the state it reported at the last poll."""
-
-    label: str
-    """What metrics and readiness call it: its GPU (``server.engine_gpus``), or "" alone."""
-    control: Path
-    state: wire.EngineState = wire.GONE
-    writer: Sender | None = None
-    waiting: dict[int, Reply] = field(default_factory=dict)
-    ids: int = 0
-    in_flight: int = 0
-    """Requests this front end sent it that are not answered yet (a frame counts its
-    requests)."""
-    durations: dict[tuple[str, str], CountedSeries] = field(default_factory=dict)
-    """Per model version, how long the requests it answered took here since the last poll:
-    sent to it with the poll, so each engine's histogram holds the requests it served."""
-    reconnecting: bool = False
-
-    @property
-    def connected(self) -> bool:
-        return self.writer is not None and not self.writer.is_closing()
-
-    @property
-    def ready(self) -> bool:
-        return self.connected and self.state.ready
-
-    @property
-    def load(self) -> int:
-        """The work ahead of a request sent to it now, in requests: what it had queued or
-        running at the last poll, and this front end's unanswered requests to it."""
-        return self.state.queued + self.in_flight
-
-    def serves(self, name: str | None, version: str | None, rows: int = 0) -> bool:
-        """Whether it answered for this model version at the last poll (``None``: any
-        version; no name: any model) and takes ``rows`` in one request there."""
-        if name is None:
-            return True
-        return any(
-            s.model == name
-            and version in (None, s.version)
-            and (rows <= s.max_batch or not s.max_batch)
-            for s in self.state.serving
-        )
-
-    def max_batch(self, name: str, version: str) -> int:
-        """The most rows it takes in one request of this model version (0: unbatched, or
-        not served here)."""
-        return max(
-            (s.max_batch for s in self.state.serving if (s.model, s.version) == (name, version)),
-            default=0,
-        )
-
-    def track(self, future: Reply, requests: int) -> None:
-        """Count ``requests`` in flight to it until ``future`` is answered."""
-        self.in_flight += requests
-
-        def answered(_: Reply) -> None:
-            self.in_flight -= requests
-
-        future.add_done_callback(answered)
-
-    def request(self, call: wire.Call, payload: bytes = b"") -> int:
-        """Send one call; its answer resolves a new future in ``waiting``. What cannot be
-        sent raises, and then nothing waits for an answer."""
-        writer = self.writer
-        if writer is None or not self.connected:
-            raise Unavailable(f"the engine process{self.named} is not connected")
-        self.ids += 1
-        writer.send(wire.encode_call(self.ids, call), payload)
-        self.waiting[self.ids] = asyncio.get_running_loop().create_future()
-        return self.ids
-
-    def cancel(self, number: int) -> None:
-        if self.writer is not None and self.connected:
-            self.writer.send(wire.encode_call(0, wire.Cancel(number)))
-
-    @property
-    def named(self) -> str:
-        return f" for GPU {self.label}" if self.label else ""
-
-
-def answered(reply: wire.Reply, expected: type[R]) -> R:
-    """The reply as the type its call answers with; a ``Failure`` raised as the engine's."""
-    if isinstance(reply, wire.Failure):
-        raise RemoteError(reply.error, reply.status, reply.reason)
-    if not isinstance(reply, expected):
-        raise RemoteError(f"the engine answered {type(reply).__name__}", 500, "other")
-    return reply
 
 
 class RemoteEngine:
@@ -350,26 +242,10 @@ class RemoteEngine:
     def _choose(
         self, name: str | None = None, version: str | None = None, rows: int = 0
     ) -> EngineLink:
-        """The engine a request for ``name`` (and ``version``, of ``rows`` rows) goes to: of
-        the ready ones that serve it and take that many rows, the one with the least work
-        ahead of it; of the ready ones, if none does (it answers why); any connected one
-        while none is ready; none: 503 here."""
-        ready = [link for link in self._links if link.ready]
-        serving = [link for link in ready if link.serves(name, version, rows)]
-        if not serving and rows and any(link.serves(name, version) for link in ready):
-            # The engines that took this many rows (a GPU with more memory) are not back.
-            raise Unavailable(
-                f"no engine that takes {rows} rows of {name} in one request is ready; retry"
-            )
-        if serving or ready:
-            return min(serving or ready, key=lambda link: link.load)
-        return self._connected()[0]
+        return choose(self._links, name, version, rows)
 
     def _connected(self) -> list[EngineLink]:
-        connected = [link for link in self._links if link.connected]
-        if not connected:
-            raise Unavailable("no engine process is connected; retry")
-        return connected
+        return connected(self._links)
 
     async def _call(
         self, link: EngineLink, call: wire.Call, expected: type[R], payload: bytes = b""
@@ -578,50 +454,29 @@ class RemoteEngine:
             if future.done():
                 link.waiting.pop(number, None)
 
-    async def run(
-        self,
-        name: str,
-        version: str | None,
-        parts: Sequence[Part],
-        timeout_us: int | None,
-        priority: int,
-        client: str = "",
-    ) -> Ran:
+    async def run(self, frame: Frame) -> Ran:
         """A frame of decoded requests, to the ready engine with the least work ahead that
         takes its largest request; split into frames of at most that engine's max batch (a
         GPU with less memory may have shrunk it). Each request's tensors stay where its body
         put them in its slot, or travel in the payload; its outputs come back the same way."""
-        assert version is not None  # a contract's version: always concrete
-        link = self._choose(name, version, max(part.rows for part in parts))
-        most = link.max_batch(name, version)
-        frames: list[list[Part]] = [[]]
+        link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
+        most = link.max_batch(frame.model, frame.version)
+        pieces: list[list[Part]] = [[]]
         rows = 0
-        for part in parts:
-            if most and frames[-1] and rows + part.rows > most:
-                frames.append([])
+        for part in frame.parts:
+            if most and pieces[-1] and rows + part.rows > most:
+                pieces.append([])
                 rows = 0
-            frames[-1].append(part)
+            pieces[-1].append(part)
             rows += part.rows
         answers = await asyncio.gather(
-            *(self._run_frame(link, name, version, f, timeout_us, priority, client) for f in frames)
+            *(self._run_frame(link, dataclasses.replace(frame, parts=p)) for p in pieces)
         )
-        return Ran(
-            answers[0].model,
-            answers[0].version,
-            [o for a in answers for o in a.outputs],
-            link.label,
-        )
+        outputs = [one for answer in answers for one in answer.outputs]
+        return Ran(answers[0].model, answers[0].version, outputs, link.label)
 
-    async def _run_frame(
-        self,
-        link: EngineLink,
-        name: str,
-        version: str,
-        parts: Sequence[Part],
-        timeout_us: int | None,
-        priority: int,
-        client: str,
-    ) -> Ran:
+    async def _run_frame(self, link: EngineLink, frame: Frame) -> Ran:
+        parts = frame.parts
         items, payloads, base = [], [], 0
         for part in parts:
             described, payload = place_inputs(part.inputs, part.slot, part.body_length)
@@ -639,7 +494,15 @@ class RemoteEngine:
             items.append(wire.RunItem(tuple(described), part.rows, wanted, slot))
         arrivals = [part.arrived for part in parts if part.arrived is not None]
         spent = int((time.monotonic() - min(arrivals)) * 1e6) if arrivals else 0
-        call = wire.Run(name, version, timeout_us, priority, client, tuple(items), spent)
+        call = wire.Run(
+            frame.model,
+            frame.version,
+            frame.timeout_us,
+            frame.priority,
+            frame.client,
+            tuple(items),
+            spent,
+        )
         number = link.request(call, b"".join(payloads))
         slots = [part.slot for part in parts if part.slot is not None]
         reply, data = await self._held(link, number, slots, len(parts))
@@ -666,25 +529,18 @@ class RemoteEngine:
             )
         return Ran(ran.model, ran.version, outputs, link.label)
 
-    async def infer_raw(
-        self,
-        name: str,
-        version: str | None,
-        body: bytes | bytearray | memoryview,
-        header_length: int | None,
-        slot: Slot | None = None,
-        client: str = "",
-    ) -> Answer:
+    async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names
         shared-memory regions (the engine holds the registered regions)."""
+        body, slot = raw.body, raw.slot
         payload = b""
         place = None
         if slot is not None and isinstance(body, memoryview):
             place = wire.SlotRef(slot.offset, len(slot.view))
         else:
             payload = bytes(body)
-        call = wire.Infer(name, version, header_length, client, place, len(body))
-        link = self._choose(name, version)
+        call = wire.Infer(raw.name, raw.version, raw.header_length, raw.client, place, len(body))
+        link = self._choose(raw.name, raw.version)
         number = link.request(call, payload)
         reply, data = await self._held(
             link, number, [slot] if place is not None and slot else [], 1

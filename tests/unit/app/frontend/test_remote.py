@@ -24,8 +24,9 @@ from app.engine.local import LocalEngine
 from app.engine.process import EngineServer
 from app.errors import Unavailable
 from app.frontend.arena import PAGE, Arena, place_inputs
+from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
-from app.frontend.remote import EngineLink, RemoteEngine
+from app.frontend.remote import RemoteEngine
 from app.protocol import RequestedOutput, unpack_tensor
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec

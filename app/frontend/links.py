@@ -1,0 +1,151 @@
+"""A front end's links to its engine processes: each one's channel, the calls waiting for
+its answers, the state it reported at its last poll, and the rule that picks the engine a
+frame goes to (``choose``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from app import wire
+from app.channel import Sender
+from app.errors import StokerError, Unavailable
+from app.metrics import CountedSeries
+
+R = TypeVar("R", bound=wire.Reply)
+
+
+class RemoteError(StokerError):
+    """An error an engine answered with: its status and reason, as the engine gave them
+    (and counted them)."""
+
+    counted = True
+
+    def __init__(self, message: str, status: int, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+Reply = asyncio.Future[tuple[wire.Reply, bytes]]
+
+
+@dataclass(eq=False)
+class EngineLink:
+    """One engine process as a front end sees it: its control channel, the calls waiting
+    for its answers and the state it reported at the last poll."""
+
+    label: str
+    """What metrics and readiness call it: its GPU (``server.engine_gpus``), or "" alone."""
+    control: Path
+    state: wire.EngineState = wire.GONE
+    writer: Sender | None = None
+    waiting: dict[int, Reply] = field(default_factory=dict)
+    ids: int = 0
+    in_flight: int = 0
+    """Requests this front end sent it that are not answered yet (a frame counts its
+    requests)."""
+    durations: dict[tuple[str, str], CountedSeries] = field(default_factory=dict)
+    """Per model version, how long the requests it answered took here since the last poll:
+    sent to it with the poll, so each engine's histogram holds the requests it served."""
+    reconnecting: bool = False
+
+    @property
+    def connected(self) -> bool:
+        return self.writer is not None and not self.writer.is_closing()
+
+    @property
+    def ready(self) -> bool:
+        return self.connected and self.state.ready
+
+    @property
+    def load(self) -> int:
+        """The work ahead of a request sent to it now, in requests: what it had queued or
+        running at the last poll, and this front end's unanswered requests to it."""
+        return self.state.queued + self.in_flight
+
+    def serves(self, name: str | None, version: str | None, rows: int = 0) -> bool:
+        """Whether it answered for this model version at the last poll (``None``: any
+        version; no name: any model) and takes ``rows`` in one request there."""
+        if name is None:
+            return True
+        return any(
+            s.model == name
+            and version in (None, s.version)
+            and (rows <= s.max_batch or not s.max_batch)
+            for s in self.state.serving
+        )
+
+    def max_batch(self, name: str, version: str) -> int:
+        """The most rows it takes in one request of this model version (0: unbatched, or
+        not served here)."""
+        return max(
+            (s.max_batch for s in self.state.serving if (s.model, s.version) == (name, version)),
+            default=0,
+        )
+
+    def track(self, future: Reply, requests: int) -> None:
+        """Count ``requests`` in flight to it until ``future`` is answered."""
+        self.in_flight += requests
+
+        def answered(_: Reply) -> None:
+            self.in_flight -= requests
+
+        future.add_done_callback(answered)
+
+    def request(self, call: wire.Call, payload: bytes = b"") -> int:
+        """Send one call; its answer resolves a new future in ``waiting``. What cannot be
+        sent raises, and then nothing waits for an answer."""
+        writer = self.writer
+        if writer is None or not self.connected:
+            raise Unavailable(f"the engine process{self.named} is not connected")
+        self.ids += 1
+        writer.send(wire.encode_call(self.ids, call), payload)
+        self.waiting[self.ids] = asyncio.get_running_loop().create_future()
+        return self.ids
+
+    def cancel(self, number: int) -> None:
+        if self.writer is not None and self.connected:
+            self.writer.send(wire.encode_call(0, wire.Cancel(number)))
+
+    @property
+    def named(self) -> str:
+        return f" for GPU {self.label}" if self.label else ""
+
+
+def answered(reply: wire.Reply, expected: type[R]) -> R:
+    """The reply as the type its call answers with; a ``Failure`` raised as the engine's."""
+    if isinstance(reply, wire.Failure):
+        raise RemoteError(reply.error, reply.status, reply.reason)
+    if not isinstance(reply, expected):
+        raise RemoteError(f"the engine answered {type(reply).__name__}", 500, "other")
+    return reply
+
+
+def choose(
+    links: Sequence[EngineLink], name: str | None = None, version: str | None = None, rows: int = 0
+) -> EngineLink:
+    """The engine a request for ``name`` (and ``version``, of ``rows`` rows) goes to: of
+    the ready ones that serve it and take that many rows, the one with the least work
+    ahead of it; of the ready ones, if none does (it answers why); any connected one
+    while none is ready; none: 503 here."""
+    ready = [link for link in links if link.ready]
+    serving = [link for link in ready if link.serves(name, version, rows)]
+    if not serving and rows and any(link.serves(name, version) for link in ready):
+        # The engines that took this many rows (a GPU with more memory) are not back.
+        raise Unavailable(
+            f"no engine that takes {rows} rows of {name} in one request is ready; retry"
+        )
+    if serving or ready:
+        return min(serving or ready, key=lambda link: link.load)
+    return connected(links)[0]
+
+
+def connected(links: Sequence[EngineLink]) -> list[EngineLink]:
+    found = [link for link in links if link.connected]
+    if not found:
+        raise Unavailable("no engine process is connected; retry")
+    return found
