@@ -185,6 +185,18 @@ class Raw:
 
 
 @dataclass(frozen=True)
+class Uploads:
+    """Image uploads for a model's handler: ``name`` None is the default model; ``k``: how
+    many labels each answer has (None: the server's default)."""
+
+    name: str | None
+    version: str | None
+    images: Sequence[bytes | memoryview]
+    k: int | None
+    client: str
+
+
+@dataclass(frozen=True)
 class Ran:
     """What an engine answered a frame: the model version and each request's shaped outputs;
     ``engine``: which engine answered (its label), so durations go to its histograms."""

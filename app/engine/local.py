@@ -29,6 +29,7 @@ from app.contract import (
     Frame,
     Ran,
     Raw,
+    Uploads,
     batch_key,
     decode_infer,
     draining,
@@ -373,27 +374,21 @@ class LocalEngine:
         )
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 
-    async def classify(
-        self,
-        name: str | None,
-        version: str | None,
-        uploads: Sequence[bytes | memoryview],
-        k: int | None,
-        client: str = "",
-    ) -> tuple[str, str, list[Any]]:
+    async def classify(self, uploads: Uploads) -> tuple[str, str, list[Any]]:
         """Uploads through the model's handler and batcher: one answer per upload (top-k
         labels for the image classifier). ``name`` None: the default model."""
-        if name is None:
+        if uploads.name is None:
             model = self.models.default(self.settings.models.default_model)
         else:
-            model = self.models.get(name, version)
+            model = self.models.get(uploads.name, uploads.version)
+        k, client = uploads.k, uploads.client
         handler = model.handler
         if handler is None:
             raise BadRequest(f"model {model.name!r} does not take image uploads")
         top = k if k is not None else self.settings.limits.default_top_k
         if top < 1:
             raise BadRequest("k must be at least 1")
-        images = [bytes(upload) for upload in uploads]
+        images = [bytes(upload) for upload in uploads.images]
         check_uploads(images, self.settings.limits)
 
         async def work() -> list[Any]:

@@ -29,7 +29,7 @@ import orjson
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
 from app.child import profiled, supervised, watch_loading
-from app.contract import Frame, Part, Raw
+from app.contract import Frame, Part, Raw, Uploads
 from app.engine.local import LocalEngine
 from app.engine.shared_memory import SHM_ROOT
 from app.errors import StokerError
@@ -270,7 +270,7 @@ class EngineServer:
             uploads.append(source[at : at + size])
             at += size
         model, version, predictions = await self.engine.classify(
-            call.name, call.version, uploads, call.k, call.client
+            Uploads(call.name, call.version, uploads, call.k, call.client)
         )
         return wire.Classified(model, version), orjson.dumps(predictions)
 

@@ -9,11 +9,10 @@ answers the control operations, so no operation is written twice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from app.contract import Answer, Contract, Frame, Ran, Raw, Slot
+from app.contract import Answer, Contract, Frame, Ran, Raw, Slot, Uploads
 
 
 class EngineClient(Protocol):
@@ -33,14 +32,7 @@ class EngineClient(Protocol):
     def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]: ...
     async def run(self, frame: Frame) -> Ran: ...
     async def infer_raw(self, raw: Raw) -> Answer: ...
-    async def classify(
-        self,
-        name: str | None,
-        version: str | None,
-        uploads: Sequence[bytes | memoryview],
-        k: int | None,
-        client: str = "",
-    ) -> tuple[str, str, list[Any]]: ...
+    async def classify(self, uploads: Uploads) -> tuple[str, str, list[Any]]: ...
     def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None: ...
     def count_failures(
         self, name: str, version: str, reason: str, count: int, seconds: float

@@ -34,6 +34,7 @@ from app.contract import (
     Ran,
     Raw,
     Slot,
+    Uploads,
     batch_key,
     decode_infer,
     draining,
@@ -317,4 +318,4 @@ class DataPlane:
         with self.drain_state.in_flight():
             if self.draining:
                 raise draining()
-            return await self.client.classify(name, version, uploads, k, client)
+            return await self.client.classify(Uploads(name, version, uploads, k, client))

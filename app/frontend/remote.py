@@ -30,7 +30,7 @@ import orjson
 
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
-from app.contract import Answer, Contract, Frame, Part, Ran, Raw, Slot
+from app.contract import Answer, Contract, Frame, Part, Ran, Raw, Slot, Uploads
 from app.errors import StokerError, Unavailable
 from app.frontend.arena import Arena, place_inputs
 from app.frontend.links import EngineLink, R, Reply, answered, choose, connected
@@ -551,36 +551,25 @@ class RemoteEngine:
             data = bytes(slot.view[: inferred.slot_length])
         return Answer(inferred.model, inferred.version, inferred.headers, data)
 
-    async def classify(
-        self,
-        name: str | None,
-        version: str | None,
-        uploads: Sequence[bytes | memoryview],
-        k: int | None,
-        client: str = "",
-    ) -> tuple[str, str, list[Any]]:
-        sizes = tuple(len(u) for u in uploads)
-        slot = self.arena.lend(sum(sizes)) if uploads else None
-        payload, place = b"", None
-        try:
+    async def classify(self, uploads: Uploads) -> tuple[str, str, list[Any]]:
+        """The uploads one after the other in a slot of the arena (or the payload), for the
+        engine's handler; the answers come back as JSON in the payload."""
+        sizes = tuple(len(image) for image in uploads.images)
+        async with self.body_buffer(sum(sizes) if sizes else None) as slot:
+            payload, place = b"", None
             if slot is not None:
                 at = 0
-                for data in uploads:
-                    slot.view[at : at + len(data)] = data
-                    at += len(data)
+                for image in uploads.images:
+                    slot.view[at : at + len(image)] = image
+                    at += len(image)
                 place = wire.SlotRef(slot.offset, len(slot.view))
             else:
-                payload = b"".join(uploads)
-            call = wire.Classify(name, version, k, sizes, client, place)
+                payload = b"".join(uploads.images)
+            name, version = uploads.name, uploads.version
+            call = wire.Classify(name, version, uploads.k, sizes, uploads.client, place)
             link = self._choose(name, version)
             number = link.request(call, payload)
             reply, data = await self._held(link, number, [slot] if slot else [], 1)
-        finally:
-            if slot is not None:
-                if slot.engine_holds:
-                    slot.abandoned = True
-                else:
-                    self.arena.give_back(slot)
         classified = answered(reply, wire.Classified)
         predictions: list[Any] = orjson.loads(data)
         return classified.model, classified.version, predictions
