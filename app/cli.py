@@ -29,10 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--model", action="append", dest="models", help="model to use (repeatable)"
         )
 
-    serve = commands.add_parser("serve", help="serve the model repository over HTTP")
+    serve = commands.add_parser("serve", help="serve the model repository over HTTP and gRPC")
     add_repository_options(serve)
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port (default 8001; 0: no gRPC)")
     serve.add_argument("--backend", help="override every model's backend (auto, onnxruntime)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
@@ -76,6 +77,7 @@ def build_settings(args: argparse.Namespace) -> Settings:
         "server": {
             "host": getattr(args, "host", None),
             "port": getattr(args, "port", None),
+            "grpc_port": getattr(args, "grpc_port", None),
             "log_level": getattr(args, "log_level", None),
             "front_ends": getattr(args, "front_ends", None),
         },
@@ -212,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     if arguments[:1] == ["bench"]:
         bench = tool("bench")
         if bench is None:
-            print("stoker: the bench tools are not installed (pip install stoker)", file=sys.stderr)
+            print(
+                "stoker: the bench tools are not installed (pip install -e ., or python -m bench)",
+                file=sys.stderr,
+            )
             return 2
         code: int = bench.main(arguments[1:])
         return code

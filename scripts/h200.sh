@@ -100,7 +100,7 @@ fi
 bench() {
     local limit=$1 name=$2
     shift 2
-    timeout "$limit" python3 -m app bench --backend "${BACKEND:-torch}" --workers 4 \
+    timeout "$limit" python3 -m bench --backend "${BACKEND:-torch}" --workers 4 \
         --duration "${DURATION:-4}" --warmup 1 --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1
     echo "$name exit $?"
 }
