@@ -469,6 +469,8 @@ class RemoteEngine:
                 rows = 0
             pieces[-1].append(part)
             rows += part.rows
+        if len(pieces) == 1:  # the common case, without a task of its own (a turn less)
+            return await self._run_frame(link, frame)
         answers = await asyncio.gather(
             *(self._run_frame(link, dataclasses.replace(frame, parts=p)) for p in pieces)
         )
