@@ -24,6 +24,12 @@ class ServerSettings(BaseModel):
     """Address to bind. 127.0.0.1 keeps a laptop server private; containers set 0.0.0.0."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port; 0 picks a free one (tests)."""
+    grpc_port: int = Field(default=8001, ge=0, le=65535)
+    """Port of the KServe V2 / Triton gRPC API (``inference.GRPCInferenceService`` and
+    ``grpc.health.v1``) on ``host``, Triton's 8001; 0 turns gRPC off. Every front end serves
+    it beside HTTP through the same data plane, limits and keys (with several front ends each
+    binds it with SO_REUSEPORT, as they share the HTTP port). Off saves a listening socket
+    and gRPC's threads where only HTTP is used."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log verbosity. ``debug`` logs every batch, which costs throughput."""
     keep_alive_s: int = Field(default=75, ge=1)

@@ -19,6 +19,10 @@ import yaml
 from onnx import TensorProto, helper, numpy_helper
 
 ROOT = Path(__file__).resolve().parents[1]
+# Servers the tests start (subprocesses inherit this) serve gRPC only where a test gives them
+# a free port (tests/integration/test_grpc.py): on the default 8001, servers started side by
+# side, or beside a developer's own, would collide.
+os.environ.setdefault("STOKER_SERVER__GRPC_PORT", "0")
 
 
 def run_python(script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -4,6 +4,8 @@ With keys configured, every route asks for one (``Authorization: Bearer <key>`` 
 ``X-API-Key: <key>``) except the health probes, which the orchestrator calls without
 credentials, and ``/metrics`` unless ``auth.protect_metrics`` is on. A refusal is 401
 ``{"error": ...}`` with ``WWW-Authenticate: Bearer``, answered without reading the body.
+gRPC asks for the same keys in the same two headers, as call metadata (``KeyRing`` is shared;
+``app.frontend.grpc.server``).
 
 Keys are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
 key, so neither the time taken nor an early exit tells a caller how much of a key matched,
@@ -33,13 +35,15 @@ def digest(key: str | bytes) -> bytes:
     return hashlib.sha256(key.encode() if isinstance(key, str) else key).digest()
 
 
-class ApiKeys:
-    """ASGI middleware; with no keys it passes everything through untouched."""
+class KeyRing:
+    """The configured keys, as digests; HTTP and gRPC check a presented key with it."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool) -> None:
-        self.app = app
+    def __init__(self, keys: Iterable[str]) -> None:
         self._digests = [digest(key) for key in keys]
-        self._open = PROBES if protect_metrics else PROBES | {METRICS}
+
+    def __bool__(self) -> bool:
+        """Whether any key is configured (none: the server is open)."""
+        return bool(self._digests)
 
     def accepts(self, key: bytes) -> bool:
         given = digest(key)
@@ -49,8 +53,20 @@ class ApiKeys:
             matched |= hmac.compare_digest(given, known)
         return matched
 
+
+class ApiKeys:
+    """ASGI middleware; with no keys it passes everything through untouched."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str], protect_metrics: bool) -> None:
+        self.app = app
+        self.ring = KeyRing(keys)
+        self._open = PROBES if protect_metrics else PROBES | {METRICS}
+
+    def accepts(self, key: bytes) -> bool:
+        return self.ring.accepts(key)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self._digests or scope["path"] in self._open:
+        if scope["type"] != "http" or not self.ring or scope["path"] in self._open:
             await self.app(scope, receive, send)
             return
         key = presented_key(scope["headers"])

@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +31,9 @@ from app.frontend.plane import DataPlane
 from app.frontend.routes import infer_response, json_response, router
 from app.metrics import http_refused
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    import grpc
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +207,25 @@ def embedded(settings: Settings) -> DataPlane:
     return DataPlane(settings, LocalEngine(settings))
 
 
+async def start_grpc(
+    plane: DataPlane, settings: Settings, on_fatal: Callable[[], None] | None
+) -> grpc.aio.Server | None:
+    """The gRPC API beside HTTP on ``server.grpc_port`` (None when that is 0). A port that
+    cannot be bound stops the server, as a taken HTTP port does."""
+    if not settings.server.grpc_port:
+        return None
+    # Imported only when served: grpc and its threads cost nothing where gRPC is off.
+    from app.frontend.grpc import server
+
+    try:
+        return await server.start(plane, settings)
+    except OSError as error:
+        log.error("%s", error)
+        if on_fatal is not None:
+            on_fatal()
+        raise
+
+
 def create_app(
     settings: Settings,
     on_fatal: Callable[[], None] | None = None,
@@ -218,11 +241,16 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         plane = make_plane() if make_plane is not None else embedded(settings)
         app.state.plane = plane
+        grpc_server = await start_grpc(plane, settings, on_fatal)
         loading = asyncio.create_task(plane.start(), name="load-models")
         watch_loading(loading, plane, on_fatal)
         try:
             yield
         finally:
+            if grpc_server is not None:
+                # The drain has answered what the plane accepted; replies still being sent
+                # get what is left of the drain timeout.
+                await grpc_server.stop(max(1.0, plane.drain_time_left()))
             if not loading.done():
                 loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)

@@ -1,0 +1,305 @@
+"""gRPC messages to and from what the HTTP routes hand the data plane.
+
+A ``ModelInferRequest`` becomes a V2 request in Triton's binary form (a JSON header naming each
+input with its datatype, shape and ``binary_data_size``, then the tensors' bytes in input
+order, every output asked for as binary), so the data plane decodes, validates, batches and
+encodes it exactly as an HTTP binary request; its answer, a JSON header and the outputs'
+bytes, becomes a ``ModelInferResponse`` whose ``raw_output_contents`` are those bytes. The
+other answers (metadata, config, statistics, index, shared memory) are the documents the HTTP
+routes serialise, put into their messages. Pure functions: no gRPC server here.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping, Sequence
+from math import prod
+from typing import Any
+
+import numpy as np
+import orjson
+from google.protobuf import json_format
+
+from app.contract import Answer
+from app.errors import BadRequest, EngineError
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.generated import model_config_pb2 as config_pb
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+_BYTES_LENGTH = struct.Struct("<I")
+_SHARED_MEMORY = "shared_memory_region"
+_INT64_MAX = 2**63 - 1
+
+# The typed field of InferTensorContents each datatype is sent in, and the numpy type its
+# bytes take. FP16 and BF16 have none: they travel in raw_input_contents only (as in Triton).
+TYPED_CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
+    "BOOL": ("bool_contents", np.bool_),
+    "INT8": ("int_contents", np.int8),
+    "INT16": ("int_contents", np.int16),
+    "INT32": ("int_contents", np.int32),
+    "INT64": ("int64_contents", np.int64),
+    "UINT8": ("uint_contents", np.uint8),
+    "UINT16": ("uint_contents", np.uint16),
+    "UINT32": ("uint_contents", np.uint32),
+    "UINT64": ("uint64_contents", np.uint64),
+    "FP32": ("fp32_contents", np.float32),
+    "FP64": ("fp64_contents", np.float64),
+}
+# Of a model configuration, what Triton's ModelConfig message holds (the HTTP document adds
+# fields of Stoker's own, and versions named by precision that the message cannot hold).
+_CONFIG_FIELDS = (
+    "name",
+    "platform",
+    "backend",
+    "max_batch_size",
+    "input",
+    "output",
+    "dynamic_batching",
+)
+_WIDE: dict[str, type[np.generic]] = {
+    "b": np.bool_,
+    "i": np.int64,
+    "u": np.uint64,
+    "f": np.float64,
+}
+_INSTANCE_KINDS = frozenset(config_pb.ModelInstanceGroup.Kind.keys())
+
+
+def parameter_value(parameter: pb.InferParameter) -> Any:
+    """An InferParameter's value as the V2 JSON would carry it (None when none is set)."""
+    choice = parameter.WhichOneof("parameter_choice")
+    return None if choice is None else getattr(parameter, choice)
+
+
+def set_parameter(parameter: pb.InferParameter, value: Any) -> None:
+    if isinstance(value, bool):
+        parameter.bool_param = value
+    elif isinstance(value, int):
+        if value > _INT64_MAX:
+            parameter.uint64_param = value
+        else:
+            parameter.int64_param = value
+    elif isinstance(value, float):
+        parameter.double_param = value
+    else:
+        parameter.string_param = str(value)
+
+
+def _parameters(entries: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
+    values = {key: parameter_value(entry) for key, entry in entries.items()}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def request_body(
+    request: pb.ModelInferRequest, deadline_us: int | None = None
+) -> tuple[bytes, list[bytes]]:
+    """The V2 binary request for ``request``: its JSON header and the binary parts that follow
+    it, in order. ``deadline_us``: what is left of the call's gRPC deadline, which bounds the
+    request's ``timeout`` parameter (the engine then refuses work that cannot finish in
+    time). Inputs take their data from ``raw_input_contents`` in order, or from their typed
+    ``contents``, or from a registered shared-memory region, as Triton reads them."""
+    raw = request.raw_input_contents
+    used = 0
+    inputs: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for tensor in request.inputs:
+        parameters = _parameters(tensor.parameters)
+        parameters.pop("binary_data_size", None)
+        entry: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        if _SHARED_MEMORY not in parameters:
+            if tensor.HasField("contents"):
+                if raw:
+                    raise BadRequest(
+                        f"input {tensor.name!r}: contents must not be set when "
+                        "raw_input_contents are used"
+                    )
+                chunk = typed_bytes(tensor)
+            elif used < len(raw):
+                chunk = raw[used]
+                used += 1
+            else:
+                raise BadRequest(
+                    f"input {tensor.name!r} has no data: send it in raw_input_contents, "
+                    "contents or shared memory"
+                )
+            parameters["binary_data_size"] = len(chunk)
+            chunks.append(chunk)
+        entry["parameters"] = parameters
+        inputs.append(entry)
+    if used != len(raw):
+        raise BadRequest(
+            f"{len(raw)} raw_input_contents for {used} input(s) that take their data from them"
+        )
+
+    parameters = _parameters(request.parameters)
+    parameters["binary_data_output"] = True
+    if deadline_us is not None:
+        timeout = parameters.get("timeout")
+        bounded = type(timeout) is int and 0 < timeout <= deadline_us
+        parameters["timeout"] = timeout if bounded else max(1, deadline_us)
+    document: dict[str, Any] = {"parameters": parameters, "inputs": inputs}
+    if request.id:
+        document["id"] = request.id
+    if request.outputs:
+        outputs = []
+        for output in request.outputs:
+            wanted = _parameters(output.parameters)
+            if _SHARED_MEMORY not in wanted:
+                wanted["binary_data"] = True
+            outputs.append({"name": output.name, "parameters": wanted})
+        document["outputs"] = outputs
+    return orjson.dumps(document), chunks
+
+
+def typed_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes:
+    """An input's typed ``contents`` as V2 binary data (little-endian; BYTES length-prefixed)."""
+    name, datatype = tensor.name, tensor.datatype
+    contents = tensor.contents
+    if datatype == "BYTES":
+        elements: Sequence[bytes] = contents.bytes_contents
+        values: Any = elements
+    elif datatype in TYPED_CONTENTS:
+        field, dtype = TYPED_CONTENTS[datatype]
+        values = getattr(contents, field)
+    else:
+        raise BadRequest(
+            f"input {name!r}: {datatype!r} has no typed contents field; send it in "
+            "raw_input_contents"
+        )
+    shape = list(tensor.shape)
+    if all(d >= 0 for d in shape) and len(values) != prod(shape):
+        raise BadRequest(
+            f"input {name!r}: contents hold {len(values)} {datatype} values, the shape "
+            f"{prod(shape)}"
+        )
+    if datatype == "BYTES":
+        return b"".join(_BYTES_LENGTH.pack(len(e)) + e for e in elements)
+    target = np.dtype(dtype)
+    # The field's own type first (int32 for int_contents...), then the datatype's, checked.
+    array = np.fromiter(values, dtype=_WIDE[target.kind], count=len(values))
+    if array.size and target.kind in "iu":
+        limits = np.iinfo(target)
+        if array.min() < limits.min or array.max() > limits.max:
+            raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
+    with np.errstate(over="ignore"):
+        return array.astype(target.newbyteorder("<")).tobytes()
+
+
+def infer_response(answer: Answer) -> pb.ModelInferResponse:
+    """The ModelInferResponse of a V2 binary answer: one raw_output_contents entry per output,
+    in output order (empty for an output written to shared memory), as Triton sends them;
+    classification and BYTES outputs length-prefixed, as in HTTP's binary data."""
+    content = answer.content
+    length = answer.headers.get(HEADER_LENGTH)
+    start = len(content) if length is None else int(length)
+    document = orjson.loads(content[:start])
+    response = pb.ModelInferResponse(
+        model_name=document["model_name"],
+        model_version=document["model_version"],
+        id=document.get("id", ""),
+    )
+    offset = start
+    raw: list[bytes] = []
+    for output in document["outputs"]:
+        tensor = response.outputs.add(
+            name=output["name"], datatype=output["datatype"], shape=output["shape"]
+        )
+        parameters = output.get("parameters", {})
+        size = parameters.pop("binary_data_size", None)
+        for key, value in parameters.items():
+            set_parameter(tensor.parameters[key], value)
+        if size is not None:
+            raw.append(content[offset : offset + size])
+            offset += size
+        elif "data" in output:  # every output is asked for as binary: never expected here
+            raise EngineError(f"output {output['name']!r} came back as JSON")
+        else:
+            raw.append(b"")
+    response.raw_output_contents.extend(raw)
+    return response
+
+
+def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+    """A stream's answer to one request that failed: the error, and the request's id so a
+    client with many in flight can tell which."""
+    failed = pb.ModelInferResponse(
+        model_name=request.model_name, model_version=request.model_version, id=request.id
+    )
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+
+# -- the other answers ----------------------------------------------------------------------
+
+
+def model_metadata(document: Mapping[str, Any]) -> pb.ModelMetadataResponse:
+    def tensors(entries: Sequence[Mapping[str, Any]]) -> list[Any]:
+        return [
+            pb.ModelMetadataResponse.TensorMetadata(
+                name=t["name"], datatype=t["datatype"], shape=t["shape"]
+            )
+            for t in entries
+        ]
+
+    return pb.ModelMetadataResponse(
+        name=document["name"],
+        versions=document["versions"],
+        platform=document["platform"],
+        inputs=tensors(document["inputs"]),
+        outputs=tensors(document["outputs"]),
+    )
+
+
+def model_config(document: Mapping[str, Any]) -> pb.ModelConfigResponse:
+    """Triton's ModelConfig of the HTTP config document: the fields the message has (versions
+    are named by precision, which its integer versions cannot hold; BYTES is TYPE_STRING)."""
+    config: dict[str, Any] = {key: document[key] for key in _CONFIG_FIELDS if key in document}
+    for key in ("input", "output"):
+        config[key] = [
+            {**t, "data_type": "TYPE_STRING" if t["data_type"] == "TYPE_BYTES" else t["data_type"]}
+            for t in config.get(key, [])
+        ]
+    groups = []
+    for group in document.get("instance_group", []):
+        kind = group.get("kind")
+        known = {"kind": kind} if kind in _INSTANCE_KINDS else {}
+        groups.append({"count": group["count"], **known})
+    config["instance_group"] = groups
+    response = pb.ModelConfigResponse()
+    json_format.ParseDict(config, response.config, ignore_unknown_fields=True)
+    return response
+
+
+def model_statistics(entries: Sequence[Any]) -> pb.ModelStatisticsResponse:
+    response = pb.ModelStatisticsResponse()
+    json_format.ParseDict({"model_stats": list(entries)}, response, ignore_unknown_fields=True)
+    return response
+
+
+def repository_index(entries: Sequence[Mapping[str, str]]) -> pb.RepositoryIndexResponse:
+    return pb.RepositoryIndexResponse(
+        models=[
+            pb.RepositoryIndexResponse.ModelIndex(
+                name=e["name"],
+                version=e.get("version", ""),
+                state=e.get("state", ""),
+                reason=e.get("reason", ""),
+            )
+            for e in entries
+        ]
+    )
+
+
+def shm_status(entries: Sequence[Mapping[str, Any]]) -> pb.SystemSharedMemoryStatusResponse:
+    Status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+    return pb.SystemSharedMemoryStatusResponse(
+        regions={
+            str(e["name"]): Status(
+                name=e["name"], key=e["key"], offset=e["offset"], byte_size=e["byte_size"]
+            )
+            for e in entries
+        }
+    )

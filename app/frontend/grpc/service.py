@@ -1,0 +1,328 @@
+"""``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane.
+
+Each method is one more caller of the data plane the HTTP routes call: it turns its message
+into what a route would hand over (``app.frontend.grpc.codec``), calls the same method and
+turns the answer back. So limits, shared memory, classification, batching, metrics,
+statistics and errors are HTTP's, and an inference answer carries the very bytes HTTP's
+binary answer does. A ``StokerError`` ends the call with the gRPC code Triton uses for that
+failure and the error's message; anything else is logged here and answered INTERNAL, never
+with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from app import __version__
+from app.errors import PayloadTooLarge, StokerError
+from app.frontend.grpc import codec
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.frontend.plane import DataPlane
+from app.frontend.routes import EXTENSIONS
+
+log = logging.getLogger(__name__)
+
+# Triton's codes for the failures Stoker's HTTP statuses name (a full queue is UNAVAILABLE in
+# Triton, which clients retry; RESOURCE_EXHAUSTED is for what is too large).
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+SERVICE = "inference.GRPCInferenceService"
+# How often a health Watch looks at readiness again: readiness is the engines' state (in
+# another process, with several front ends), which no event announces.
+WATCH_INTERVAL_S = 1.0
+
+M = TypeVar("M")
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+    Method: TypeAlias = Callable[[Any, Any, Context], Coroutine[Any, Any, M]]
+
+
+def code_of(error: StokerError) -> grpc.StatusCode:
+    return CODES.get(error.status, grpc.StatusCode.INTERNAL)
+
+
+async def refuse(context: Context, error: StokerError) -> NoReturn:
+    await context.abort(code_of(error), error.message)
+
+
+def answered(method: Method[M]) -> Method[M]:
+    """A unary method whose ``StokerError`` ends the call with its code and message, and any
+    other exception with INTERNAL (logged here, with its traceback, for the operator)."""
+
+    @functools.wraps(method)
+    async def call(self: Any, request: Any, context: Context) -> M:
+        try:
+            return await method(self, request, context)
+        except StokerError as error:
+            await refuse(context, error)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as error:
+            name = method.__name__
+            log.error("unhandled %s in gRPC %s", type(error).__name__, name, exc_info=error)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+
+    return call
+
+
+def peer_host(context: Context) -> str:
+    """Whom the batcher is fair to: the client's address, as HTTP takes it ("ipv4:1.2.3.4:5"
+    and "ipv6:[::1]:5" are gRPC's spellings of a peer)."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return rest
+
+
+def deadline_us(context: Context) -> int | None:
+    """What is left of the call's deadline, in microseconds (None: the call has none)."""
+    left = context.time_remaining()
+    return None if left is None else int(left * 1e6)
+
+
+class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
+        self.plane = plane
+        self.max_body_bytes = max_body_bytes
+
+    # -- health and metadata ------------------------------------------------------------
+
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: Context
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.plane.alive)
+
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: Context
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.plane.is_ready)
+
+    @answered
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Context
+    ) -> pb.ModelReadyResponse:
+        try:
+            answer = await self.plane.version_ready(request.name, request.version or None)
+        except StokerError as error:
+            # Unknown, loading or refused: not ready, as Triton answers (HTTP says 404 or 503).
+            if error.status not in (404, 503):
+                raise
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=bool(answer["ready"]))
+
+    async def ServerMetadata(
+        self, request: pb.ServerMetadataRequest, context: Context
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="stoker", version=__version__, extensions=EXTENSIONS)
+
+    @answered
+    async def ModelMetadata(
+        self, request: pb.ModelMetadataRequest, context: Context
+    ) -> pb.ModelMetadataResponse:
+        document = await self.plane.metadata(request.name, request.version or None)
+        return codec.model_metadata(document)
+
+    @answered
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Context
+    ) -> pb.ModelConfigResponse:
+        document = await self.plane.model_config(request.name, request.version or None)
+        return codec.model_config(document)
+
+    @answered
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Context
+    ) -> pb.ModelStatisticsResponse:
+        entries = await self.plane.statistics(request.name or None, request.version or None)
+        return codec.model_statistics(entries)
+
+    @answered
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Context
+    ) -> pb.RepositoryIndexResponse:
+        entries = await self.plane.repository_index()
+        if request.ready:
+            entries = [e for e in entries if e.get("state") == "READY"]
+        return codec.repository_index(entries)
+
+    # -- system shared memory -----------------------------------------------------------
+
+    @answered
+    async def SystemSharedMemoryRegister(
+        self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryRegisterResponse:
+        await self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    @answered
+    async def SystemSharedMemoryUnregister(
+        self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.SystemSharedMemoryUnregisterResponse:
+        await self.plane.shm_unregister(request.name or None)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    @answered
+    async def SystemSharedMemoryStatus(
+        self, request: pb.SystemSharedMemoryStatusRequest, context: Context
+    ) -> pb.SystemSharedMemoryStatusResponse:
+        return codec.shm_status(await self.plane.shm_status(request.name or None))
+
+    async def CudaSharedMemoryRegister(
+        self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryRegisterResponse:
+        await self._no_cuda_shm(context)
+
+    async def CudaSharedMemoryUnregister(
+        self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
+    ) -> pb.CudaSharedMemoryUnregisterResponse:
+        await self._no_cuda_shm(context)
+
+    async def CudaSharedMemoryStatus(
+        self, request: pb.CudaSharedMemoryStatusRequest, context: Context
+    ) -> pb.CudaSharedMemoryStatusResponse:
+        await self._no_cuda_shm(context)
+
+    @staticmethod
+    async def _no_cuda_shm(context: Context) -> NoReturn:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "CUDA shared memory is not supported; use system shared memory",
+        )
+
+    # -- inference ----------------------------------------------------------------------
+
+    @answered
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> pb.ModelInferResponse:
+        return await self._infer(request, context)
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[pb.ModelInferRequest],
+        context: Context,
+    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """Every request of the stream runs as it arrives, many at once, and each is answered
+        as it completes (a failure as its ``error_message``); the stream ends once the
+        client has sent its last request and every one is answered."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: pb.ModelInferRequest) -> None:
+            try:
+                response = await self._infer(request, context)
+                answer = pb.ModelStreamInferResponse(infer_response=response)
+            except StokerError as error:
+                answer = codec.stream_error(request, error.message)
+            except Exception as error:
+                log.error("unhandled %s in a gRPC stream", type(error).__name__, exc_info=error)
+                answer = codec.stream_error(request, "internal server error")
+            answers.put_nowait(answer)
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                if running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            await reader  # a failure to read the stream ends the call with it
+        finally:
+            reader.cancel()
+            for task in running:
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.gather(reader, *running, return_exceptions=True)
+
+    async def _infer(
+        self, request: pb.ModelInferRequest, context: Context
+    ) -> pb.ModelInferResponse:
+        """What HTTP's infer route does with a binary body: into an arena slot when the
+        engine client lends one (the tensors' one copy), through ``plane.infer``."""
+        header, chunks = codec.request_body(request, deadline_us(context))
+        total = len(header) + sum(map(len, chunks))
+        limit = self.max_body_bytes
+        if total > limit:  # typed contents take more bytes as tensors than in the message
+            raise PayloadTooLarge(f"request of {total} bytes as tensors exceeds {limit}")
+        version = request.model_version or None
+        async with self.plane.body_buffer(total) as slot:
+            body: bytes | memoryview
+            if slot is not None and len(slot.view) >= total:
+                view = slot.view
+                view[: len(header)] = header
+                at = len(header)
+                for chunk in chunks:
+                    view[at : at + len(chunk)] = chunk
+                    at += len(chunk)
+                body = view[:total]
+            else:
+                slot = None
+                body = b"".join([header, *chunks])
+            answer = await self.plane.infer(
+                request.model_name, version, body, len(header), slot, peer_host(context)
+            )
+        return codec.infer_response(answer)
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """``grpc.health.v1``: SERVING while the server is ready (every model warm, no drain),
+    NOT_SERVING otherwise, for the server ("") and for the inference service by name."""
+
+    SERVICES = frozenset({"", SERVICE})
+
+    def __init__(self, plane: DataPlane) -> None:
+        self.plane = plane
+
+    def _status(self, service: str) -> Any:
+        Status = health_pb2.HealthCheckResponse
+        if service not in self.SERVICES:
+            return Status.SERVICE_UNKNOWN
+        return Status.SERVING if self.plane.is_ready else Status.NOT_SERVING
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: Context
+    ) -> health_pb2.HealthCheckResponse:
+        if request.service not in self.SERVICES:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=self._status(request.service))
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: Context
+    ) -> AsyncGenerator[health_pb2.HealthCheckResponse, None]:
+        last = None
+        while True:
+            status = self._status(request.service)
+            if status != last:
+                yield health_pb2.HealthCheckResponse(status=status)
+                last = status
+            await asyncio.sleep(WATCH_INTERVAL_S)
