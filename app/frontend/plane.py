@@ -56,12 +56,14 @@ class Gathering:
     timeout_us: int | None
     priority: int
     client: str
-    future: asyncio.Future[Ran]
     parts: list[Part] = field(default_factory=list)
+    answers: list[asyncio.Future[Ran]] = field(default_factory=list)
+    """Each request's own future: one whose caller left is cancelled alone, and the frame's
+    answer reaches the others in one step (no shared future to shield)."""
     rows: int = 0
     waiting: int = 0
     """Requests of it whose callers still wait: when none does, the engine may drop it."""
-    task: asyncio.Task[Ran] | None = None
+    task: asyncio.Task[None] | None = None
 
 
 class DataPlane:
@@ -250,18 +252,19 @@ class DataPlane:
             self._send(key)
             gathering = None
         if gathering is None:
-            future = asyncio.get_running_loop().create_future()
-            gathering = Gathering(contract, timeout_us, priority, client, future)
+            gathering = Gathering(contract, timeout_us, priority, client)
             self._gatherings[key] = gathering
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 asyncio.get_running_loop().call_soon(self._send_all)
         index = len(gathering.parts)
+        mine: asyncio.Future[Ran] = asyncio.get_running_loop().create_future()
         gathering.parts.append(part)
+        gathering.answers.append(mine)
         gathering.rows += part.rows
         gathering.waiting += 1
         try:
-            ran = await asyncio.shield(gathering.future)
+            ran = await mine
         except asyncio.CancelledError:
             gathering.waiting -= 1
             if gathering.waiting == 0 and gathering.task is not None:
@@ -280,7 +283,6 @@ class DataPlane:
         if gathering.waiting == 0:  # all went away before it was sent: no engine knew of it
             count = len(gathering.parts)
             self.client.count_failures(contract.model, contract.version, "cancelled", count, 0.0)
-            gathering.future.cancel()
             return
         frame = Frame(
             contract.model,
@@ -290,20 +292,24 @@ class DataPlane:
             gathering.priority,
             gathering.client,
         )
-        gathering.task = asyncio.create_task(self.client.run(frame))
+        gathering.task = asyncio.create_task(self._deliver(frame, gathering.answers))
 
-        def finished(task: asyncio.Task[Ran]) -> None:
-            future = gathering.future
-            if future.done():
-                return
-            if task.cancelled() or gathering.waiting == 0:
-                future.cancel()  # nobody is left to read an error
-            elif task.exception() is not None:
-                future.set_exception(task.exception())  # type: ignore[arg-type]
-            else:
-                future.set_result(task.result())
-
-        gathering.task.add_done_callback(finished)
+    async def _deliver(self, frame: Frame, answers: Sequence[asyncio.Future[Ran]]) -> None:
+        """Run a frame and hand its answer, or its error, to each request still waiting."""
+        try:
+            ran = await self.client.run(frame)
+        except asyncio.CancelledError:
+            for answer in answers:  # cancelled only once every caller left: no-ops
+                answer.cancel()
+            raise
+        except Exception as error:
+            for answer in answers:
+                if not answer.done():
+                    answer.set_exception(error)
+            return
+        for answer in answers:
+            if not answer.done():  # a caller that left cancelled its own
+                answer.set_result(ran)
 
     async def classify_images(
         self,
