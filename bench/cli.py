@@ -3,8 +3,10 @@
 Targets, in the order given, the first being the one the others are compared with:
 ``--url`` (any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive``
 (the naive baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool
-with no HTTP). Every step of the concurrency sweep, then every fixed open-loop rate, runs on
-each target in turn; the ``--find-rate`` search comes last, target by target.
+with no HTTP). ``--protocol http,grpc`` measures each ``--url`` and ``--serve`` server over
+both protocols, one target each (``stoker-http``, ``stoker-grpc``), against the same server
+process. Every step of the concurrency sweep, then every fixed open-loop rate, runs on each
+target in turn; the ``--find-rate`` search comes last, target by target.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import contextlib
 import signal
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -25,8 +28,16 @@ from typing import Any
 import orjson
 
 from bench import launch, payloads, report
-from bench.loadgen import HttpTarget, InProcessTarget, Step, StepResult, Target, Workers
-from bench.payloads import ModelInputs, Payload
+from bench.grpc_client import GrpcTarget
+from bench.loadgen import (
+    HttpTarget,
+    InProcessTarget,
+    Step,
+    StepResult,
+    Target,
+    Workers,
+)
+from bench.payloads import ModelInputs, Payload, ProtocolName
 from engines.preprocess import ImagePreprocess
 
 DEFAULT_MODEL = "efficientnet_lite0"
@@ -59,6 +70,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="model repository for --serve, --naive, --in-process and preprocessing",
     )
     model.add_argument("--backend", help="backend for the servers the bench starts")
+    targets.add_argument(
+        "--protocol",
+        default="http",
+        help="http, grpc, or both (http,grpc): how --url and --serve servers are measured; "
+        "gRPC sends v2-binary as raw_input_contents and v2-json as typed contents",
+    )
+    targets.add_argument(
+        "--grpc-port",
+        type=int,
+        default=8001,
+        help="the gRPC port of --url servers, on the URL's host (default 8001)",
+    )
     load = parser.add_argument_group("payload")
     load.add_argument("--payload", choices=payloads.KINDS, default="v2-binary")
     load.add_argument("--rows", type=int, default=1, help="rows (images) per request")
@@ -105,6 +128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--rows, --workers and --distinct must be at least 1")
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be positive and --warmup not negative")
+    args.protocols = protocols(args.protocol)
+    if not args.protocols:
+        parser.error(f"--protocol takes {', '.join(payloads.PROTOCOLS)}, comma-separated")
+    if "grpc" in args.protocols and args.payload == "jpeg":
+        parser.error("gRPC has no image upload: use --payload v2-binary or v2-json with grpc")
     try:
         args.levels = levels(args.concurrency)
         width, height = (int(v) for v in args.image_size.lower().split("x"))
@@ -123,6 +151,19 @@ def levels(text: str) -> list[int]:
     return values
 
 
+def protocols(text: str) -> list[ProtocolName]:
+    """The protocols named, in order, once each; empty if any is unknown."""
+    chosen: list[ProtocolName] = []
+    for value in (v.strip().lower() for v in text.split(",") if v.strip()):
+        if value == "http" and value not in chosen:
+            chosen.append("http")
+        elif value == "grpc" and value not in chosen:
+            chosen.append("grpc")
+        elif value not in payloads.PROTOCOLS:
+            return []
+    return chosen
+
+
 @dataclass(frozen=True)
 class TargetPlan:
     name: str
@@ -130,17 +171,24 @@ class TargetPlan:
     launch: list[str] | None = None
     url: str | None = None
     port: int = 0
+    grpc: str | None = None
+    """Its gRPC address (host:port), where it serves gRPC."""
 
 
 def plans(args: argparse.Namespace) -> list[TargetPlan]:
     result = []
     for i, url in enumerate(args.url):
         name = "target" if len(args.url) == 1 else f"target{i + 1}"
-        result.append(TargetPlan(name, f"V2 server at {url}", url=url.rstrip("/")))
+        host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
+        address = f"{host}:{args.grpc_port}"
+        result.append(TargetPlan(name, f"V2 server at {url}", url=url.rstrip("/"), grpc=address))
     if args.serve:
         port = launch.free_port()
-        command = launch.stoker_command(args.repository, args.model, args.backend, port)
-        result.append(TargetPlan("stoker", "Stoker started by the bench", command, port=port))
+        grpc_port = launch.free_port() if "grpc" in args.protocols else 0
+        command = launch.stoker_command(args.repository, args.model, args.backend, port, grpc_port)
+        served = f"127.0.0.1:{grpc_port}" if grpc_port else None
+        plan = TargetPlan("stoker", "Stoker started by the bench", command, port=port, grpc=served)
+        result.append(plan)
     if args.naive:
         port = launch.free_port()
         command = launch.naive_command(args.repository, args.model, args.backend, port)
@@ -190,8 +238,10 @@ class PayloadCache:
         else:
             self.images = payloads.synthetic_images(args.distinct, *args.size)
 
-    def get(self, kind: Any, model: ModelInputs | None) -> list[Payload]:
-        key = (kind, model)
+    def get(
+        self, kind: Any, model: ModelInputs | None, protocol: ProtocolName = "http"
+    ) -> list[Payload]:
+        key = (kind, model, protocol)
         if key not in self._built:
             configured = None
             if model is not None and len(model.inputs) == 1:
@@ -201,7 +251,14 @@ class PayloadCache:
                 if configured is None and self._args.uint8:
                     configured = replace(payloads.image_preprocess(tensor, None), datatype="UINT8")
             self._built[key] = payloads.build(
-                kind, self.images, self._args.rows, self._args.distinct, model, configured
+                kind,
+                self.images,
+                self._args.rows,
+                self._args.distinct,
+                model,
+                configured,
+                protocol,
+                self._args.model_version,
             )
         return self._built[key]
 
@@ -238,26 +295,36 @@ def find_rate(
 
 def start(
     plan: TargetPlan, args: argparse.Namespace, cache: PayloadCache, stack: ExitStack
-) -> Workers:
-    """Start a target (its server if the bench owns it, then its client workers); the stack
-    stops them."""
+) -> list[tuple[str, str, Workers]]:
+    """Start a target (its server if the bench owns it, then client workers for each protocol
+    it is measured over); the stack stops them. Each: its name, description and workers."""
     url = stack.enter_context(serving(plan))
-    target: Target
+
+    def workers(target: Target, chosen: list[Payload], count: int) -> Workers:
+        made = Workers(target, chosen, count, args.max_in_flight, args.model, args.model_version)
+        return stack.enter_context(made)
+
     if url is None:
-        model = in_process_inputs(args.repository, args.model)
-        chosen = cache.get("tensors", model)
-        target = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
-        count = 1
-    else:
-        model = None
-        if args.payload != "jpeg":
-            version = f"/versions/{args.model_version}" if args.model_version else ""
-            model = ModelInputs.from_metadata(fetch_json(f"{url}/v2/models/{args.model}{version}"))
-        chosen = cache.get(args.payload, model)
-        target = HttpTarget(url, http_path(args), args.timeout)
-        count = args.workers
-    workers = Workers(target, chosen, count, args.max_in_flight, args.model, args.model_version)
-    return stack.enter_context(workers)
+        tensors = cache.get("tensors", in_process_inputs(args.repository, args.model))
+        raw = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
+        return [(plan.name, plan.description, workers(raw, tensors, 1))]
+    model: ModelInputs | None = None
+    if args.payload != "jpeg":
+        version = f"/versions/{args.model_version}" if args.model_version else ""
+        model = ModelInputs.from_metadata(fetch_json(f"{url}/v2/models/{args.model}{version}"))
+    started: list[tuple[str, str, Workers]] = []
+    measured: list[ProtocolName] = args.protocols if plan.grpc is not None else ["http"]
+    for protocol in measured:
+        target: Target
+        if protocol == "grpc" and plan.grpc is not None:
+            name, description = f"{plan.name}-grpc", f"{plan.description}, gRPC at {plan.grpc}"
+            target = GrpcTarget(plan.grpc, url, args.timeout)
+        else:
+            name = plan.name if len(measured) == 1 else f"{plan.name}-http"
+            description, target = plan.description, HttpTarget(url, http_path(args), args.timeout)
+        payload = cache.get(args.payload, model, protocol)
+        started.append((name, description, workers(target, payload, args.workers)))
+    return started
 
 
 def measure(
@@ -272,9 +339,9 @@ def measure(
     with ExitStack() as stack:
         live = []
         for plan in plans(args):
-            workers = start(plan, args, cache, stack)
-            results.append(report.TargetResult(plan.name, plan.description))
-            live.append((results[-1], workers))
+            for name, description, workers in start(plan, args, cache, stack):
+                results.append(report.TargetResult(name, description))
+                live.append((results[-1], workers))
 
         def record(result: report.TargetResult, step: StepResult) -> None:
             result.steps.append(step)

@@ -42,9 +42,14 @@ def is_ready(url: str) -> bool:
         return False
 
 
-def stoker_command(repository: Path, model: str, backend: str | None, port: int) -> list[str]:
+def stoker_command(
+    repository: Path, model: str, backend: str | None, port: int, grpc_port: int = 0
+) -> list[str]:
+    """``stoker serve`` on ``port``, with gRPC on ``grpc_port`` (0: none, so the default
+    8001 is never taken by a bench run)."""
     command = [sys.executable, "-m", "app", "serve", "--repository", str(repository)]
-    command += ["--model", model, "--port", str(port), "--log-level", "warning"]
+    command += ["--model", model, "--port", str(port), "--grpc-port", str(grpc_port)]
+    command += ["--log-level", "warning"]
     return command + (["--backend", backend] if backend else [])
 
 

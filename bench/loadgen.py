@@ -1,19 +1,21 @@
 """The load generator: client worker processes that run timed steps against one target.
 
-A target is a V2 server over HTTP (aiohttp, one connection per concurrent client) or Stoker's
-batcher and runner pool loaded in the worker itself (``in-process``: the raw-runner baseline,
-no HTTP, no codec). One asyncio client on one core tops out at a few thousand requests/s, so
-``workers`` processes share each step's clients (or arrival rate) and their samples are
-merged: the generator must never be the bottleneck it measures.
+A target is a V2 server over HTTP (aiohttp, one connection per concurrent client), over gRPC
+(``bench.grpc_client``: one channel and connection per request in flight, serialized
+requests sent as they are, answers not parsed, as the HTTP client does with bodies), or
+Stoker's batcher and runner pool loaded in the worker itself (``in-process``: the raw-runner
+baseline, no HTTP, no codec). One asyncio client on one core tops out at a few thousand
+requests/s, so ``workers`` processes share each step's clients (or arrival rate) and their
+samples are merged: the generator must never be the bottleneck it measures.
 
 A step is closed loop (``concurrency`` clients, each sending its next request when the last
 is answered) or open loop (Poisson arrivals at ``rate`` requests/s, latency counted from each
 request's scheduled time so a slow client cannot hide queueing). Every step warms up, then
 measures for ``duration_s``; every worker starts its step at the same wall-clock instant.
 
-Kept in one module (~550 lines): the step, the two clients, the recorder and the worker
-protocol change together whenever what a step measures changes; none of it is on the
-service's request path.
+Kept in one module (~550 lines): the step, the HTTP and in-process clients, the recorder and
+the worker protocol change together whenever what a step measures changes; none of it is on
+the service's request path.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from bench.grpc_client import GrpcClient, GrpcTarget
 from bench.payloads import Payload
 from bench.scrape import ServerStats, step_stats
 
@@ -74,7 +77,7 @@ class InProcessTarget:
     from the engine store (``STOKER_STORE__PATH``) or built into it, as the server does."""
 
 
-Target = HttpTarget | InProcessTarget
+Target = HttpTarget | GrpcTarget | InProcessTarget
 
 
 @dataclass(frozen=True)
@@ -432,6 +435,8 @@ async def serve_steps(connection: Connection, target: Target, payloads: list[Pay
     client: Client
     if isinstance(target, HttpTarget):
         client = HttpClient(target)
+    elif isinstance(target, GrpcTarget):
+        client = GrpcClient(target)
     else:
         client = await InProcessClient.load(target, payloads)
     loop = asyncio.get_running_loop()

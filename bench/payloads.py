@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +24,8 @@ from engines.spec import TensorSpec, v2_datatype
 
 Kind = Literal["v2-json", "v2-binary", "jpeg"]
 KINDS: tuple[Kind, ...] = ("v2-json", "v2-binary", "jpeg")
+ProtocolName = Literal["http", "grpc"]
+PROTOCOLS: tuple[ProtocolName, ...] = ("http", "grpc")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 # Distinct bodies cycle through the requests; fewer when bodies are large, so that all of
 # them fit comfortably in every client process.
@@ -50,7 +54,8 @@ class ModelInputs:
 
 @dataclass(frozen=True)
 class Payload:
-    """One request ready to send: an HTTP body and headers, or the tensors for in-process."""
+    """One request ready to send: an HTTP body and headers, a serialized ModelInferRequest
+    (gRPC), or the tensors for in-process."""
 
     rows: int
     body: bytes = b""
@@ -182,6 +187,29 @@ def v2_binary(tensors: dict[str, np.ndarray], rows: int) -> Payload:
     return Payload(rows, body, headers)
 
 
+def grpc_request(
+    tensors: dict[str, np.ndarray], rows: int, model: str, version: str | None, typed: bool
+) -> Payload:
+    """A serialized ModelInferRequest: each input's bytes in ``raw_input_contents`` (what
+    tritonclient.grpc sends, gRPC's binary form), or with ``typed`` in its typed
+    ``contents`` (gRPC's non-binary form, as v2-json is HTTP's); every output answered, as
+    raw bytes."""
+    from app.frontend.grpc.codec import TYPED_CONTENTS
+    from app.frontend.grpc.generated import grpc_service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name=model, model_version=version or "")
+    for name, array in tensors.items():
+        datatype = v2_datatype(array.dtype)
+        tensor = request.inputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if not typed:
+            request.raw_input_contents.append(np.ascontiguousarray(array).tobytes())
+        elif datatype in TYPED_CONTENTS:
+            getattr(tensor.contents, TYPED_CONTENTS[datatype][0]).extend(array.ravel().tolist())
+        else:
+            raise ValueError(f"{datatype} has no typed gRPC contents: use --payload v2-binary")
+    return Payload(rows, request.SerializeToString())
+
+
 def jpeg_upload(images: list[bytes]) -> Payload:
     """One image as a raw ``image/jpeg`` body; several as a multipart form (``curl -F``)."""
     if len(images) == 1:
@@ -208,9 +236,14 @@ def build(
     count: int,
     model: ModelInputs | None = None,
     configured: ImagePreprocess | None = None,
+    protocol: ProtocolName = "http",
+    version: str | None = None,
 ) -> list[Payload]:
-    """``count`` distinct payloads (fewer if they would not fit in memory)."""
+    """``count`` distinct payloads (fewer if they would not fit in memory), as HTTP bodies or
+    as gRPC ModelInferRequests of ``version`` (default: the model's)."""
     if kind == "jpeg":
+        if protocol == "grpc":
+            raise ValueError("gRPC has no image upload: use --payload v2-binary or v2-json")
         if not images:
             raise ValueError("JPEG uploads need images")
         return [
@@ -220,7 +253,15 @@ def build(
     if model is None:
         raise ValueError(f"{kind} payloads need the model's inputs")
     first = model_tensors(model, images, rows, 1, configured)[0]
-    encode = {"v2-json": v2_json, "v2-binary": v2_binary}.get(kind)
+    encoders: dict[str, Callable[[dict[str, np.ndarray], int], Payload]]
+    if protocol == "grpc":
+        encoders = {
+            "v2-json": partial(grpc_request, model=model.name, version=version, typed=True),
+            "v2-binary": partial(grpc_request, model=model.name, version=version, typed=False),
+        }
+    else:
+        encoders = {"v2-json": v2_json, "v2-binary": v2_binary}
+    encode = encoders.get(kind)
     size = len(encode(first, rows).body) if encode else sum(a.nbytes for a in first.values())
     count = max(1, min(count, MAX_PAYLOAD_BYTES // max(1, size)))
     sets = model_tensors(model, images, rows, count, configured)

@@ -38,6 +38,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from app.engine.images import decode
+from bench import cli
 from bench.launch import free_port
 from engines.preprocess import ImagePreprocess, preprocess
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, configure, slow_onnx, tiny_onnx
@@ -461,6 +462,10 @@ def test_errors_carry_tritons_codes_and_no_traceback(served: GrpcServer) -> None
             "DEADLINE_EXCEEDED",
         ),
         (lambda: client.register_cuda_shared_memory("gpu", HANDLE, 0, 64), "UNIMPLEMENTED"),
+        (lambda: client.get_cuda_shared_memory_status(), "UNIMPLEMENTED"),
+        (lambda: client.load_model("tiny"), "UNIMPLEMENTED"),
+        (lambda: client.get_trace_settings(), "UNIMPLEMENTED"),
+        (lambda: client.get_log_settings(), "UNIMPLEMENTED"),
     ]
     for call, code in cases:
         with pytest.raises(InferenceServerException) as failed:
@@ -816,3 +821,56 @@ def test_sigterm_answers_every_call_in_flight_and_refuses_new_ones(tmp_path: Pat
         i = int(result.get_response().id[1:])
         assert float(result.as_numpy("y").ravel()[0]) == pytest.approx((100.0 + i) * SLOW_WIDTH)
     assert code == 0, server.http.log.read_text()[-3000:]
+
+
+# -- the bench ------------------------------------------------------------------------------
+
+
+def test_the_bench_measures_grpc_beside_http_on_one_server(
+    served: GrpcServer, tmp_path: Path
+) -> None:
+    """``stoker bench --protocol http,grpc`` against a running server: both targets answer
+    without errors, the gRPC one over the server's gRPC port, and the server's own counts
+    see the gRPC requests."""
+    port = served.address.rpartition(":")[2]
+    before = tiny_successes(served)
+    document = run_bench(
+        tmp_path,
+        "--url",
+        served.http.url,
+        "--grpc-port",
+        port,
+        "--model",
+        "tiny",
+        "--protocol",
+        "http,grpc",
+        "--concurrency",
+        "4",
+        "--duration",
+        "1",
+        "--warmup",
+        "0.3",
+    )
+    http, over_grpc = document["targets"]
+    assert [http["name"], over_grpc["name"]] == ["target-http", "target-grpc"]
+    for target in (http, over_grpc):
+        (step,) = target["steps"]
+        assert step["errors"] == 0 and step["requests"] > 0, step
+        assert step["server"]["mean_batch_size"] is not None
+    assert (
+        tiny_successes(served) - before
+        >= http["steps"][0]["requests"] + over_grpc["steps"][0]["requests"]
+    )
+
+
+def tiny_successes(server: GrpcServer) -> float:
+    client = server.client()
+    stats = client.get_inference_statistics("tiny", "fp32").model_stats[0]
+    client.close()
+    return float(stats.inference_stats.success.count)
+
+
+def run_bench(folder: Path, *args: str) -> Any:
+    out = folder / "bench.json"
+    assert cli.main([*args, "--json", str(out)]) == 0
+    return orjson.loads(out.read_bytes())

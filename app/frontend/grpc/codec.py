@@ -7,18 +7,25 @@ encodes it exactly as an HTTP binary request; its answer, a JSON header and the 
 bytes, becomes a ``ModelInferResponse`` whose ``raw_output_contents`` are those bytes. The
 other answers (metadata, config, statistics, index, shared memory) are the documents the HTTP
 routes serialise, put into their messages. Pure functions: no gRPC server here.
+
+Inference messages are read and written as protobuf's wire bytes where the tensors are: a
+``raw_input_contents`` entry is a view of the message as it arrived (protobuf would copy it
+twice, once to parse and once more to hand it to Python) and an answer's bytes go into the
+response once. Every other field goes through the generated classes.
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
 import numpy as np
 import orjson
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from app.contract import Answer
 from app.errors import BadRequest, EngineError
@@ -26,6 +33,11 @@ from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+# grpc_service.proto's field numbers of what is read or written as wire bytes.
+_RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
+_RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
+_INFER_RESPONSE = 2  # ModelStreamInferResponse.infer_response
+_LENGTH_DELIMITED = 2
 _BYTES_LENGTH = struct.Struct("<I")
 _SHARED_MEMORY = "shared_memory_region"
 _INT64_MAX = 2**63 - 1
@@ -90,18 +102,87 @@ def _parameters(entries: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
     return {key: value for key, value in values.items() if value is not None}
 
 
+@dataclass(frozen=True)
+class InferCall:
+    """A ModelInferRequest as it arrived: every field but ``raw_input_contents`` parsed into
+    ``request``; those as ``raw``, views of the received message."""
+
+    request: pb.ModelInferRequest
+    raw: list[memoryview]
+
+
+def read_request(data: bytes) -> InferCall:
+    """A serialized ModelInferRequest, its tensors' bytes left where they are. Its top-level
+    fields are walked (a few, however large the tensors): ``raw_input_contents`` entries are
+    kept as views, the rest (names, shapes, parameters) parsed by protobuf."""
+    view = memoryview(data)
+    raw: list[memoryview] = []
+    rest: list[memoryview] = []
+    at = kept = 0
+    end = len(data)
+    while at < end:
+        start = at
+        key, at = _varint(data, at)
+        kind = key & 7
+        if kind == 0:
+            _, at = _varint(data, at)
+        elif kind == 1:
+            at += 8
+        elif kind == 5:
+            at += 4
+        elif kind == _LENGTH_DELIMITED:
+            length, at = _varint(data, at)
+            if key >> 3 == _RAW_INPUT_CONTENTS and at + length <= end:
+                rest.append(view[kept:start])
+                raw.append(view[at : at + length])
+                kept = at + length
+            at += length
+        else:
+            raise BadRequest("the request is not a ModelInferRequest")
+        if at > end:
+            raise BadRequest("the request is not a ModelInferRequest (it is cut short)")
+    rest.append(view[kept:end])
+    try:
+        request = pb.ModelInferRequest.FromString(b"".join(rest))
+    except DecodeError:
+        raise BadRequest("the request is not a ModelInferRequest") from None
+    return InferCall(request, raw)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while at < len(data) and shift < 64:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+    raise BadRequest("the request is not a ModelInferRequest (a bad varint)")
+
+
+def _length_prefix(field: int, length: int) -> bytes:
+    """The key of a length-delimited ``field`` and the varint ``length`` that follows it."""
+    out = bytearray([field << 3 | _LENGTH_DELIMITED])
+    while length >= 0x80:
+        out.append(length & 0x7F | 0x80)
+        length >>= 7
+    out.append(length)
+    return bytes(out)
+
+
 def request_body(
-    request: pb.ModelInferRequest, deadline_us: int | None = None
-) -> tuple[bytes, list[bytes]]:
-    """The V2 binary request for ``request``: its JSON header and the binary parts that follow
+    call: InferCall, deadline_us: int | None = None
+) -> tuple[bytes, list[bytes | memoryview]]:
+    """The V2 binary request for ``call``: its JSON header and the binary parts that follow
     it, in order. ``deadline_us``: what is left of the call's gRPC deadline, which bounds the
     request's ``timeout`` parameter (the engine then refuses work that cannot finish in
     time). Inputs take their data from ``raw_input_contents`` in order, or from their typed
     ``contents``, or from a registered shared-memory region, as Triton reads them."""
-    raw = request.raw_input_contents
+    request, raw = call.request, call.raw
     used = 0
     inputs: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
+    chunks: list[bytes | memoryview] = []
     for tensor in request.inputs:
         parameters = _parameters(tensor.parameters)
         parameters.pop("binary_data_size", None)
@@ -111,6 +192,7 @@ def request_body(
             "shape": list(tensor.shape),
         }
         if _SHARED_MEMORY not in parameters:
+            chunk: bytes | memoryview
             if tensor.HasField("contents"):
                 if raw:
                     raise BadRequest(
@@ -189,10 +271,11 @@ def typed_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes:
         return array.astype(target.newbyteorder("<")).tobytes()
 
 
-def infer_response(answer: Answer) -> pb.ModelInferResponse:
-    """The ModelInferResponse of a V2 binary answer: one raw_output_contents entry per output,
-    in output order (empty for an output written to shared memory), as Triton sends them;
-    classification and BYTES outputs length-prefixed, as in HTTP's binary data."""
+def infer_response(answer: Answer) -> bytes:
+    """The serialized ModelInferResponse of a V2 binary answer: one raw_output_contents entry
+    per output, in output order (empty for an output written to shared memory), as Triton
+    sends them; classification and BYTES outputs length-prefixed, as in HTTP's binary data.
+    The outputs' bytes are copied once, from the answer into the response."""
     content = answer.content
     length = answer.headers.get(HEADER_LENGTH)
     start = len(content) if length is None else int(length)
@@ -202,8 +285,9 @@ def infer_response(answer: Answer) -> pb.ModelInferResponse:
         model_version=document["model_version"],
         id=document.get("id", ""),
     )
+    view = memoryview(content)
     offset = start
-    raw: list[bytes] = []
+    raw: list[bytes | memoryview] = []
     for output in document["outputs"]:
         tensor = response.outputs.add(
             name=output["name"], datatype=output["datatype"], shape=output["shape"]
@@ -213,23 +297,31 @@ def infer_response(answer: Answer) -> pb.ModelInferResponse:
         for key, value in parameters.items():
             set_parameter(tensor.parameters[key], value)
         if size is not None:
-            raw.append(content[offset : offset + size])
+            chunk = view[offset : offset + size]
             offset += size
         elif "data" in output:  # every output is asked for as binary: never expected here
             raise EngineError(f"output {output['name']!r} came back as JSON")
         else:
-            raw.append(b"")
-    response.raw_output_contents.extend(raw)
-    return response
+            chunk = view[:0]
+        raw += [_length_prefix(_RAW_OUTPUT_CONTENTS, len(chunk)), chunk]
+    # Fields may come in any order on the wire: the tensors follow the rest.
+    return b"".join([response.SerializeToString(), *raw])
 
 
-def stream_error(request: pb.ModelInferRequest, message: str) -> pb.ModelStreamInferResponse:
+def stream_answer(response: bytes) -> bytes:
+    """A stream's answer to one request: the serialized ModelInferResponse, wrapped."""
+    return _length_prefix(_INFER_RESPONSE, len(response)) + response
+
+
+def stream_error(request: pb.ModelInferRequest, message: str) -> bytes:
     """A stream's answer to one request that failed: the error, and the request's id so a
     client with many in flight can tell which."""
     failed = pb.ModelInferResponse(
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
-    return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+    answer = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+    data: bytes = answer.SerializeToString()
+    return data
 
 
 # -- the other answers ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 from app.errors import client_text
 from app.frontend.auth import KeyRing, presented_key
-from app.frontend.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.service import SERVICE, Health, InferenceService
 from app.frontend.plane import DataPlane
 from app.settings import Settings
@@ -90,6 +90,30 @@ def refusal(handler: Handler, message: str) -> Handler:
     return grpc.unary_unary_rpc_method_handler(refuse, decode, encode)
 
 
+# Taken and answered as wire bytes (``codec.read_request``): their tensors are not copied by
+# protobuf on the way in or out.
+RAW_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
+
+
+def handlers(service: InferenceService) -> dict[str, Handler]:
+    """A handler for every method the proto declares, by its name, each calling the method of
+    ``service`` of that name; the messages of all but ``RAW_METHODS`` (de)serialized by the
+    generated classes."""
+    found: dict[str, Handler] = {}
+    for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
+        behaviour = getattr(service, method.name)
+        if method.name in RAW_METHODS:
+            decode, encode = None, None
+        else:
+            decode = getattr(pb, method.input_type.name).FromString
+            encode = getattr(pb, method.output_type.name).SerializeToString
+        if method.client_streaming and method.server_streaming:
+            found[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
+        else:
+            found[method.name] = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
+    return found
+
+
 def address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -106,9 +130,9 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     ]
     keys = KeyRing(settings.auth.keys())
     server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys else [], options=options)
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(  # type: ignore[no-untyped-call]
-        InferenceService(plane, limits.max_body_bytes), server
-    )
+    served = handlers(InferenceService(plane, limits.max_body_bytes))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, served),))
+    server.add_registered_method_handlers(SERVICE, served)
     health_pb2_grpc.add_HealthServicer_to_server(Health(plane), server)
     where = address(settings.server.host, settings.server.grpc_port)
     try:

@@ -25,7 +25,6 @@ from app import __version__
 from app.errors import PayloadTooLarge, StokerError
 from app.frontend.grpc import codec
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
-from app.frontend.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.frontend.plane import DataPlane
 from app.frontend.routes import EXTENSIONS
 
@@ -62,6 +61,10 @@ def code_of(error: StokerError) -> grpc.StatusCode:
 
 async def refuse(context: Context, error: StokerError) -> NoReturn:
     await context.abort(code_of(error), error.message)
+
+
+async def unimplemented(context: Context, what: str) -> NoReturn:
+    await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"not supported: {what}")
 
 
 def answered(method: Method[M]) -> Method[M]:
@@ -102,7 +105,10 @@ def deadline_us(context: Context) -> int | None:
     return None if left is None else int(left * 1e6)
 
 
-class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
+class InferenceService:
+    """Every method of ``inference.GRPCInferenceService`` (``server.handlers`` registers
+    them by the proto's names)."""
+
     def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
         self.plane = plane
         self.max_body_bytes = max_body_bytes
@@ -189,51 +195,62 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     ) -> pb.SystemSharedMemoryStatusResponse:
         return codec.shm_status(await self.plane.shm_status(request.name or None))
 
+    # -- what Stoker does not serve ------------------------------------------------------
+
     async def CudaSharedMemoryRegister(
         self, request: pb.CudaSharedMemoryRegisterRequest, context: Context
-    ) -> pb.CudaSharedMemoryRegisterResponse:
-        await self._no_cuda_shm(context)
+    ) -> NoReturn:
+        await unimplemented(context, "CUDA shared memory: use system shared memory")
 
     async def CudaSharedMemoryUnregister(
         self, request: pb.CudaSharedMemoryUnregisterRequest, context: Context
-    ) -> pb.CudaSharedMemoryUnregisterResponse:
-        await self._no_cuda_shm(context)
+    ) -> NoReturn:
+        await unimplemented(context, "CUDA shared memory: use system shared memory")
 
     async def CudaSharedMemoryStatus(
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
-    ) -> pb.CudaSharedMemoryStatusResponse:
-        await self._no_cuda_shm(context)
+    ) -> NoReturn:
+        await unimplemented(context, "CUDA shared memory: use system shared memory")
 
-    @staticmethod
-    async def _no_cuda_shm(context: Context) -> NoReturn:
-        await context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "CUDA shared memory is not supported; use system shared memory",
-        )
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> NoReturn:
+        await unimplemented(context, "loading models over the API: models load at startup")
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> NoReturn:
+        await unimplemented(context, "unloading models over the API: models load at startup")
+
+    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> NoReturn:
+        await unimplemented(context, "tracing")
+
+    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> NoReturn:
+        await unimplemented(context, "log settings: set server.log_level")
 
     # -- inference ----------------------------------------------------------------------
+    # Requests and answers are protobuf's wire bytes here (``codec.read_request``): tensors
+    # are read where they arrived and written into the answer once.
 
     @answered
-    async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: Context
-    ) -> pb.ModelInferResponse:
-        return await self._infer(request, context)
+    async def ModelInfer(self, request: bytes, context: Context) -> bytes:
+        return await self._infer(codec.read_request(request), context)
 
     async def ModelStreamInfer(
-        self,
-        request_iterator: AsyncIterator[pb.ModelInferRequest],
-        context: Context,
-    ) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        self, request_iterator: AsyncIterator[bytes], context: Context
+    ) -> AsyncGenerator[bytes, None]:
         """Every request of the stream runs as it arrives, many at once, and each is answered
         as it completes (a failure as its ``error_message``); the stream ends once the
         client has sent its last request and every one is answered."""
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
-        async def one(request: pb.ModelInferRequest) -> None:
+        async def one(data: bytes) -> None:
+            request = pb.ModelInferRequest()
             try:
-                response = await self._infer(request, context)
-                answer = pb.ModelStreamInferResponse(infer_response=response)
+                call = codec.read_request(data)
+                request = call.request
+                answer = codec.stream_answer(await self._infer(call, context))
             except StokerError as error:
                 answer = codec.stream_error(request, error.message)
             except Exception as error:
@@ -243,8 +260,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
         async def read() -> None:
             try:
-                async for request in request_iterator:
-                    task = asyncio.create_task(one(request))
+                async for data in request_iterator:
+                    task = asyncio.create_task(one(data))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if running:
@@ -264,17 +281,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(reader, *running, return_exceptions=True)
 
-    async def _infer(
-        self, request: pb.ModelInferRequest, context: Context
-    ) -> pb.ModelInferResponse:
+    async def _infer(self, call: codec.InferCall, context: Context) -> bytes:
         """What HTTP's infer route does with a binary body: into an arena slot when the
         engine client lends one (the tensors' one copy), through ``plane.infer``."""
-        header, chunks = codec.request_body(request, deadline_us(context))
+        header, chunks = codec.request_body(call, deadline_us(context))
         total = len(header) + sum(map(len, chunks))
         limit = self.max_body_bytes
         if total > limit:  # typed contents take more bytes as tensors than in the message
             raise PayloadTooLarge(f"request of {total} bytes as tensors exceeds {limit}")
-        version = request.model_version or None
+        request = call.request
         async with self.plane.body_buffer(total) as slot:
             body: bytes | memoryview
             if slot is not None and len(slot.view) >= total:
@@ -289,7 +304,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 slot = None
                 body = b"".join([header, *chunks])
             answer = await self.plane.infer(
-                request.model_name, version, body, len(header), slot, peer_host(context)
+                request.model_name,
+                request.model_version or None,
+                body,
+                len(header),
+                slot,
+                peer_host(context),
             )
         return codec.infer_response(answer)
 

@@ -15,9 +15,10 @@ from PIL import Image
 from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartParser
 
+from app.frontend.grpc.codec import read_request, request_body
 from app.protocol import decode_request
 from bench import payloads, report
-from bench.cli import levels
+from bench.cli import levels, protocols
 from bench.loadgen import Samples, Step, StepResult, merge, split, summarize
 from bench.payloads import ModelInputs
 from bench.scrape import ServerStats, step_stats
@@ -166,6 +167,31 @@ def test_v2_payloads_decode_to_the_preprocessed_rows(kind: payloads.Kind) -> Non
         assert request.inputs["input"].shape == (3, 3, 32, 32)
         if kind == "v2-binary":
             assert request.binary_data_output
+
+
+@pytest.mark.parametrize("kind", ["v2-json", "v2-binary"])
+def test_grpc_payloads_are_requests_the_server_reads_as_the_same_rows(kind: payloads.Kind) -> None:
+    built = payloads.build(
+        kind, image_bytes(4), rows=3, count=2, model=IMAGE_MODEL, protocol="grpc", version="fp16"
+    )
+    tensors = payloads.model_tensors(IMAGE_MODEL, image_bytes(4), rows=3, count=2)
+    spec = ModelSpec("img", IMAGE_MODEL.inputs, (), max_batch_size=8)
+    for payload, expected in zip(built, tensors, strict=True):
+        call = read_request(payload.body)
+        assert (call.request.model_name, call.request.model_version) == ("img", "fp16")
+        assert len(call.raw) == (1 if kind == "v2-binary" else 0)  # typed contents otherwise
+        header, chunks = request_body(call)
+        request = decode_request(b"".join([header, *chunks]), len(header), spec)
+        np.testing.assert_allclose(request.inputs["input"], expected["input"], rtol=1e-6)
+        assert payload.rows == 3 and request.inputs["input"].shape == (3, 3, 32, 32)
+    with pytest.raises(ValueError, match="no image upload"):
+        payloads.build("jpeg", image_bytes(1), 1, 1, protocol="grpc")
+
+
+def test_protocols_parse() -> None:
+    assert protocols("http") == ["http"]
+    assert protocols("grpc, HTTP,grpc") == ["grpc", "http"]
+    assert protocols("http,websocket") == []
 
 
 def test_non_image_inputs_get_random_tensors() -> None:

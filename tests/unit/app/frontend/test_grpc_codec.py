@@ -42,8 +42,13 @@ def raw(array: np.ndarray) -> bytes:
     return array.tobytes()
 
 
+def arrived(request: pb.ModelInferRequest) -> codec.InferCall:
+    """``request`` as the server reads it off the wire."""
+    return codec.read_request(request.SerializeToString())
+
+
 def decoded(request: pb.ModelInferRequest, deadline_us: int | None = None) -> Any:
-    header, chunks = codec.request_body(request, deadline_us)
+    header, chunks = codec.request_body(arrived(request), deadline_us)
     return decode_request(b"".join([header, *chunks]), len(header), ANY_MODEL)
 
 
@@ -88,7 +93,7 @@ def test_half_floats_have_no_typed_field(datatype: str) -> None:
     tensor = request.inputs.add(name="h", datatype=datatype, shape=[1])
     tensor.contents.fp32_contents.append(1.0)
     with pytest.raises(BadRequest, match="send it in raw_input_contents"):
-        codec.request_body(request)
+        codec.request_body(arrived(request))
 
 
 def test_bf16_raw_bytes_are_read_as_bfloat16() -> None:
@@ -114,7 +119,39 @@ def test_typed_contents_that_do_not_fit_are_refused(
     tensor = request.inputs.add(name="t", datatype=datatype, shape=[3])
     getattr(tensor.contents, field).extend(values)
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(request)
+        codec.request_body(arrived(request))
+
+
+def test_raw_contents_are_views_of_the_message_as_it_arrived() -> None:
+    x = np.arange(4096, dtype=np.float32)
+    request = raw_request(x=(x, "FP32"))
+    request.raw_input_contents.append(b"")
+    request.inputs.add(name="empty", datatype="INT8", shape=[0])
+    request.parameters["priority"].int64_param = 1
+    data = request.SerializeToString()
+    call = codec.read_request(data)
+    assert [bytes(chunk) for chunk in call.raw] == [x.tobytes(), b""]
+    assert all(chunk.obj is data for chunk in call.raw)  # not copied
+    assert call.request.inputs[1].name == "empty" and not call.request.raw_input_contents
+    assert call.request.parameters["priority"].int64_param == 1
+    # Fields in any order on the wire, as protobuf allows: the tensors first, then the rest.
+    rest = pb.ModelInferRequest()
+    rest.CopyFrom(request)
+    del rest.raw_input_contents[:]
+    shuffled = pb.ModelInferRequest(raw_input_contents=request.raw_input_contents)
+    call = codec.read_request(shuffled.SerializeToString() + rest.SerializeToString())
+    assert [bytes(chunk) for chunk in call.raw] == [x.tobytes(), b""]
+    assert call.request == rest
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"\x3a\xff\xff\x03abc", b"\x0b", b"\x0a\x05ab", b"\xff" * 11, b"\x2a\x02\xff\xff"],
+    ids=["raw runs past the end", "a group", "a name cut short", "a bad varint", "bad inputs"],
+)
+def test_bytes_that_are_no_request_are_refused(data: bytes) -> None:
+    with pytest.raises(BadRequest, match="not a ModelInferRequest"):
+        codec.read_request(data)
 
 
 def test_raw_contents_are_read_in_input_order_skipping_shared_memory() -> None:
@@ -126,7 +163,7 @@ def test_raw_contents_are_read_in_input_order_skipping_shared_memory() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 16
     request.inputs.add(name="b", datatype="FP64", shape=[2])
     request.raw_input_contents.extend([a.tobytes(), b.tobytes()])
-    header, chunks = codec.request_body(request)
+    header, chunks = codec.request_body(arrived(request))
     document = orjson.loads(header)
     assert document["id"] == "req-1"
     assert [i["parameters"] for i in document["inputs"]] == [
@@ -134,7 +171,7 @@ def test_raw_contents_are_read_in_input_order_skipping_shared_memory() -> None:
         {"shared_memory_region": "region", "shared_memory_byte_size": 16},
         {"binary_data_size": 16},
     ]
-    assert chunks == [a.tobytes(), b.tobytes()]
+    assert [bytes(chunk) for chunk in chunks] == [a.tobytes(), b.tobytes()]
 
 
 @pytest.mark.parametrize(
@@ -154,7 +191,7 @@ def test_inputs_and_raw_contents_that_disagree_are_refused(change: str, problem:
     else:
         request.inputs[0].contents.fp32_contents.extend([0.0, 0.0, 0.0])
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(request)
+        codec.request_body(arrived(request))
 
 
 def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
@@ -166,7 +203,7 @@ def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 12
     request.parameters["priority"].uint64_param = 2
     request.parameters["sequence_id"].int64_param = 9  # a parameter the decoder ignores
-    header, _ = codec.request_body(request)
+    header, _ = codec.request_body(arrived(request))
     document = orjson.loads(header)
     assert document["outputs"] == [
         {"name": "scores", "parameters": {"classification": 3, "binary_data": True}},
@@ -227,7 +264,9 @@ def test_a_binary_answer_becomes_raw_output_contents_in_output_order() -> None:
         ],
         region,
     )
-    response = codec.infer_response(Answer("m", "fp32", headers, content))
+    response = pb.ModelInferResponse.FromString(
+        codec.infer_response(Answer("m", "fp32", headers, content))
+    )
     assert (response.model_name, response.model_version, response.id) == ("m", "fp32", "req-9")
     assert [(o.name, o.datatype, list(o.shape)) for o in response.outputs] == [
         ("y", "FP32", [2, 3]),
@@ -252,13 +291,28 @@ def test_an_answer_all_in_shared_memory_has_no_binary_part() -> None:
         Region(8),
     )
     assert "Inference-Header-Content-Length" not in headers
-    response = codec.infer_response(Answer("m", "fp32", headers, content))
+    response = pb.ModelInferResponse.FromString(
+        codec.infer_response(Answer("m", "fp32", headers, content))
+    )
     assert list(response.raw_output_contents) == [b""] and response.id == ""
+
+
+def test_a_stream_answer_wraps_the_response() -> None:
+    content, headers = encode_response(
+        "m", "fp32", "s-1", [(RequestedOutput("y", True), np.ones(3, np.float32))]
+    )
+    response = codec.infer_response(Answer("m", "fp32", headers, content))
+    wrapped = pb.ModelStreamInferResponse.FromString(codec.stream_answer(response))
+    assert wrapped.error_message == ""
+    assert wrapped.infer_response == pb.ModelInferResponse.FromString(response)
+    assert wrapped.infer_response.raw_output_contents[0] == np.ones(3, np.float32).tobytes()
 
 
 def test_a_stream_error_names_the_request() -> None:
     request = pb.ModelInferRequest(model_name="m", model_version="fp16", id="r-3")
-    answer = codec.stream_error(request, "input 'x': wrong shape")
+    answer = pb.ModelStreamInferResponse.FromString(
+        codec.stream_error(request, "input 'x': wrong shape")
+    )
     assert answer.error_message == "input 'x': wrong shape"
     assert (answer.infer_response.id, answer.infer_response.model_version) == ("r-3", "fp16")
 

@@ -87,11 +87,12 @@ def with_service(tmp_path: Path, scenario: Callable[[InferenceService], Awaitabl
     return asyncio.run(run())
 
 
-def tiny_request(x: np.ndarray, request_id: str = "") -> pb.ModelInferRequest:
+def tiny_request(x: np.ndarray, request_id: str = "") -> bytes:
+    """A serialized ModelInferRequest for the tiny model: what the inference methods take."""
     request = pb.ModelInferRequest(model_name="tiny", id=request_id)
     request.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
     request.raw_input_contents.append(x.tobytes())
-    return request
+    return request.SerializeToString()
 
 
 def y_of(response: pb.ModelInferResponse) -> np.ndarray:
@@ -133,13 +134,19 @@ def test_infer_answers_the_models_numbers_and_refuses_with_codes(tmp_path: Path)
 
     async def scenario(service: InferenceService) -> None:
         context = cast(Any, Context(remaining=30.0))
-        response = await service.ModelInfer(tiny_request(x, "q-1"), context)
+        response = pb.ModelInferResponse.FromString(
+            await service.ModelInfer(tiny_request(x, "q-1"), context)
+        )
         assert response.id == "q-1" and response.model_version == "fp32"
         np.testing.assert_allclose(
             y_of(response), x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5
         )
         for request, code in [
-            (pb.ModelInferRequest(model_name="nope"), grpc.StatusCode.NOT_FOUND),
+            (
+                pb.ModelInferRequest(model_name="nope").SerializeToString(),
+                grpc.StatusCode.NOT_FOUND,
+            ),
+            (b"\x0b", grpc.StatusCode.INVALID_ARGUMENT),
             (tiny_request(np.ones((1, 5), np.float32)), grpc.StatusCode.INVALID_ARGUMENT),
         ]:
             with pytest.raises(Aborted) as refused:
@@ -150,7 +157,7 @@ def test_infer_answers_the_models_numbers_and_refuses_with_codes(tmp_path: Path)
         tensor = big.inputs.add(name="x", datatype="FP32", shape=[LIMIT // 16 + 1, 4])
         tensor.contents.fp32_contents.extend([0.0] * ((LIMIT // 16 + 1) * 4))
         with pytest.raises(Aborted) as too_large:
-            await service.ModelInfer(big, context)
+            await service.ModelInfer(big.SerializeToString(), context)
         assert too_large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         ready = await service.ModelReady(pb.ModelReadyRequest(name="tiny"), context)
         unknown = await service.ModelReady(pb.ModelReadyRequest(name="nope"), context)
@@ -163,13 +170,13 @@ def test_a_stream_answers_every_request_and_errors_in_band(tmp_path: Path) -> No
     xs = {f"s{i}": np.full((1, 4), float(i), np.float32) for i in range(8)}
 
     async def scenario(service: InferenceService) -> list[pb.ModelStreamInferResponse]:
-        async def requests() -> AsyncIterator[pb.ModelInferRequest]:
+        async def requests() -> AsyncIterator[bytes]:
             for request_id, x in xs.items():
                 yield tiny_request(x, request_id)
             yield tiny_request(np.ones((1, 3), np.float32), "bad")
 
         stream = service.ModelStreamInfer(requests(), cast(Any, Context()))
-        return [answer async for answer in stream]
+        return [pb.ModelStreamInferResponse.FromString(answer) async for answer in stream]
 
     answers = with_service(tmp_path, scenario)
     assert len(answers) == len(xs) + 1
@@ -217,8 +224,8 @@ def test_a_request_is_written_into_the_slot_the_engine_client_lends(slot_bytes: 
     plane = LendingPlane(slot_bytes)
     service = InferenceService(cast(DataPlane, plane), LIMIT)
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    response: pb.ModelInferResponse = asyncio.run(
-        service.ModelInfer(tiny_request(x), cast(Any, Context()))
+    response = pb.ModelInferResponse.FromString(
+        asyncio.run(service.ModelInfer(tiny_request(x), cast(Any, Context())))
     )
     ((body, header_length, slot, client),) = plane.seen
     assert header_length is not None and bytes(body[header_length:]) == x.tobytes()
