@@ -11,7 +11,7 @@
 # Both run as a non-root user, take STOKER_* settings from the environment, keep the engine
 # store on the volume /var/cache/stoker (a restarted container loads instead of rebuilding),
 # and carry the default model prepared at build time, so they start offline.
-#   docker run -p 8000:8000 -v stoker-engines:/var/cache/stoker stoker:cpu
+#   docker run -p 8000:8000 -p 8001:8001 -v stoker-engines:/var/cache/stoker stoker:cpu
 
 ARG PYTHON_IMAGE=python:3.11.14-slim-bookworm
 ARG TENSORRT_IMAGE=nvcr.io/nvidia/tensorrt:25.10-py3
@@ -42,12 +42,14 @@ ENV PATH=/opt/stoker/venv/bin:$PATH \
     HOME=/var/cache/stoker \
     STOKER_SERVER__HOST=0.0.0.0 \
     STOKER_SERVER__PORT=8000 \
+    STOKER_SERVER__GRPC_PORT=8001 \
     STOKER_MODELS__REPOSITORY=/opt/stoker/models \
     STOKER_MODELS__PREPARE_MISSING=false \
     STOKER_STORE__PATH=/var/cache/stoker/engines
 VOLUME ["/var/cache/stoker"]
 USER 10001:10001
-EXPOSE 8000
+# HTTP, and the KServe V2 / Triton gRPC API.
+EXPOSE 8000 8001
 # Ready, not merely live: engines can take minutes to build the first time, hence the start period.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('STOKER_SERVER__PORT', '8000')}/v2/health/ready\", timeout=2)"]
@@ -88,12 +90,14 @@ ENV PATH=/opt/stoker/venv/bin:$PATH \
     HOME=/var/cache/stoker \
     STOKER_SERVER__HOST=0.0.0.0 \
     STOKER_SERVER__PORT=8000 \
+    STOKER_SERVER__GRPC_PORT=8001 \
     STOKER_MODELS__REPOSITORY=/opt/stoker/models \
     STOKER_MODELS__PREPARE_MISSING=false \
     STOKER_STORE__PATH=/var/cache/stoker/engines
 VOLUME ["/var/cache/stoker"]
 USER 10001:10001
-EXPOSE 8000
+# HTTP, and the KServe V2 / Triton gRPC API.
+EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=600s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen(f\"http://127.0.0.1:{os.environ.get('STOKER_SERVER__PORT', '8000')}/v2/health/ready\", timeout=2)"]
 ENTRYPOINT ["stoker"]

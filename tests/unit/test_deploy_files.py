@@ -120,7 +120,8 @@ def test_runtime_stage_is_non_root_with_store_volume_and_readiness_healthcheck(
     env = stage_env(stage)
     assert env["STOKER_STORE__PATH"].startswith(VOLUME + "/")
     assert env["STOKER_SERVER__HOST"] == "0.0.0.0"
-    assert f"EXPOSE {env['STOKER_SERVER__PORT']}" in [f"{k} {r}" for k, r in stage]
+    exposed = f"EXPOSE {env['STOKER_SERVER__PORT']} {env['STOKER_SERVER__GRPC_PORT']}"
+    assert exposed in [f"{k} {r}" for k, r in stage]
     assert ("ENTRYPOINT", '["stoker"]') in stage and ("CMD", '["serve"]') in stage
 
 
@@ -234,8 +235,18 @@ def test_compose_stop_grace_outlasts_the_drain() -> None:
 
 def test_probes_use_the_v2_health_endpoints_on_the_served_port() -> None:
     spec = container(base("Deployment"))
-    (port,) = spec["ports"]
+    port, grpc = spec["ports"]
     assert port["containerPort"] == int(base_config()["STOKER_SERVER__PORT"])
+    assert (grpc["name"], grpc["containerPort"]) == (
+        "grpc",
+        int(base_config()["STOKER_SERVER__GRPC_PORT"]),
+    )
+    service_ports = {p["name"]: p["targetPort"] for p in base("Service")["spec"]["ports"]}
+    assert service_ports == {"http": "http", "grpc": "grpc"}
+    allowed = {
+        p["port"] for rule in base("NetworkPolicy")["spec"]["ingress"] for p in rule["ports"]
+    }
+    assert allowed == {"http", "grpc"}
     assert spec["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert spec["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert spec["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
