@@ -16,6 +16,7 @@ import contextlib
 import queue
 import shutil
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,14 @@ from bench import cli
 from bench.launch import free_port
 from engines.preprocess import ImagePreprocess, preprocess
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, configure, slow_onnx, tiny_onnx
-from tests.integration.conftest import BODY_LIMIT, Server, metric_samples, start_server, stop_server
+from tests.integration.conftest import (
+    BODY_LIMIT,
+    Server,
+    launch_server,
+    metric_samples,
+    start_server,
+    stop_server,
+)
 
 ESPRESSO = 967
 # BF16 is left out: the onnxruntime backend cannot load a BF16 model (its session refuses
@@ -731,6 +739,22 @@ def test_api_keys_are_asked_for_as_over_http(keyed: GrpcServer) -> None:
     assert error is not None and error.status() == "StatusCode.UNAUTHENTICATED"
     client.stop_stream()
     client.close()
+
+
+def test_a_taken_grpc_port_stops_the_server(tmp_path: Path) -> None:
+    """As a taken HTTP port does: one process binds without SO_REUSEPORT, so a port another
+    socket holds is an error at startup, not a silent share."""
+    repo = tmp_path / "repository"
+    add_model(repo, "tiny", tiny_onnx(), TINY_CONFIG)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {"STOKER_SERVER__GRPC_PORT": str(port)}
+        process = launch_server(repo, tmp_path / "server.log", env).process
+        code = process.wait(120)
+    assert code != 0
+    assert f"gRPC cannot listen on 127.0.0.1:{port}" in (tmp_path / "server.log").read_text()
 
 
 # -- drain ----------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ SO_REUSEPORT, so the kernel spreads connections over them as the shared HTTP lis
 with one process a port that is taken fails the start), serves ``inference.
 GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, and applies HTTP's
 limits where gRPC has them: a message over ``limits.max_body_bytes`` is RESOURCE_EXHAUSTED
-before it is read whole, metadata is bounded by ``limits.max_header_bytes``, idle
-connections close after ``server.keep_alive_s``. With API keys, every call but the health and
+before it is read whole, metadata is bounded by ``limits.max_header_bytes``, a connection
+must open within ``limits.header_timeout_s`` and idle ones close after ``server.keep_alive_s``.
+(``max_connections`` and ``max_inflight_body_bytes`` have no gRPC counterpart here: grpc.aio
+reads a message whole before a handler sees it.) With API keys, every call but the health and
 liveness ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata,
 as HTTP's headers) or is UNAUTHENTICATED before its handler runs. ``stop`` lets calls in
 flight finish: the data plane's drain has already refused new inference with UNAVAILABLE.
@@ -126,6 +128,9 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
         ("grpc.max_receive_message_length", limits.max_body_bytes),
         ("grpc.max_metadata_size", limits.max_header_bytes),
         ("grpc.max_connection_idle_ms", settings.server.keep_alive_s * 1000),
+        # A connection that has not opened HTTP/2 in this long is closed, as a request head
+        # that does not arrive in header_timeout_s is over HTTP (slow-loris).
+        ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
         ("grpc.so_reuseport", 1 if shared_port else 0),
     ]
     keys = KeyRing(settings.auth.keys())
