@@ -20,9 +20,12 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any, cast
 
+import grpc
 import httpx
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.launch import free_port
 from tests.unit.test_deploy_files import ROOT, dockerfile_stages
@@ -176,9 +179,15 @@ def test_the_image_environment_installs_and_lists_the_prepared_model(image: Imag
 def test_the_image_serves_offline_and_its_healthcheck_passes(
     image: Image, coffee_jpeg: bytes, tmp_path: Path
 ) -> None:
-    port = free_port()
-    # Loopback only in tests; the image binds 0.0.0.0.
-    env = {**image.env, "STOKER_SERVER__HOST": "127.0.0.1", "STOKER_SERVER__PORT": str(port)}
+    port, grpc_port = free_port(), free_port()
+    # Loopback only in tests; the image binds 0.0.0.0 (its own ports, 8000 and 8001, may be
+    # taken on the test machine).
+    env = {
+        **image.env,
+        "STOKER_SERVER__HOST": "127.0.0.1",
+        "STOKER_SERVER__PORT": str(port),
+        "STOKER_SERVER__GRPC_PORT": str(grpc_port),
+    }
     log = tmp_path / "server.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -198,6 +207,11 @@ def test_the_image_serves_offline_and_its_healthcheck_passes(
         answer = httpx.post(f"{url}/infer", files={"image": coffee_jpeg}, timeout=30)
         assert answer.status_code == 200, answer.text
         assert answer.json()["predictions"][0][0]["index"] == ESPRESSO
+        # gRPC too: the image's dependencies serve it.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            health = cast(Any, health_pb2_grpc.HealthStub(channel))
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=40)
