@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, Unavailable
+from app.errors import BadRequest, Unavailable, client_text
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
@@ -125,6 +125,9 @@ class EngineRegions:
     def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
         raise ForwardToEngine
 
+    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        raise ForwardToEngine
+
 
 ENGINE_REGIONS = EngineRegions()
 
@@ -207,6 +210,20 @@ class Ran:
     engine: str = ""
 
 
+# Offsets and sizes past this are no file's (and do not fit the wire's integers).
+MAX_REGION_BYTES = (1 << 63) - 1
+
+
+def check_window(offset: object, byte_size: object) -> None:
+    """A registration's offset and byte size: integers, 0 <= offset, 0 < byte_size, both
+    below 2^63 (checked where a request arrives, before anything crosses a process)."""
+    for field, value in (("offset", offset), ("byte_size", byte_size)):
+        if type(value) is not int or not 0 <= value <= MAX_REGION_BYTES:
+            raise BadRequest(f'shared memory "{field}" must be an integer from 0 to 2^63 - 1')
+    if byte_size == 0:
+        raise BadRequest('shared memory "byte_size" must be positive')
+
+
 def validate_inputs(
     spec: ModelSpec, inputs: dict[str, np.ndarray], pixels: str | None = None
 ) -> int:
@@ -218,7 +235,8 @@ def validate_inputs(
     unknown = [name for name in inputs if spec.input(name) is None]
     if unknown:
         expected = ", ".join(t.name for t in spec.inputs)
-        raise BadRequest(f"unknown input(s): {', '.join(unknown[:8])}; the model takes {expected}")
+        named = ", ".join(client_text(name) for name in unknown[:8])
+        raise BadRequest(f"unknown input(s): {named}; the model takes {expected}")
     rows: int | None = None
     for tensor in spec.inputs:
         value = inputs[tensor.name]
@@ -269,5 +287,5 @@ def requested_outputs(spec: ModelSpec, request: InferRequest) -> list[RequestedO
         return [RequestedOutput(t.name, request.binary_data_output, 0) for t in spec.outputs]
     unknown = [o.name for o in request.outputs if spec.output(o.name) is None]
     if unknown:
-        raise BadRequest(f"unknown output(s): {', '.join(unknown[:8])}")
+        raise BadRequest(f"unknown output(s): {', '.join(client_text(n) for n in unknown[:8])}")
     return list(request.outputs)

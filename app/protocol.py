@@ -152,7 +152,13 @@ class RequestedOutput:
 class Regions(Protocol):
     """Registered shared-memory regions (``app.engine.shared_memory.SharedRegions``)."""
 
-    def view(self, name: str, offset: int, size: int, what: str) -> memoryview: ...
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
+        """``size`` bytes of an input, read from region ``name`` at ``offset``."""
+        ...
+
+    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        """An output's bytes, written into region ``name`` at ``offset``."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -279,7 +285,7 @@ def encode_response(
                     f"output {_quote(requested.name)} takes {len(chunk)} bytes; its shared "
                     f"memory byte size is {size}"
                 )
-            regions.view(region, at, len(chunk), f"output {_quote(requested.name)}")[:] = chunk
+            regions.write(region, at, chunk, f"output {_quote(requested.name)}")
             tensor["parameters"] = {
                 "shared_memory_region": region,
                 "shared_memory_byte_size": len(chunk),

@@ -47,6 +47,7 @@ class Connection:
         self.writer = Sender(writer)
         self.arena: mmap.mmap | None = None
         self.slot_bytes = 0
+        self.inode = (0, 0)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.answered: set[int] = set()
 
@@ -58,6 +59,8 @@ class Connection:
             raise ValueError(f"arena name {name!r} is not a /dev/shm name")
         with open(SHM_ROOT / name, "r+b") as file:
             self.arena = mmap.mmap(file.fileno(), 0)
+            facts = os.fstat(file.fileno())
+        self.inode = (facts.st_dev, facts.st_ino)
         self.slot_bytes = slot_bytes
 
     def slot(self, place: wire.SlotRef, length: int | None = None) -> memoryview:
@@ -183,6 +186,9 @@ class EngineServer:
 
     async def _hello(self, connection: Connection, call: wire.Hello, _: bytes) -> Handled:
         connection.attach(call.arena, call.slot_bytes)
+        # A client may never register a front end's arena as its region (a hard link to it
+        # has another name, not another inode).
+        self.engine.regions.private.add(connection.inode)
         return wire.Done(), b""
 
     async def _state(self, connection: Connection, call: wire.State, _: bytes) -> Handled:

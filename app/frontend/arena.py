@@ -7,8 +7,9 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import mmap
 import os
-from multiprocessing import shared_memory
+import secrets
 
 import numpy as np
 
@@ -45,19 +46,28 @@ class Arena:
         pages = wanted // PAGE
         # Whole pages: a body lent the pages it needs never exceeds what the engine allows.
         self.slot_bytes = min(slot_bytes, pages * PAGE) // PAGE * PAGE
-        if name is not None:
+        if name is None:
+            name = f"stoker-{os.getpid()}-{secrets.token_hex(4)}"
+        else:
             # A fixed name: what a crashed predecessor left is replaced, not leaked.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
-        self.memory = shared_memory.SharedMemory(
-            name=name, create=True, size=max(PAGE, pages * PAGE)
-        )
+        # A file of its own in /dev/shm, mapped here (not ``SharedMemory``: its finaliser
+        # raises BufferError at exit while a request's view of the arena is still alive).
+        self._name = name
+        size = max(PAGE, pages * PAGE)
+        descriptor = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(descriptor, size)
+            self.memory = mmap.mmap(descriptor, size)
+        finally:
+            os.close(descriptor)
         # Free runs of pages, (first page, count), sorted and never adjacent.
         self._free: list[tuple[int, int]] = [(0, pages)] if pages else []
 
     @property
     def name(self) -> str:
-        return self.memory.name
+        return self._name
 
     @property
     def free_bytes(self) -> int:
@@ -76,8 +86,7 @@ class Arena:
                 else:
                     self._free[i] = (first + need, count - need)
                 start, length = first * PAGE, need * PAGE
-                assert self.memory.buf is not None
-                return Slot(start, self.memory.buf[start : start + length])
+                return Slot(start, memoryview(self.memory)[start : start + length])
         return None
 
     def give_back(self, slot: Slot) -> None:
@@ -97,10 +106,11 @@ class Arena:
             self._free.insert(at, (first, count))
 
     def close(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"/dev/shm/{self._name}")
+        # A view still held (a request being torn down) keeps the mapping until it goes.
         with contextlib.suppress(BufferError):
             self.memory.close()
-        with contextlib.suppress(FileNotFoundError):
-            self.memory.unlink()
 
 
 def shm_bytes_free(root: str = "/dev/shm") -> int:

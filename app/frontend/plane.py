@@ -36,6 +36,7 @@ from app.contract import (
     Slot,
     Uploads,
     batch_key,
+    check_window,
     decode_infer,
     draining,
 )
@@ -154,6 +155,7 @@ class DataPlane:
         return await self.client.metrics_text()
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        check_window(offset, byte_size)  # here: 2^64 would not cross to an engine process
         await self.client.shm_register(name, key, offset, byte_size)
 
     async def shm_unregister(self, name: str | None = None) -> None:

@@ -20,6 +20,7 @@ from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
 from tests.integration.conftest import Server, start_server, stop_server
 
 ROWS = 5
+NOT_A_REGION = "is not a region of at least offset \\+ byte_size bytes that this server's user"
 
 
 @pytest.fixture(scope="module", params=["one process", "front ends"])
@@ -89,20 +90,25 @@ def test_bad_registrations_and_requests_are_refused_with_the_reason(
     tag = regions["tag"]
     client = triton.InferenceServerClient(server.address)
     try:
-        with pytest.raises(InferenceServerException, match="cannot open shared memory key"):
+        # A missing file, a link and a file too small get one answer: the server does not
+        # tell whether a file exists, what it is or how large.
+        with pytest.raises(InferenceServerException, match=NOT_A_REGION):
             client.register_system_shared_memory("gone", "/stoker_no_such_key", 64)
         with pytest.raises(InferenceServerException, match="one name of letters"):
             client.register_system_shared_memory("escape", "/../../etc/passwd", 64)
         os.symlink(f"/dev/shm/stoker_in_{tag}", f"/dev/shm/stoker_link_{tag}")
         try:
-            with pytest.raises(InferenceServerException, match="cannot open shared memory key"):
+            with pytest.raises(InferenceServerException, match=NOT_A_REGION):
                 client.register_system_shared_memory("link", f"/stoker_link_{tag}", 64)
         finally:
             os.unlink(f"/dev/shm/stoker_link_{tag}")
         with pytest.raises(InferenceServerException, match="is the server's own"):
             client.register_system_shared_memory("arena", "/stoker-1-0", 64)
-        with pytest.raises(InferenceServerException, match="runs past it"):
+        with pytest.raises(InferenceServerException, match=NOT_A_REGION) as big:
             client.register_system_shared_memory("big", f"/stoker_in_{tag}", 8192)
+        assert "4096" not in str(big.value)  # the file's size stays the client's business
+        with pytest.raises(InferenceServerException, match="from 0 to 2"):
+            client.register_system_shared_memory("huge", f"/stoker_in_{tag}", 64, 2**64)
         client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 64)
         with pytest.raises(InferenceServerException, match="already registered"):
             client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 64)
@@ -123,6 +129,63 @@ def test_bad_registrations_and_requests_are_refused_with_the_reason(
     finally:
         client.unregister_system_shared_memory()
         client.close()
+
+
+def test_a_region_its_client_shrank_is_a_400_and_the_server_lives(
+    server: Server, regions: dict[str, object]
+) -> None:
+    """Registered, then truncated to nothing by its client: reading an input from it and
+    writing an output into it are 400s, not a SIGBUS in the process that holds it."""
+    tag = regions["tag"]
+    client = triton.InferenceServerClient(server.address)
+    try:
+        client.register_system_shared_memory(f"in-{tag}", f"/stoker_in_{tag}", 4096)
+        client.register_system_shared_memory(f"out-{tag}", f"/stoker_out_{tag}", 4096)
+        os.truncate(f"/dev/shm/stoker_in_{tag}", 0)
+        os.truncate(f"/dev/shm/stoker_out_{tag}", 0)
+        read = triton.InferInput("x", [1, 4], "FP32")
+        read.set_shared_memory(f"in-{tag}", 16)
+        with pytest.raises(InferenceServerException, match="smaller than when it was registered"):
+            client.infer("tiny", [read])
+        plain = triton.InferInput("x", [1, 4], "FP32")
+        plain.set_data_from_numpy(np.ones((1, 4), np.float32))
+        written = triton.InferRequestedOutput("y")
+        written.set_shared_memory(f"out-{tag}", 12)
+        with pytest.raises(InferenceServerException, match="smaller than when it was registered"):
+            client.infer("tiny", [plain], outputs=[written])
+        assert client.infer("tiny", [plain]).as_numpy("y").shape == (1, 3)
+        assert client.is_server_live() and client.is_server_ready()
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+
+
+def test_a_large_sparse_file_costs_its_window_and_a_hard_link_is_refused(
+    server: Server, regions: dict[str, object]
+) -> None:
+    """A 1 TiB sparse file registered 127 times (16 bytes each) maps nothing, so requests
+    keep their memory; a second name of a file (a hard link: perhaps to a front end's
+    arena) is never a region."""
+    tag = regions["tag"]
+    sparse = f"/dev/shm/stoker_sparse_{tag}"
+    with open(sparse, "wb") as file:
+        file.truncate(1 << 40)
+    os.link(f"/dev/shm/stoker_in_{tag}", f"/dev/shm/stoker_hard_{tag}")
+    client = triton.InferenceServerClient(server.address)
+    try:
+        for i in range(127):
+            client.register_system_shared_memory(f"sparse-{i}", f"/stoker_sparse_{tag}", 16)
+        assert len(client.get_system_shared_memory_status()) == 127
+        plain = triton.InferInput("x", [ROWS, 4], "FP32")
+        plain.set_data_from_numpy(np.ones((ROWS, 4), np.float32))
+        assert client.infer("tiny", [plain]).as_numpy("y").shape == (ROWS, 3)
+        with pytest.raises(InferenceServerException, match=NOT_A_REGION):
+            client.register_system_shared_memory("hard", f"/stoker_hard_{tag}", 64)
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+        os.unlink(sparse)
+        os.unlink(f"/dev/shm/stoker_hard_{tag}")
 
 
 def test_the_extension_is_announced(server: Server) -> None:
