@@ -72,21 +72,32 @@ async def until_disconnected(request: Request) -> None:
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run ``work``; if the client disconnects first, cancel it (dropping its queued request
-    before any compute) and return None."""
+    before any compute) and return None. A failure is raised without a reference cycle: the
+    error's traceback holds this frame, so the frame lets go of the task holding the error
+    (else the failed request's parsed document stays until a full collection)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(until_disconnected(request))
     try:
         done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
+        finished = task in done
+        del done
+        if not finished:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            return None
     finally:
         watcher.cancel()
         if not task.done():
             task.cancel()
+    if task.cancelled() or task.exception() is None:
+        return task.result()
+    error = task.exception()
+    del task
+    try:
+        raise error  # type: ignore[misc]
+    finally:
+        del error
 
 
 CLIENT_GONE = Response(status_code=499)
