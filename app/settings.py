@@ -139,6 +139,11 @@ class LimitSettings(BaseModel):
     """Open connections per process (per front end with several). Beyond it, requests get
     503 and the connection closes, except ``/v2/health/*``, so probes still answer. Keep it
     under the open-file limit (``ulimit -n``)."""
+    max_share_per_address: float = Field(default=0.75, gt=0, le=1)
+    """The most of ``max_connections`` and of ``max_inflight_body_bytes`` one client address
+    may hold, so one address can never lock every other out: the rest stays for the others.
+    Lower it where many clients share the server evenly; 1 turns it off (behind a proxy
+    every client has the proxy's address)."""
     max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole

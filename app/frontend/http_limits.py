@@ -9,8 +9,10 @@ sends a request open forever. This subclass answers, like nginx and Envoy:
 - **408** (or a plain close when nothing was sent) when a connection has not sent a
   request's headers within ``header_timeout_s``: a new connection from its start, a request
   from its first byte (slow-loris);
-- **503** once this process holds ``max_connections`` connections, for every route but
-  ``/v2/health/*``, so probes keep answering while the server is full.
+- **503** once this process holds ``max_connections`` connections, or the client's address
+  holds its share of them (``max_share_per_address``), for every route but ``/v2/health/*``,
+  so probes keep answering while the server is full. A connection over either cap is not
+  counted against them: one address's idle connections never crowd the others out.
 
 Idle kept-alive connections close after ``server.keep_alive_s`` (uvicorn's own timer).
 """
@@ -35,8 +37,35 @@ HEALTH_PREFIX = b"/v2/health/"
 REFUSAL_LINGER_S = 1.0
 
 
+class Admitted:
+    """The connections counted against the caps, in all and per client address (one
+    per protocol class: per server)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_address: dict[str, int] = {}
+
+    def admit(self, address: str, limits: LimitSettings) -> bool:
+        share = max(1, int(limits.max_connections * limits.max_share_per_address))
+        held = self.by_address.get(address, 0)
+        if self.total >= limits.max_connections or held >= share:
+            return False
+        self.total += 1
+        self.by_address[address] = held + 1
+        return True
+
+    def release(self, address: str) -> None:
+        self.total -= 1
+        left = self.by_address[address] - 1
+        if left:
+            self.by_address[address] = left
+        else:
+            del self.by_address[address]
+
+
 class GuardedHttpTools(HttpToolsProtocol):
     limits: LimitSettings = LimitSettings()
+    admitted: Admitted = Admitted()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -48,6 +77,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._over_capacity = False
         self._header_timer: asyncio.TimerHandle | None = None
         self._headers_done = True
+        self._address: str | None = None
+        """The client's address while this connection counts against the caps."""
 
     # -- the header timer
 
@@ -88,11 +119,18 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._over_capacity = len(self.connections) > self.limits.max_connections
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        self._over_capacity = not self.admitted.admit(address, self.limits)
+        if not self._over_capacity:
+            self._address = address
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._address is not None:
+            self.admitted.release(self._address)
+            self._address = None
         super().connection_lost(exc)
 
     def _check_size(self) -> None:
@@ -156,7 +194,12 @@ class GuardedHttpTools(HttpToolsProtocol):
             return
         if self._over_capacity and not self.url.startswith(HEALTH_PREFIX):
             limit = self.limits.max_connections
-            self._refuse(503, f"this server holds {limit} connections; retry later", "connections")
+            self._refuse(
+                503,
+                f"this server holds its {limit} connections, or this address its share of "
+                "them; retry later",
+                "connections",
+            )
             return
         super().on_headers_complete()
 
@@ -171,4 +214,4 @@ class GuardedHttpTools(HttpToolsProtocol):
 
 def guarded(limits: LimitSettings) -> type[GuardedHttpTools]:
     """The protocol class for uvicorn's ``http=``, with these limits."""
-    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits})
+    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": Admitted()})

@@ -43,28 +43,52 @@ class BodyLimit:
 
     - 413 when it is over ``max_bytes``: at once when ``Content-Length`` says so, else as soon
       as the streamed bytes pass it;
-    - 503 at once when the bodies being received would pass ``max_inflight_bytes`` in all
-      (declared lengths reserved up front; a chunked body counted as its bytes arrive);
+    - 503 at once when the bodies being received would pass ``max_inflight_bytes`` in all,
+      or ``share`` of it from the client's address (declared lengths reserved up front; a
+      chunked body counted as its bytes arrive), so one address never takes the whole;
     - 408 when it has not arrived whole within ``timeout_s`` of the request's start, however
       slowly it trickles (the connection and its reservation are freed then).
     """
 
     def __init__(
-        self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int, timeout_s: float
+        self,
+        app: ASGIApp,
+        max_bytes: int,
+        max_inflight_bytes: int,
+        timeout_s: float,
+        share: float = 1.0,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_inflight_bytes = max_inflight_bytes
+        self.max_per_address = max(1, int(max_inflight_bytes * share))
         self.timeout_s = timeout_s
         self.inflight = 0
+        self.by_address: dict[str, int] = {}
 
-    def _full(self, more: int) -> str | None:
-        if more and self.inflight + more > self.max_inflight_bytes:
+    def _full(self, more: int, address: str) -> str | None:
+        if not more:
+            return None
+        if self.inflight + more > self.max_inflight_bytes:
             return (
                 f"{self.inflight} body bytes are being received already (at most "
                 f"{self.max_inflight_bytes}); retry later"
             )
+        held = self.by_address.get(address, 0)
+        if held + more > self.max_per_address:
+            return (
+                f"{held} body bytes are being received from this address already (at most "
+                f"{self.max_per_address}); retry later"
+            )
         return None
+
+    def _reserve(self, address: str, more: int) -> None:
+        self.inflight += more
+        held = self.by_address.get(address, 0) + more
+        if held:
+            self.by_address[address] = held
+        else:
+            self.by_address.pop(address, None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,13 +105,15 @@ class BodyLimit:
                 await json_response({"error": message}, 413)(scope, receive, send)
                 return
         size = int(declared) if declared is not None else 0
-        full = self._full(size)
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        full = self._full(size, address)
         if full is not None:
             http_refused(503, "inflight_bytes")
             await json_response({"error": full}, 503)(scope, receive, send)
             return
         reserved = size
-        self.inflight += reserved
+        self._reserve(address, reserved)
         received = 0
         complete = False
         deadline = time.monotonic() + self.timeout_s
@@ -111,11 +137,11 @@ class BodyLimit:
                     http_refused(413, "body_bytes")
                     raise PayloadTooLarge(f"request body exceeds {self.max_bytes} bytes")
                 if received > reserved:  # chunked, or longer than declared
-                    full = self._full(received - reserved)
+                    full = self._full(received - reserved, address)
                     if full is not None:
                         http_refused(503, "inflight_bytes")
                         raise Unavailable(full)
-                    self.inflight += received - reserved
+                    self._reserve(address, received - reserved)
                     reserved = received
                 complete = not message.get("more_body", False)
             else:
@@ -125,7 +151,7 @@ class BodyLimit:
         try:
             await self.app(scope, limited, send)
         finally:
-            self.inflight -= reserved
+            self._reserve(address, -reserved)
 
 
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -276,6 +302,7 @@ def create_app(
         max_bytes=settings.limits.max_body_bytes,
         max_inflight_bytes=settings.limits.max_inflight_body_bytes,
         timeout_s=settings.limits.body_timeout_s,
+        share=settings.limits.max_share_per_address,
     )
     # Added last, so it runs first: an unauthenticated request is refused before its body.
     keys = settings.auth.keys()

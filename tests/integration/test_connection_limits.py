@@ -157,6 +157,67 @@ def test_a_full_server_refuses_requests_but_answers_probes(server: Server) -> No
     assert httpx.get(f"{server.url}/v2/models/tiny", timeout=5).status_code == 200
 
 
+def connect_from(server: Server, source: str) -> socket.socket:
+    """A connection from another loopback address (127.0.0.0/8 is all this host's)."""
+    host, port = server.address.split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect((host, int(port)))
+    return sock
+
+
+def request_from(server: Server, source: str, path: str) -> int:
+    transport = httpx.HTTPTransport(local_address=source)
+    with httpx.Client(transport=transport, timeout=10) as client:
+        return client.get(f"{server.url}{path}").status_code
+
+
+def test_one_address_cannot_take_every_connection(server: Server) -> None:
+    """One address holding more connections than the whole cap gets its share (0.75 of 12)
+    and 503s past it; another address is served beside it, and neither's probes fail."""
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS + 4):
+            sock = connect(server)
+            sock.sendall(
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n"
+            )
+            held.append(sock)
+        time.sleep(0.2)
+        refused = httpx.get(f"{server.url}/v2/models/tiny", timeout=5)
+        assert refused.status_code == 503 and "share" in refused.json()["error"]
+        assert request_from(server, "127.0.0.2", "/v2/models/tiny") == 200
+        assert request_from(server, "127.0.0.2", "/v2/health/ready") == 200
+        assert live(server) < 0.1
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_one_address_cannot_take_every_body_byte(server: Server) -> None:
+    """One address that declared its share of the in-flight body bytes (3 of 4 MiB) is
+    refused more; another address's body is still admitted."""
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+    holder = connect(server)
+    holder.sendall(head % (3 * 1024 * 1024))
+    try:
+        time.sleep(0.2)
+        more = connect(server)
+        more.sendall(head % (512 * 1024))
+        answer = response_of(more)
+        assert b" 503 " in answer.split(b"\r\n")[0] and b"from this address" in answer
+        other = connect_from(server, "127.0.0.2")
+        other.sendall(head % (512 * 1024))
+        other.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # admitted: the server waits for its body
+            other.recv(100)
+        other.close()
+    finally:
+        holder.close()
+    time.sleep(0.3)
+
+
 QUEUE_CONFIG = """\
 max_batch_size: 32
 runners: 1
