@@ -247,6 +247,9 @@ class Region:
     def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
         return memoryview(self.memory)[offset : offset + size]
 
+    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        self.memory[offset : offset + len(data)] = data
+
 
 def test_a_binary_answer_becomes_raw_output_contents_in_output_order() -> None:
     y = np.arange(6, dtype=np.float32).reshape(2, 3)
