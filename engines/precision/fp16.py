@@ -285,9 +285,9 @@ def to_fp16(
     graph.node.extend(new_nodes)
     del graph.initializer[:]
     graph.initializer.extend(new_initializers)
-    for value in graph.value_info:
-        if rewrite.current.get(value.name) == TensorProto.FLOAT16:
-            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for info in graph.value_info:
+        if rewrite.current.get(info.name) == TensorProto.FLOAT16:
+            info.type.tensor_type.elem_type = TensorProto.FLOAT16
     drop_unused_initializers(graph)
     onnx.checker.check_model(source)
     return source
