@@ -32,7 +32,17 @@ COLUMNS = (
     ("infer", 7),
     ("cpu", 5),
 )
-PACKAGES = ("stoker", "numpy", "onnxruntime", "aiohttp", "fastapi", "uvicorn", "prometheus-client")
+PACKAGES = (
+    "stoker",
+    "numpy",
+    "onnxruntime",
+    "aiohttp",
+    "fastapi",
+    "uvicorn",
+    "prometheus-client",
+    "grpcio",
+    "protobuf",
+)
 
 
 @dataclass
