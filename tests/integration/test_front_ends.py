@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 import pytest
 import tritonclient.http as triton
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines.backends.onnxruntime import cpu_session
 from engines.preprocess import ImagePreprocess, normalize, preprocess
@@ -299,6 +300,26 @@ dynamic_batching:
 """
 
 
+def wait_pending(url: str, at_least: int, model: str = "slow") -> None:
+    """Until the engine counts ``at_least`` requests of ``model`` queued or running (its
+    pending gauge, through /metrics), for at most 60 s."""
+    deadline = time.monotonic() + 60
+    pending = 0.0
+    while time.monotonic() < deadline:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        pending = sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "stoker_inference_pending_request_count"
+            for sample in family.samples
+            if sample.labels.get("model") == model
+        )
+        if pending >= at_least:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"only {pending} of {at_least} requests pending after 60 s")
+
+
 def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
     server = serve_one_model(tmp_path, "slow", slow_onnx(512, 16), SLOW_CONFIG, front_end_env())
     url = f"{server.url}/v2/models/slow/infer"
@@ -319,9 +340,9 @@ def test_sigterm_drains_every_process_and_loses_nothing(tmp_path: Path) -> None:
 
         with ThreadPoolExecutor(41) as pool:
             futures = [pool.submit(send, 0)]
-            time.sleep(0.3)  # the blocker holds the only runner
+            wait_pending(server.url, 1)  # the blocker holds the only runner
             futures += [pool.submit(send, i) for i in range(1, 41)]
-            time.sleep(0.5)  # the small ones are accepted and queued
+            wait_pending(server.url, 41)  # the small ones are accepted and queued
             server.process.send_signal(signal.SIGTERM)
             responses = [f.result() for f in futures]
         assert [r.status_code for r in responses] == [200] * 41
