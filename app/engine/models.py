@@ -29,6 +29,7 @@ from app.engine.batcher import Batcher
 from app.engine.handlers import Handler, HandlerContext, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
+from app.errors import BadRequest, client_text
 from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
@@ -127,6 +128,10 @@ class InputPolicy:
     dtype: np.dtype[Any] | None = None
     """The image input's own datatype, which the service normalises pixels to."""
     on_device: bool = False
+    text: tuple[str, ...] = ()
+    """BYTES inputs the engine takes as UTF-8 text (``Engine.text_inputs``: ONNX Runtime's
+    Python API turns bytes into their repr): decoded here, per request, so an element that is
+    not UTF-8 is that request's 400, not its batch's 500."""
 
     @classmethod
     def decide(
@@ -134,26 +139,47 @@ class InputPolicy:
     ) -> InputPolicy:
         """The policy of ``entry`` served by ``engine`` (None: before an engine exists, as
         the engine's options are decided)."""
+        text: tuple[str, ...] = ()
+        if engine is not None and getattr(engine, "text_inputs", False):
+            text = tuple(t.name for t in spec.inputs if t.datatype == "BYTES")
         prep = entry.config.preprocess
         if prep is None or len(spec.inputs) != 1:
-            return cls()
+            return cls(text=text)
         tensor = spec.inputs[0]
         pixels = prep.with_datatype("UINT8")
         if tensor.datatype not in ("FP32", "FP16", "BF16", "FP64"):
-            return cls()
+            return cls(text=text)
         if tuple(tensor.shape) != pixels.row_shape():
-            return cls()
+            return cls(text=text)
         on_device = engine is not None and engine.pixel_input == tensor.name
-        return cls(tensor.name, pixels, tensor.dtype, on_device)
+        return cls(tensor.name, pixels, tensor.dtype, on_device, text)
 
     def for_engine(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The inputs as the engine takes them: UINT8 pixels on the image input are
-        normalised here with the model's preprocessing, unless the engine does it."""
+        normalised here with the model's preprocessing, unless the engine does it; BYTES the
+        engine takes as text are decoded from UTF-8."""
+        if self.text:
+            inputs = {**inputs, **{n: as_text(n, inputs[n]) for n in self.text if n in inputs}}
         name = self.pixels
         if name is None or self.on_device or inputs[name].dtype != np.uint8:
             return inputs
         assert self.prep is not None and self.dtype is not None
         return {**inputs, name: normalize(inputs[name], self.prep, self.dtype)}
+
+
+def as_text(name: str, array: np.ndarray) -> np.ndarray:
+    """A BYTES input as an object array of ``str`` (UTF-8), for an engine that takes text."""
+    flat = array.reshape(-1)
+    try:
+        text = [e.decode("utf-8") if isinstance(e, bytes) else e for e in flat.tolist()]
+    except UnicodeDecodeError:
+        raise BadRequest(
+            f"input {client_text(name)!r}: this model's engine takes BYTES as UTF-8 text; an "
+            "element is not UTF-8"
+        ) from None
+    result = np.empty(len(text), dtype=np.object_)
+    result[:] = text
+    return result.reshape(array.shape)
 
 
 def engine_options(

@@ -90,6 +90,9 @@ class OrtRunner:
 class OrtEngine:
     backend = BACKEND
     pixel_input: str | None = None  # pixels are normalised by the service
+    text_inputs = True
+    """BYTES inputs go in as ``str``: ONNX Runtime's Python API makes a bytes element its
+    repr (the service decodes them from UTF-8 first, ``app.engine.models.InputPolicy``)."""
 
     def __init__(self, path: Path, spec: ModelSpec, options: EngineOptions) -> None:
         self.spec = spec
