@@ -280,8 +280,6 @@ class EngineState(_Reply, frozen=True, tag="state"):
     queued: int
     """Requests queued or running over every version: what routing weighs."""
     serving: tuple[Serving, ...]
-    full: tuple[tuple[str, str], ...] = ()
-    """Versions whose queue was full: a front end refuses their requests before decoding."""
 
 
 GONE = EngineState(alive=False, ready=False, queued=0, serving=())

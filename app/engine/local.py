@@ -119,16 +119,6 @@ class LocalEngine:
             if model.ready
         ]
 
-    def full(self) -> list[tuple[str, str]]:
-        """The model versions whose queue has no room for one more request."""
-        full = []
-        for model in self.models.loaded():
-            try:
-                model.batcher.admit()
-            except StokerError:
-                full.append((model.name, model.version))
-        return full
-
     def queued_requests(self) -> int:
         """Requests queued or executing over every loaded version."""
         return sum(model.batcher.pending for model in self.models.loaded())

@@ -34,17 +34,15 @@ from app.contract import Answer, Contract, Frame, Part, Ran, Raw, Slot, Uploads
 from app.errors import StokerError, Unavailable
 from app.frontend.arena import Arena, place_inputs
 from app.frontend.links import EngineLink, R, Reply, answered, choose, connected
+from app.frontend.poll import Poller
 from app.metrics import (
-    http_refusal_counts,
     labelled_metrics,
     merged_statistics,
-    request_durations,
 )
 from app.protocol import RequestedOutput, unpack_tensor
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
-POLL_S = 0.25
 CONNECT_TIMEOUT_S = 600.0
 RECONNECT_S = 0.5
 
@@ -70,7 +68,7 @@ class RemoteEngine:
         self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int]]] = {}
         """Per model version asked for, its contract and the engines ready when it was
         asked (by index): an engine ready since may take more rows."""
-        self._failed: dict[tuple[str, str, str], list[float]] = {}
+        self.poller = Poller(self._links, self._engine_state)
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle
@@ -79,15 +77,14 @@ class RemoteEngine:
         await asyncio.gather(
             *(self._connect(link, time.monotonic() + CONNECT_TIMEOUT_S) for link in self._links)
         )
-        self._tasks.append(asyncio.create_task(self._poll(), name="engine-state"))
+        self._tasks.append(asyncio.create_task(self.poller.run(), name="engine-state"))
 
     def begin_drain(self) -> None:
         """Nothing to tell: each engine process drains on its own SIGTERM."""
 
     async def drain(self) -> None:
-        """Give the engines' last answers a moment past the drain timeout: they answer or
-        fail what they accepted within their own."""
-        await asyncio.sleep(0)
+        """Nothing to wait for beyond the data plane's own drain: the engines answer or fail
+        what they accepted within their drain timeout, on their own SIGTERM."""
 
     async def stop(self) -> None:
         self._stopping = True
@@ -184,59 +181,6 @@ class RemoteEngine:
             with contextlib.suppress(StokerError):
                 await self._call(link, call, wire.Done)
 
-    async def _poll(self) -> None:
-        """Every engine's state every ``POLL_S`` (all at once: one that hangs delays no
-        other's), sending each the durations of the requests it answered since the last
-        poll and the first connected one what this front end refused meanwhile, which the
-        engines add to their ``/metrics``."""
-        sent: dict[tuple[str, str], float] = {}
-
-        async def poll(link: EngineLink, primary: bool) -> None:
-            nonlocal sent
-            if not link.connected:
-                link.state = wire.GONE
-                return
-            # Request durations since the last poll: a fresh series takes the next ones.
-            timed, link.durations = link.durations, {}
-            durations = []
-            for (model, version), series in timed.items():
-                counts, total = series.snapshot()
-                durations.append(wire.Durations(model, version, tuple(counts), total))
-            refused: list[wire.Refused] = []
-            failed: list[wire.Failed] = []
-            if primary:
-                counts_now = http_refusal_counts()
-                refused = [
-                    wire.Refused(int(s), r, n - sent.get((s, r), 0.0))
-                    for (s, r), n in counts_now.items()
-                    if n - sent.get((s, r), 0.0)
-                ]
-                failed = [
-                    wire.Failed(*key, int(n), total / n)
-                    for key, (n, total) in self._failed.items()
-                    if n
-                ]
-            call = wire.State(tuple(durations), tuple(refused), tuple(failed))
-            try:
-                link.state = await asyncio.wait_for(self._call(link, call, wire.EngineState), 2.0)
-            except (StokerError, TimeoutError):
-                link.state = wire.GONE
-                for which, series in timed.items():  # not delivered: the next poll's
-                    counts, total = series.snapshot()
-                    link.durations.setdefault(which, request_durations()).merge(counts, total)
-                return
-            if primary:
-                sent = counts_now
-                for item in failed:
-                    entry = self._failed[(item.model, item.version, item.reason)]
-                    entry[0] -= item.count
-                    entry[1] -= item.count * item.mean_s
-
-        while True:
-            first = next((link for link in self._links if link.connected), None)
-            await asyncio.gather(*(poll(link, link is first) for link in self._links))
-            await asyncio.sleep(POLL_S)
-
     # -- choosing an engine
 
     def _choose(
@@ -246,6 +190,9 @@ class RemoteEngine:
 
     def _connected(self) -> list[EngineLink]:
         return connected(self._links)
+
+    async def _engine_state(self, link: EngineLink, call: wire.State) -> wire.EngineState:
+        return await self._call(link, call, wire.EngineState)
 
     async def _call(
         self, link: EngineLink, call: wire.Call, expected: type[R], payload: bytes = b""
@@ -362,25 +309,15 @@ class RemoteEngine:
         value: list[dict[str, object]] = await self._value(wire.ShmStatus(name))
         return value
 
-    # -- what the data plane measured
+    # -- what the data plane measured: reported with the next poll
 
     def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None:
-        """One request's duration, sent with the next poll to the engine that answered it."""
-        link = next((link for link in self._links if link.label == engine), None)
-        if link is None:
-            return
-        series = link.durations.get((model, version))
-        if series is None:
-            series = link.durations[(model, version)] = request_durations()
-        series.observe(seconds)
+        self.poller.request_timed(model, version, seconds, engine)
 
     def count_failures(
         self, name: str, version: str, reason: str, count: int, seconds: float
     ) -> None:
-        """Requests refused before they reached an engine: sent with the next poll."""
-        entry = self._failed.setdefault((name, version, reason), [0, 0.0])
-        entry[0] += count
-        entry[1] += seconds * count
+        self.poller.count_failures(name, version, reason, count, seconds)
 
     # -- inference
 
@@ -450,9 +387,6 @@ class RemoteEngine:
         except asyncio.CancelledError:
             link.cancel(number)
             raise
-        finally:
-            if future.done():
-                link.waiting.pop(number, None)
 
     async def run(self, frame: Frame) -> Ran:
         """A frame of decoded requests, to the ready engine with the least work ahead that
