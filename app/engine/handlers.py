@@ -24,6 +24,7 @@ import numpy as np
 
 from app.engine import images
 from app.errors import BadRequest
+from app.image_header import read_header
 from app.metrics import ModelMetrics
 from app.settings import LimitSettings
 from engines.precision import accuracy
@@ -37,8 +38,9 @@ NO_HANDLER = "none"
 class Handler(Protocol):
     """Uploads to engine rows, engine outputs to one answer per upload."""
 
-    async def decode(self, uploads: Sequence[bytes]) -> dict[str, np.ndarray]:
-        """Every model input, one row per upload; raise ``BadRequest`` for bad uploads."""
+    async def decode(self, uploads: Sequence[bytes]) -> dict[str, Any]:
+        """Every model input, one row per upload (an array, or rows left on the device by
+        its decoder); raise ``BadRequest`` for bad uploads."""
         ...
 
     def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
@@ -113,31 +115,45 @@ class ImageClassifier:
         image = images.decode(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
         return preprocess(image, self._prep)
 
-    async def decode(self, uploads: Sequence[bytes]) -> dict[str, np.ndarray]:
+    async def decode(self, uploads: Sequence[bytes]) -> dict[str, Any]:
         context, limits = self._context, self._context.limits
         # Headers first, whoever decodes: a bomb or an unread format is refused before any
-        # pixel is decoded.
+        # pixel is decoded (a front end read them too; this costs microseconds).
         headers = [
-            images.inspect(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+            read_header(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
             for data in uploads
         ]
-        rows: list[np.ndarray | None] = [None] * len(uploads)
+        decoded = None
         if context.decoder is not None:
-            picked = [i for i, h in enumerate(headers) if h.device_decodable]
-            decoded = await context.decoder.decode([uploads[i] for i in picked])
-            for i, row in zip(picked, decoded, strict=True):
-                rows[i] = row
-        left = [i for i, row in enumerate(rows) if row is None]
-        context.metrics.images_decoded("gpu", len(rows) - len(left))
+            picked = [
+                data if h.device_decodable else None
+                for data, h in zip(uploads, headers, strict=True)
+            ]
+            decoded = await context.decoder.decode(picked)
+        if decoded is None:  # no device decoder, or it failed: every image on the CPU
+            done = await asyncio.to_thread(lambda: [self._on_cpu(data) for data in uploads])
+            context.metrics.images_decoded("cpu", len(uploads))
+            return {self._input.name: self._normalised(np.stack(done))}
+        rows, ok = decoded
+        left = [i for i, good in enumerate(ok) if not good]
+        context.metrics.images_decoded("gpu", len(uploads) - len(left))
         if left:
-            done = await asyncio.to_thread(lambda: [self._on_cpu(uploads[i]) for i in left])
-            for i, row in zip(left, done, strict=True):
-                rows[i] = row
+            # The device decoder refused these (a PNG, CMYK, a JPEG it cannot read): Pillow
+            # decodes each into its row of the device's batch, costing only itself.
+            def fill() -> None:
+                for i in left:
+                    rows.put(i, self._on_cpu(uploads[i]))
+
+            await asyncio.to_thread(fill)
             context.metrics.images_decoded("cpu", len(left))
-        batch = np.stack([row for row in rows if row is not None])
         if self._input.datatype != "UINT8" and not context.normalised_by_engine:
-            batch = normalize(batch, self._prep, self._input.dtype)
-        return {self._input.name: batch}
+            return {self._input.name: self._normalised(np.asarray(rows))}
+        return {self._input.name: rows}
+
+    def _normalised(self, batch: np.ndarray) -> np.ndarray:
+        if self._input.datatype != "UINT8" and not self._context.normalised_by_engine:
+            return normalize(batch, self._prep, self._input.dtype)
+        return batch
 
     def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
         scores = outputs[self._output]

@@ -1,9 +1,10 @@
 """Decoding uploaded images, refusing what is not an image or is too big with the right status.
 
-Every upload's header is read on the CPU first (format, size: a decompression bomb is
-refused before any pixel is decoded). JPEGs can then be decoded in batches by a device
-decoder (``DecodeQueue`` around ``engines.backends.torch.images``); the rest, and any JPEG the
-device decoder gives back, are decoded here with Pillow. The model-defined preprocessing
+Every upload's header is read first (``app.image_header``: format, size; a decompression
+bomb is refused before any pixel is decoded). JPEGs can then be decoded in batches by a
+device decoder (``DecodeQueue`` around ``engines.backends.torch.images``), their rows left on
+the device; the rest, and any JPEG the device decoder gives back, are decoded here with
+Pillow, which checks the header's limits again. The model-defined preprocessing
 lives in ``engines.preprocess``.
 """
 
@@ -17,32 +18,15 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from app.errors import BadRequest, PayloadTooLarge
+from app.image_header import UPLOAD_FORMATS
 
 log = logging.getLogger(__name__)
-# Colour modes nvJPEG turns into RGB as Pillow does; CMYK and the like go to Pillow.
-DEVICE_MODES = frozenset({"RGB", "L"})
-# The formats an upload may be, and the only Pillow plugins ever tried on one: photos and
-# screenshots. Pillow reads 40-odd more, some through external programs (EPS runs
-# Ghostscript) or rarely exercised parsers; none of them is a photo a client sends.
-UPLOAD_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF")
-
-
-@dataclass(frozen=True)
-class Header:
-    format: str
-    mode: str
-    width: int
-    height: int
-
-    @property
-    def device_decodable(self) -> bool:
-        return self.format == "JPEG" and self.mode in DEVICE_MODES
 
 
 def _open(data: bytes, max_pixels: int, max_aspect: float | None) -> Image.Image:
@@ -83,29 +67,40 @@ def _refusing(data: bytes, fn: Callable[[], Image.Image]) -> Image.Image:
         raise BadRequest(f"cannot decode image: {detail}") from exc
 
 
-def inspect(data: bytes, max_pixels: int, max_aspect: float | None = None) -> Header:
-    """The upload's format and size from its header alone (no pixel is decoded); refuses
-    images over ``max_pixels`` or, where given, longer than ``max_aspect`` times wide."""
-    image = _refusing(data, lambda: _open(data, max_pixels, max_aspect))
-    return Header(image.format or "", image.mode, *image.size)
-
-
 def decode(data: bytes, max_pixels: int, max_aspect: float | None = None) -> Image.Image:
     """Decode JPEG/PNG/... bytes into RGB, refusing what ``inspect`` refuses before decoding."""
     return _refusing(data, lambda: _open(data, max_pixels, max_aspect).convert("RGB"))
 
 
-BatchDecode = Callable[[list[bytes]], list[np.ndarray | None]]
+class Rows(Protocol):
+    """A decoded batch's rows where the decoder left them (``engines.backends.torch.images.
+    DeviceRows``): sliced by request, and filled where the device refused an image."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, rows: slice) -> Rows: ...
+
+    def put(self, row: int, value: np.ndarray) -> None: ...
+
+
+BatchDecode = Callable[[list[bytes | None]], tuple[Rows, list[bool]]]
+"""Decodes a batch (None: an upload not for this decoder) into its rows and, for each,
+whether it was decoded."""
+Decoded = tuple[Rows, list[bool]]
 
 
 class DecodeQueue:
     """Gathers the JPEG uploads of concurrent requests into batches for a batch decoder.
 
-    There is no timer: while one batch decodes, the uploads that arrive wait and form the
-    next one (up to ``max_batch``), as a zero-delay dynamic batcher does. ``decode`` answers
-    one entry per upload: its UINT8 row, or None where the decoder gave up on that image
-    (the caller decodes it on the CPU). A decoder that fails as a whole is logged and
-    answers None for its batch, so a device fault degrades to CPU decoding, never to errors.
+    There is no timer: while one batch decodes, the requests that arrive wait and form the
+    next one (up to ``max_batch`` images; a larger request alone), as a zero-delay dynamic
+    batcher does. ``decode`` answers the request's rows (a view of the batch's, where the
+    decoder put them) and, per upload, whether it was decoded (the caller decodes the rest
+    on the CPU). A decoder that fails as a whole is logged and answers None, so a device
+    fault degrades to CPU decoding, never to errors.
     """
 
     def __init__(
@@ -118,7 +113,7 @@ class DecodeQueue:
         self._decode = decode
         self._on_batch = on_batch
         self._max = max(1, max_batch)
-        self._pending: deque[tuple[bytes, asyncio.Future[np.ndarray | None]]] = deque()
+        self._pending: deque[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=label)
@@ -126,17 +121,13 @@ class DecodeQueue:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    async def decode(self, uploads: Sequence[bytes]) -> list[np.ndarray | None]:
+    async def decode(self, uploads: Sequence[bytes | None]) -> Decoded | None:
         if self._task is None:
             raise RuntimeError("DecodeQueue.start() was not called")
-        loop = asyncio.get_running_loop()
-        futures = []
-        for data in uploads:
-            future: asyncio.Future[np.ndarray | None] = loop.create_future()
-            self._pending.append((data, future))
-            futures.append(future)
+        future: asyncio.Future[Decoded | None] = asyncio.get_running_loop().create_future()
+        self._pending.append((list(uploads), future))
         self._wake.set()
-        return list(await asyncio.gather(*futures))
+        return await future
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -144,29 +135,39 @@ class DecodeQueue:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
-                batch: list[tuple[bytes, asyncio.Future[np.ndarray | None]]] = []
-                while self._pending and len(batch) < self._max:
-                    data, future = self._pending.popleft()
-                    if not future.done():  # the request went away: skip its upload
-                        batch.append((data, future))
+                batch: list[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = []
+                images = 0
+                while self._pending and (
+                    not batch or images + len(self._pending[0][0]) <= self._max
+                ):
+                    uploads, future = self._pending.popleft()
+                    if not future.done():  # the request went away: skip its uploads
+                        batch.append((uploads, future))
+                        images += len(uploads)
                 if not batch:
                     continue
+                joined = [data for uploads, _ in batch for data in uploads]
+                decoded: Decoded | None
                 try:
-                    rows = await loop.run_in_executor(
-                        self._executor, self._decode, [data for data, _ in batch]
-                    )
-                    if len(rows) != len(batch):
-                        raise RuntimeError(f"{len(rows)} rows for {len(batch)} images")
+                    decoded = await loop.run_in_executor(self._executor, self._decode, joined)
+                    if len(decoded[1]) != len(joined) or len(decoded[0]) != len(joined):
+                        raise RuntimeError(f"{len(decoded[1])} rows for {len(joined)} images")
                 except Exception:
                     log.exception(
-                        "device decode of %d image(s) failed; decoding on the CPU", len(batch)
+                        "device decode of %d image(s) failed; decoding on the CPU", len(joined)
                     )
-                    rows = [None] * len(batch)
+                    decoded = None
                 if self._on_batch is not None:
-                    self._on_batch(len(batch))
-                for (_, future), row in zip(batch, rows, strict=True):
+                    self._on_batch(len(joined))
+                at = 0
+                for uploads, future in batch:
+                    end = at + len(uploads)
                     if not future.done():
-                        future.set_result(row)
+                        rows, ok = decoded if decoded is not None else (None, None)
+                        future.set_result(
+                            None if rows is None or ok is None else (rows[at:end], ok[at:end])
+                        )
+                    at = end
 
     async def close(self) -> None:
         if self._task is not None:

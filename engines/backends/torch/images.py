@@ -1,33 +1,89 @@
-"""JPEG decode and preprocessing in batches with torch: nvJPEG on a GPU.
+"""JPEG decode and preprocessing in batches with torch: nvJPEG on a GPU, the rows left there.
 
-``torchvision.io.decode_jpeg`` decodes a list of JPEGs on the device in one call; each image
-is then resized (``F.interpolate``, bilinear with antialiasing, as Pillow's downscale),
-centre-cropped with the same numbers as the CPU path (``engines.preprocess.crop_box``) and
-written into one UINT8 batch in the model's layout. Only that batch, 150 KB a 224² image,
-comes back to the host. The resize and crop run on the CPU too (``device="cpu"`` with
-another JPEG decoder), which is how they are tested without a GPU.
+``torchvision.io.decode_jpeg`` decodes a list of JPEGs on the device in one call. The resize
+(Pillow's BILINEAR, antialiased as it shrinks) and the centre crop (``engines.preprocess.
+crop_box``) of images of different sizes are then two batched matrix products: Pillow's
+resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
+keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of similar
+sizes are padded into one group (zeros in the image and the weights), a group costs a few
+kernels whatever its sizes, and the weights of each size are made once and cached on the
+device. The UINT8 batch stays on the device (``DeviceRows``) and the runner copies it into
+its input buffer there: nothing but the JPEG bytes crosses PCIe. The same code runs on the
+CPU (``device="cpu"`` with another JPEG decoder), which is how it is tested without a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from functools import partial
+import threading
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from engines.preprocess import ImagePreprocess, crop_box
 
 log = logging.getLogger(__name__)
-# Pixels resized in one call at most: 64 images of 640x480 (a 236 MB float copy).
+# Padded pixels of one group at most: 64 images of 640x480 (a 236 MB float copy).
 GROUP_PIXELS = 64 * 640 * 480
+# A group's padded area is at most this much more than the pixels its images have.
+GROUP_WASTE = 1.5
+# Weight matrices kept on the device, by (size, resized size, crop start, crop).
+CACHED_WEIGHTS = 512
 
 
 JpegDecode = Callable[..., Any]
+
+
+class DeviceRows:
+    """UINT8 rows of a batch where they were decoded (a torch tensor, usually on the GPU).
+
+    Array-like as far as the batcher needs (``shape``, ``dtype``, ``size``, ``len`` and
+    slicing by rows), so the rows of one request travel as a view of the decoder's batch;
+    the torch runner copies them into its input buffer on the device, and ``np.asarray``
+    brings them to the host for any other engine.
+    """
+
+    __slots__ = ("tensor",)
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.tensor.dim()
+
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def __len__(self) -> int:
+        return int(self.tensor.shape[0])
+
+    def __getitem__(self, rows: slice) -> DeviceRows:
+        if not isinstance(rows, slice):
+            raise TypeError("DeviceRows are sliced by rows only")
+        return DeviceRows(self.tensor[rows])
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        host = self.tensor.cpu().numpy()
+        return host if dtype is None else host.astype(dtype)
+
+    def put(self, row: int, value: np.ndarray) -> None:
+        """Write one row decoded elsewhere (an image the device decoder refused)."""
+        self.tensor[row].copy_(torch.from_numpy(np.ascontiguousarray(value)))
 
 
 class TorchImageDecoder:
@@ -54,61 +110,100 @@ class TorchImageDecoder:
             if self.device.type == "cuda"
             else None
         )
+        self._lock = threading.Lock()
+        self._weights = lru_cache(maxsize=CACHED_WEIGHTS)(self._weights_on_device)
 
-    def decode(self, jpegs: Sequence[bytes]) -> list[np.ndarray | None]:
-        """One UINT8 row per JPEG, in the spec's layout; None for an image the device decoder
-        refused (the caller decodes that one on the CPU)."""
-        if not jpegs:
-            return []
-        datas = [torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy()) for data in jpegs]
+    def decode(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
+        """The batch's rows on the device, in the spec's layout, and for each whether it was
+        decoded: False for None (not for this decoder) and for an image the device decoder
+        refused, whose row is left for the caller to fill (``DeviceRows.put``)."""
         crop = self.spec.crop
-        with torch.no_grad(), self._on_stream():
-            images = self._decode_all(datas)
-            batch = torch.empty((len(datas), 3, crop, crop), dtype=torch.uint8, device=self.device)
-            # Images of one size are resized together: a few kernels per group, not per
-            # image (the thread competes for the GIL with the event loop; fewer calls, less
-            # waiting).
-            for (height, width), rows in self._groups(images):
-                new_w, new_h, left, top = crop_box(width, height, self.spec)
-                stacked = torch.stack([image for i in rows if (image := images[i]) is not None])
-                cropped = resize(stacked, new_h, new_w)[..., top : top + crop, left : left + crop]
-                index = torch.tensor(rows, device=self.device)
-                batch.index_copy_(0, index, cropped)
+        with self._lock, torch.no_grad(), self._on_stream():
+            batch = torch.zeros((len(jpegs), 3, crop, crop), dtype=torch.uint8, device=self.device)
+            images = self._decode_all(jpegs)
+            for group in self._groups(images):
+                self._resize_group(batch, images, group)
             if self.spec.layout == "NHWC":
-                batch = batch.permute(0, 2, 3, 1)
-            host = batch.contiguous().cpu().numpy()  # waits for this stream's work
-        return [host[i] if image is not None else None for i, image in enumerate(images)]
+                batch = batch.permute(0, 2, 3, 1).contiguous()
+            if self._stream is not None:
+                # Before the rows are handed out: the runner's stream reads them next.
+                self._stream.synchronize()
+        return DeviceRows(batch), [image is not None for image in images]
+
+    def _resize_group(
+        self, batch: torch.Tensor, images: list[torch.Tensor | None], group: list[int]
+    ) -> None:
+        """Resize and crop the images of one group into their rows of ``batch``: padded into
+        one float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between
+        them, as Pillow rounds between its two passes)."""
+        crop = self.spec.crop
+        sizes = [tuple(images[i].shape[1:]) for i in group]  # type: ignore[union-attr]
+        height = max(h for h, _ in sizes)
+        width = max(w for _, w in sizes)
+        n = len(group)
+        x = torch.zeros((n, 3, height, width), dtype=torch.float32, device=self.device)
+        wy = torch.zeros((n, 1, crop, height), dtype=torch.float32, device=self.device)
+        wx = torch.zeros((n, 1, width, crop), dtype=torch.float32, device=self.device)
+        for slot, (i, (h, w)) in enumerate(zip(group, sizes, strict=True)):
+            new_w, new_h, left, top = crop_box(w, h, self.spec)
+            x[slot, :, :h, :w].copy_(images[i])  # type: ignore[arg-type]
+            wy[slot, 0, :, :h].copy_(self._weights(h, new_h, top, crop))
+            wx[slot, 0, :w, :].copy_(self._weights(w, new_w, left, crop).T)
+        # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
+        across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
+        rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
+        index = torch.tensor(group, device=self.device)
+        batch.index_copy_(0, index, rows.to(torch.uint8))
+
+    def _weights_on_device(self, size: int, resized: int, start: int, count: int) -> torch.Tensor:
+        return torch.from_numpy(bilinear_weights(size, resized, start, count)).to(self.device)
 
     @staticmethod
-    def _groups(
-        images: list[torch.Tensor | None],
-    ) -> Iterator[tuple[tuple[int, int], list[int]]]:
-        """Indices of the decoded images by (height, width), in slices of at most
-        ``GROUP_PIXELS`` pixels (the float copy the resize makes stays bounded)."""
-        sizes: dict[tuple[int, int], list[int]] = {}
-        for i, image in enumerate(images):
-            if image is not None:
-                sizes.setdefault((int(image.shape[1]), int(image.shape[2])), []).append(i)
-        for size, rows in sizes.items():
-            step = max(1, GROUP_PIXELS // (size[0] * size[1]))
-            for start in range(0, len(rows), step):
-                yield size, rows[start : start + step]
+    def _groups(images: list[torch.Tensor | None]) -> list[list[int]]:
+        """Indices of the decoded images in groups of similar sizes: sorted by size, a group
+        ends where padding it to the next image would pass ``GROUP_PIXELS`` or waste more
+        than ``GROUP_WASTE`` times its pixels."""
+        decoded = [
+            (int(image.shape[1]), int(image.shape[2]), i)
+            for i, image in enumerate(images)
+            if image is not None
+        ]
+        decoded.sort()
+        groups: list[list[int]] = []
+        group: list[int] = []
+        height = width = pixels = 0
+        for h, w, i in decoded:
+            grown_h, grown_w = max(height, h), max(width, w)
+            padded = (len(group) + 1) * grown_h * grown_w
+            if group and (padded > GROUP_PIXELS or padded > GROUP_WASTE * (pixels + h * w)):
+                groups.append(group)
+                group, height, width, pixels = [], 0, 0, 0
+                grown_h, grown_w = h, w
+            group.append(i)
+            height, width, pixels = grown_h, grown_w, pixels + h * w
+        if group:
+            groups.append(group)
+        return groups
 
-    def _decode_all(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    def _decode_all(self, jpegs: Sequence[bytes | None]) -> list[torch.Tensor | None]:
         """The batch in one call; if any image fails it, each image alone, so one bad image
         costs only itself."""
+        picked = [i for i, data in enumerate(jpegs) if data is not None]
+        datas = [torch.frombuffer(bytearray(jpegs[i]), dtype=torch.uint8) for i in picked]  # type: ignore[arg-type]
+        images: list[torch.Tensor | None] = [None] * len(jpegs)
+        if not datas:
+            return images
         try:
-            decoded = self._decode_jpeg(datas, device=self.device)
-            return list(decoded)
+            for i, image in zip(picked, self._decode_jpeg(datas, device=self.device), strict=True):
+                images[i] = image
+            return images
         except RuntimeError:
             pass
-        images: list[torch.Tensor | None] = []
-        for data in datas:
+        for i, data in zip(picked, datas, strict=True):
             try:
-                images.append(self._decode_jpeg(data, device=self.device))
+                images[i] = self._decode_jpeg(data, device=self.device)
             except RuntimeError as exc:
                 log.debug("device JPEG decode refused an image: %s", exc)
-                images.append(None)
         return images
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:
@@ -117,9 +212,23 @@ class TorchImageDecoder:
         return torch.cuda.stream(self._stream)
 
 
-def resize(images: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """NCHW UINT8 images resized bilinearly with antialiasing (what Pillow's BILINEAR does
-    when it shrinks), rounded back to UINT8."""
-    x = images.to(torch.float32)
-    x = F.interpolate(x, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
-    return x.round_().clamp_(0, 255).to(torch.uint8)
+def bilinear_weights(size: int, resized: int, start: int, count: int) -> np.ndarray:
+    """Pillow's BILINEAR resampling of one axis from ``size`` to ``resized`` pixels as a
+    (``count`` x ``size``) matrix, the output pixels ``start`` to ``start + count`` of it
+    (the crop). The triangle filter widens by the scale as it shrinks (antialiasing), and
+    each output pixel's taps are normalised to sum to one, as ``ImagingResample`` does."""
+    scale = size / resized
+    filter_scale = max(scale, 1.0)
+    support = filter_scale  # the triangle's support of 1, widened
+    weights = np.zeros((count, size), dtype=np.float64)
+    for row, out in enumerate(range(start, start + count)):
+        center = (out + 0.5) * scale
+        low = max(int(center - support + 0.5), 0)
+        high = min(int(center + support + 0.5), size)
+        taps = np.arange(low, high)
+        w = np.maximum(0.0, 1.0 - np.abs((taps - center + 0.5) / filter_scale))
+        total = w.sum()
+        if total != 0:
+            w /= total
+        weights[row, low:high] = w
+    return weights.astype(np.float32)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engines.backends.torch.images import DeviceRows
 from engines.backends.torch.precision import compute_dtype, tf32
 from engines.backends.torch.staging import staged_copy
 from engines.devices import cuda
@@ -243,9 +244,11 @@ class TorchRunner:
         # The pinned buffers are reused by the next batch: hand out copies.
         return {name: view.copy() for name, view in views.items()}
 
-    def _stage(self, slot: _Input, datatype: str, arrays: list[np.ndarray], rows: int) -> None:
-        """Pageable request memory -> pinned staging -> device buffer, on the runner's stream;
-        ``arrays``: the batch's blocks of rows for this input, joined in the pinned buffer."""
+    def _stage(self, slot: _Input, datatype: str, arrays: list[Any], rows: int) -> None:
+        """Request memory -> pinned staging -> device buffer, on the runner's stream;
+        ``arrays``: the batch's blocks of rows for this input, joined in the pinned buffer.
+        Blocks already on a device (``DeviceRows``: JPEGs decoded there) are copied into
+        the device buffer directly, never through the host."""
         dtype = slot.formats.get(datatype)
         if dtype is None:
             raise ValueError(f"input {slot.spec.name!r}: datatype {datatype} not accepted")
@@ -263,11 +266,34 @@ class TorchRunner:
             if array.dtype != expected:
                 raise ValueError(f"input {slot.spec.name!r}: {array.dtype}, expected {expected}")
         staging = host.array(expected, (rows, *want) if batched else want)
-        if batched:
+        if not batched:
+            np.copyto(staging, np.asarray(arrays[0]), casting="no")
+        elif not any(isinstance(array, DeviceRows) for array in arrays):
             staged_copy(staging, arrays)
         else:
-            np.copyto(staging, arrays[0], casting="no")
+            self._stage_mixed(staging, host, device, arrays)
+            return
         cuda.copy_to_device(device.data_ptr(), host.ptr, staging.nbytes, self._stream)
+
+    def _stage_mixed(
+        self, staging: np.ndarray, host: cuda.HostBuffer, device: torch.Tensor, arrays: list[Any]
+    ) -> None:
+        """Blocks on a device copied device to device into their rows, host blocks through
+        the pinned buffer, all on the runner's stream in order."""
+        offset, row_bytes = 0, staging[0].nbytes
+        for array in arrays:
+            count = len(array)
+            if isinstance(array, DeviceRows):
+                with torch.cuda.stream(self._torch_stream):
+                    device[offset : offset + count].copy_(array.tensor, non_blocking=True)
+            else:
+                piece = staging[offset : offset + count]
+                staged_copy(piece, [array])
+                start = offset * row_bytes
+                cuda.copy_to_device(
+                    device.data_ptr() + start, host.ptr + start, piece.nbytes, self._stream
+                )
+            offset += count
 
     def graph(self, bucket: int, datatype: str) -> torch.cuda.CUDAGraph:
         """The captured graph of one bucket and input datatype (to time the GPU alone)."""

@@ -24,6 +24,7 @@ from app.engine.batcher import Batcher
 from app.engine.pool import RunnerPool
 from app.engine.repository import ConfigError, DynamicBatching, discover
 from app.errors import BadRequest, EngineError, PayloadTooLarge, Unavailable
+from app.image_header import UPLOAD_FORMATS, read_header
 from app.metrics import ModelMetrics
 from app.protocol import decode_request
 from app.settings import LimitSettings
@@ -257,7 +258,7 @@ def test_an_aspect_ratio_bomb_is_refused_from_its_header() -> None:
         data = png_of(*size)
         assert len(data) < 1000
         with pytest.raises(PayloadTooLarge, match=r"aspect ratio over 32:1"):
-            images.inspect(data, LimitSettings().max_image_pixels, limit)
+            read_header(data, LimitSettings().max_image_pixels, limit)
         with pytest.raises(PayloadTooLarge, match=r"aspect ratio"):
             images.decode(data, LimitSettings().max_image_pixels, limit)
     # A panorama within the limit decodes.
@@ -270,7 +271,7 @@ def test_only_photo_formats_are_decoded() -> None:
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
     with pytest.raises(BadRequest, match=r"not an image format this server reads \(JPEG, PNG"):
         images.decode(eps, 1_000_000)
-    for fmt in images.UPLOAD_FORMATS:
+    for fmt in UPLOAD_FORMATS:
         buffer = io.BytesIO()
         Image.new("RGB", (8, 6), (1, 2, 3)).save(buffer, format=fmt)
         assert images.decode(buffer.getvalue(), 1_000_000).size == (8, 6), fmt

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.engine.images import DecodeQueue, inspect
+from app.engine.images import Decoded, DecodeQueue
 from app.engine.repository import ModelConfig, ModelEntry
 from app.errors import BadRequest, PayloadTooLarge
+from app.image_header import UPLOAD_FORMATS, read_header
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import jpeg_bytes
 
@@ -34,19 +35,78 @@ def entry(**config: Any) -> ModelEntry:
 
 def test_headers_are_read_without_decoding_and_bombs_refused() -> None:
     photo = jpeg_bytes(np.zeros((30, 40, 3), np.uint8))
-    header = inspect(photo, 10_000)
-    assert (header.format, header.mode, header.width, header.height) == ("JPEG", "RGB", 40, 30)
+    header = read_header(photo, 10_000)
+    assert (header.format, header.width, header.height, header.components) == ("JPEG", 40, 30, 3)
     assert header.device_decodable
+    grey = io.BytesIO()
+    Image.new("L", (8, 6)).save(grey, format="JPEG")
+    assert read_header(grey.getvalue(), 10_000).device_decodable
     png = io.BytesIO()
     Image.new("RGB", (8, 8)).save(png, format="PNG")
-    assert not inspect(png.getvalue(), 10_000).device_decodable
-    cmyk = io.BytesIO()
-    Image.new("CMYK", (8, 8)).save(cmyk, format="JPEG")
-    assert not inspect(cmyk.getvalue(), 10_000).device_decodable  # left to Pillow
+    assert not read_header(png.getvalue(), 10_000).device_decodable
+    for mode in ("CMYK",):
+        other = io.BytesIO()
+        Image.new(mode, (8, 8)).save(other, format="JPEG")
+        assert not read_header(other.getvalue(), 10_000).device_decodable  # left to Pillow
     with pytest.raises(PayloadTooLarge, match="1200 pixels; the limit is 1000"):
-        inspect(photo, 1000)
+        read_header(photo, 1000)
     with pytest.raises(BadRequest, match="cannot decode image"):
-        inspect(b"not an image", 1000)
+        read_header(b"not an image", 1000)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "mode"),
+    [
+        (fmt, mode)
+        for fmt in UPLOAD_FORMATS
+        for mode in ("RGB", "L", "RGBA", "P")
+        if fmt != "JPEG" or mode in ("RGB", "L")  # JPEG has no alpha or palette
+    ],
+)
+def test_every_upload_format_reads_the_size_pillow_reads(fmt: str, mode: str) -> None:
+    """The plain-Python reader against Pillow's own header parse, format by format (lossy
+    and lossless WEBP, grey, palette and alpha where the format has them)."""
+    for size in ((1, 1), (37, 5), (300, 301)):
+        for options in ({}, {"lossless": True}) if fmt == "WEBP" else ({},):
+            buffer = io.BytesIO()
+            Image.new(mode, size).save(buffer, format=fmt, **options)
+            data = buffer.getvalue()
+            header = read_header(data, 1 << 30)
+            with Image.open(io.BytesIO(data)) as image:
+                assert (header.format, header.width, header.height) == (image.format, *image.size)
+
+
+def test_progressive_and_cut_short_jpegs() -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(buffer, format="JPEG", progressive=True)
+    data = buffer.getvalue()
+    header = read_header(data, 1 << 20)
+    assert (header.width, header.height) == (64, 48) and header.device_decodable
+    for cut in (3, 20, 100):
+        with pytest.raises(BadRequest, match="cannot decode image"):
+            read_header(data[:cut], 1 << 20)
+    with pytest.raises(BadRequest, match="without a frame header"):
+        read_header(b"\xff\xd8\xff\xd9", 1 << 20)
+
+
+class ArrayRows:
+    """Rows on the host standing in for a device batch (``DeviceRows``)."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, rows: slice) -> ArrayRows:
+        return ArrayRows(self.array[rows])
+
+    def put(self, row: int, value: np.ndarray) -> None:
+        self.array[row] = value
 
 
 class RecordingDecoder:
@@ -59,13 +119,15 @@ class RecordingDecoder:
         self.refuse = refuse
         self.fail = fail
 
-    def __call__(self, uploads: list[bytes]) -> list[np.ndarray | None]:
+    def __call__(self, uploads: list[bytes | None]) -> tuple[ArrayRows, list[bool]]:
         self.batches.append(len(uploads))
         self.threads.add(threading.current_thread().name)
         time.sleep(self.seconds)
         if self.fail:
             raise RuntimeError("device lost")
-        return [None if u == self.refuse else np.full(2, u[0], np.uint8) for u in uploads]
+        ok = [u is not None and u != self.refuse for u in uploads]
+        rows = np.array([[u[0] if u else 0] * 2 for u in uploads], np.uint8)
+        return ArrayRows(rows), ok
 
 
 def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None:
@@ -73,28 +135,46 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
 
     observed: list[int] = []
 
-    async def scenario() -> list[list[np.ndarray | None]]:
+    async def scenario() -> list[Decoded | None]:
         queue = DecodeQueue(decoder, max_batch=8, on_batch=observed.append)
         queue.start()
         try:
-            requests = [[bytes([i]), bytes([i + 100])] for i in range(20)]
+            requests: list[list[bytes | None]] = [[bytes([i]), bytes([i + 100])] for i in range(20)]
+            requests[3][0] = None  # not for this decoder: decoded elsewhere
             return await asyncio.gather(*(queue.decode(r) for r in requests))
         finally:
             await queue.close()
 
     answers = asyncio.run(scenario())
     for i, answer in enumerate(answers):
-        first, second = answer
-        assert second is not None and second[0] == i + 100  # each upload gets its own row
-        assert first is None if i == 7 else first is not None and first[0] == i
+        assert answer is not None
+        rows, ok = answer
+        assert isinstance(rows, ArrayRows) and rows.array[1, 0] == i + 100  # its own rows
+        assert ok == [i not in (3, 7), True]
+        assert not ok[0] or rows.array[0, 0] == i
     assert sum(decoder.batches) == 40 and max(decoder.batches) == 8
     assert len(decoder.batches) < 40 / 2  # gathered, not one by one
     assert len(decoder.threads) == 1 and next(iter(decoder.threads)).startswith("decode")
     assert observed == decoder.batches  # what the batch-size histogram is fed
 
 
+def test_a_request_larger_than_the_batch_limit_is_decoded_alone() -> None:
+    decoder = RecordingDecoder(seconds=0.0)
+
+    async def scenario() -> Decoded | None:
+        queue = DecodeQueue(decoder, max_batch=4)
+        queue.start()
+        try:
+            return await queue.decode([bytes([i]) for i in range(10)])
+        finally:
+            await queue.close()
+
+    answer = asyncio.run(scenario())
+    assert answer is not None and answer[1] == [True] * 10 and decoder.batches == [10]
+
+
 def test_a_failing_decoder_hands_every_upload_back_to_the_cpu() -> None:
-    async def scenario() -> list[np.ndarray | None]:
+    async def scenario() -> Decoded | None:
         queue = DecodeQueue(RecordingDecoder(fail=True), max_batch=4)
         queue.start()
         try:
@@ -102,18 +182,21 @@ def test_a_failing_decoder_hands_every_upload_back_to_the_cpu() -> None:
         finally:
             await queue.close()
 
-    assert asyncio.run(scenario()) == [None, None, None]
+    assert asyncio.run(scenario()) is None
 
 
 def test_a_cancelled_request_is_skipped_and_others_still_answer() -> None:
     decoder = RecordingDecoder(seconds=0.1)
 
-    async def scenario() -> list[np.ndarray | None]:
+    async def scenario() -> Decoded | None:
         queue = DecodeQueue(decoder, max_batch=64)
         queue.start()
         try:
             first = asyncio.create_task(queue.decode([b"a"]))
-            await asyncio.sleep(0.02)  # "a" is decoding; the next two wait
+            for _ in range(10_000):  # until "a" is decoding; the next two wait
+                if decoder.batches:
+                    break
+                await asyncio.sleep(0.001)
             gone = asyncio.create_task(queue.decode([b"b", b"c"]))
             kept = asyncio.create_task(queue.decode([b"d"]))
             await asyncio.sleep(0)
@@ -124,5 +207,6 @@ def test_a_cancelled_request_is_skipped_and_others_still_answer() -> None:
             await queue.close()
 
     answer = asyncio.run(scenario())
-    assert answer[0] is not None and answer[0][0] == ord("d")
+    assert answer is not None and answer[1] == [True]
+    assert isinstance(answer[0], ArrayRows) and answer[0].array[0, 0] == ord("d")
     assert decoder.batches == [1, 1]  # b and c never reached the decoder
