@@ -15,7 +15,8 @@
 # RAW_LIMIT, READY_LIMIT, U8_LIMIT, JPEG_LIMIT, GPUS_LIMIT; RAW_ONLY and RAW_ARGS (gpu_bench.py's
 # --only and its other arguments); the service runs: BACKEND (torch),
 # ROWS (32), DURATION (4 s a step), RATE_DURATION (8 s), U8_CONCURRENCY (8,16,32),
-# JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), FRONT_ENDS (1: one
+# JPEG_CONCURRENCY (64,256), JPEG16_CONCURRENCY (8,32; none skips), JPEG_IMAGES (a folder of
+# photos for the JPEG runs, 48 of them cycled; default synthetic 640x480), FRONT_ENDS (1: one
 # process; N: N front ends before an engine process), BATCH1 (1: batch-1 UINT8 at c=256 against
 # the naive server; 0 skips), PROFILE (1: cProfile every server process, summary in
 # profile_summary.txt), COMPILE (the served model's gpu.compile: default, none, max-autotune),
@@ -153,7 +154,8 @@ if has service; then
         --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
         --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480
     bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" --model resnet50 \
-        --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}"
+        --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}" \
+        ${JPEG_IMAGES:+--images "$JPEG_IMAGES" --distinct 48}
     [ "${JPEG16_CONCURRENCY:-}" = none ] || bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 \
         --url "$url" --model resnet50 --repository "$repo" --payload jpeg --rows 16 \
         --concurrency "${JPEG16_CONCURRENCY:-8,32}"

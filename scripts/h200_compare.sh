@@ -22,7 +22,7 @@ for tree in before after; do
     [ "$tree" = after ] && [ -d "$root/.after" ] && dir=$root/.after
     echo "== $tree ($dir)"
     (cd "$dir" && OUT=$OUT/$tree SECTIONS=service FRONT_ENDS=${FRONT_ENDS:-4} \
-        COMPILE=${COMPILE:-none} JPEG16_CONCURRENCY=none JPEG_CONCURRENCY=256 \
+        COMPILE=${COMPILE:-none} JPEG16_CONCURRENCY=none JPEG_CONCURRENCY=${JPEG_CONCURRENCY:-256} \
         U8_CONCURRENCY=${U8_CONCURRENCY:-8,16,32} READY_LIMIT=200 bash scripts/h200.sh) \
         >"$OUT/$tree.txt" 2>&1
     grep -E "exit|server ready" "$OUT/$tree.txt" | head -12
