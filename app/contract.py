@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, Unavailable, client_text
+from app.errors import BadRequest, StokerError, Unavailable, client_text
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
@@ -190,13 +190,35 @@ class Raw:
 @dataclass(frozen=True)
 class Uploads:
     """Image uploads for a model's handler: ``name`` None is the default model; ``k``: how
-    many labels each answer has (None: the server's default)."""
+    many labels each answer has (None: the server's default). ``counts``: the images of each
+    request, in order, where the data plane gathered several requests (empty: one)."""
 
     name: str | None
     version: str | None
     images: Sequence[bytes | memoryview]
     k: int | None
     client: str
+    counts: tuple[int, ...] = ()
+
+    def requests(self) -> list[Sequence[bytes | memoryview]]:
+        """Each request's images."""
+        if not self.counts:
+            return [self.images]
+        parts, at = [], 0
+        for count in self.counts:
+            parts.append(self.images[at : at + count])
+            at += count
+        return parts
+
+
+@dataclass(frozen=True)
+class Classified:
+    """What an engine answered uploads: the model version, and per request its answers
+    (one per image) or the error that request alone gets (an image that is not one)."""
+
+    model: str
+    version: str
+    answers: list[list[Any] | StokerError]
 
 
 @dataclass(frozen=True)

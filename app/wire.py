@@ -177,7 +177,8 @@ class Infer(_Message, frozen=True, tag=Op.INFER.value):
 
 
 class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
-    """Image uploads of ``sizes`` bytes each, one after the other in ``slot`` or the payload."""
+    """Image uploads of ``sizes`` bytes each, one after the other in ``slot`` or the payload;
+    ``counts``: the images of each request a front end gathered (empty: one request)."""
 
     name: str | None
     version: str | None
@@ -185,6 +186,7 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     sizes: tuple[int, ...]
     client: str
     slot: SlotRef | None = None
+    counts: tuple[int, ...] = ()
 
 
 class Metrics(_Message, frozen=True, tag=Op.METRICS.value):
@@ -310,7 +312,9 @@ class Inferred(_Reply, frozen=True, tag="inferred"):
 
 
 class Classified(_Reply, frozen=True, tag="classified"):
-    """Top-k labels per upload: JSON in the payload (k labels per image can be megabytes)."""
+    """Per request, its top-k labels per upload or its failure: JSON in the payload (k labels
+    per image can be megabytes), a list of ``{"answers": [...]}`` or ``{"error": ...,
+    "status": ..., "reason": ...}``, one per request."""
 
     model: str
     version: str

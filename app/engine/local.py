@@ -25,6 +25,7 @@ from prometheus_client import generate_latest
 from app.contract import (
     THREADED_DECODE_BYTES,
     Answer,
+    Classified,
     Contract,
     Frame,
     Ran,
@@ -364,47 +365,104 @@ class LocalEngine:
         )
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 
-    async def classify(self, uploads: Uploads) -> tuple[str, str, list[Any]]:
-        """Uploads through the model's handler and batcher: one answer per upload (top-k
-        labels for the image classifier). ``name`` None: the default model."""
-        if uploads.name is None:
-            model = self.models.default(self.settings.models.default_model)
-        else:
-            model = self.models.get(uploads.name, uploads.version)
-        k, client = uploads.k, uploads.client
+    async def classify(self, uploads: Uploads) -> Classified:
+        """Uploads through the model's handler and batcher: per request, one answer per
+        image (top-k labels for the image classifier). ``name`` None: the default model.
+        The requests the data plane gathered (``uploads.counts``) are decoded together (the
+        device decoder's queue joins them) and go through the batcher as one entry; an
+        upload that is not an image fails its own request alone, counted as it fails."""
+        model = self._upload_model(uploads.name, uploads.version)
         handler = model.handler
         if handler is None:
             raise BadRequest(f"model {model.name!r} does not take image uploads")
-        top = k if k is not None else self.settings.limits.default_top_k
+        top = uploads.k if uploads.k is not None else self.settings.limits.default_top_k
         if top < 1:
             raise BadRequest("k must be at least 1")
-        images = [bytes(upload) for upload in uploads.images]
-        check_uploads(images, self.settings.limits)
+        started = time.perf_counter()
+        requests = [[bytes(image) for image in part] for part in uploads.requests()]
+        answers: list[list[Any] | StokerError] = [[] for _ in requests]
 
-        async def work() -> list[Any]:
+        def failed(i: int, error: StokerError) -> None:
+            model.metrics.request_failed(error.reason, time.perf_counter() - started)
+            error.counted = True
+            answers[i] = error
+
+        for i, images in enumerate(requests):
+            try:
+                check_uploads(images, self.settings.limits)
+            except StokerError as error:
+                failed(i, error)
+
+        async def work() -> None:
             arrived = time.monotonic()
-            model.batcher.admit()
-            inputs = await handler.decode(images)
-            rows = len(next(iter(inputs.values())))
-            timeout = time_left(model.timeout_s(None), arrived)
-            step = model.spec.max_batch_size or 1
-            key = batch_key(model.spec, inputs)
-            chunks = [
-                {n: value[i : i + step] for n, value in inputs.items()}
-                for i in range(0, rows, step)
-            ]
-            results = await asyncio.gather(
-                *(
-                    model.batcher.infer(c, len(next(iter(c.values()))), key, timeout, 0, client)
-                    for c in chunks
-                )
+            model.batcher.admit(len(live))
+            decoded = await asyncio.gather(
+                *(handler.decode(requests[i]) for i in live), return_exceptions=True
             )
-            outputs = {
-                t.name: np.concatenate([r[t.name] for r in results]) for t in model.spec.outputs
-            }
-            return handler.encode(outputs, top)
+            blocks: list[tuple[int, dict[str, Any]]] = []
+            for i, inputs in zip(live, decoded, strict=True):
+                if isinstance(inputs, StokerError):
+                    failed(i, inputs)
+                elif isinstance(inputs, BaseException):
+                    raise inputs
+                else:
+                    blocks.append((i, inputs))
+            if not blocks:
+                return
+            timeout = time_left(model.timeout_s(None), arrived)
+            outputs = await self._through_batcher(
+                model, [b for _, b in blocks], timeout, uploads.client
+            )
+            for (i, _), out in zip(blocks, outputs, strict=True):
+                answers[i] = handler.encode(out, top)
 
-        return model.name, model.version, await self._measured(model, work)
+        live = [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
+        if live:
+            await self._measured(model, work, requests=len(live))
+        return Classified(model.name, model.version, answers)
+
+    def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:
+        if name is None:
+            return self.models.default(self.settings.models.default_model)
+        return self.models.get(name, version)
+
+    async def _through_batcher(
+        self,
+        model: LoadedModel,
+        blocks: list[dict[str, Any]],
+        timeout_s: float | None,
+        client: str,
+    ) -> list[Tensors]:
+        """Each request's rows through the batcher, as few entries as the max batch allows
+        (consecutive requests of one batch key together; one larger than it in slices);
+        each request's outputs, in order."""
+        step = model.spec.max_batch_size or 1
+        counts = [len(next(iter(block.values()))) for block in blocks]
+        entries: list[tuple[list[dict[str, Any]], int, Any]] = []  # blocks, rows, key
+        for block, rows in zip(blocks, counts, strict=True):
+            key = batch_key(model.spec, block)
+            if rows > step:
+                for i in range(0, rows, step):
+                    piece = {n: value[i : i + step] for n, value in block.items()}
+                    entries.append(([piece], min(step, rows - i), key))
+            elif entries and entries[-1][2] == key and entries[-1][1] + rows <= step:
+                entries[-1][0].append(block)
+                entries[-1] = (entries[-1][0], entries[-1][1] + rows, key)
+            else:
+                entries.append(([block], rows, key))
+        results = await asyncio.gather(
+            *(
+                model.batcher.infer(entry, rows, key, timeout_s, 0, client, len(entry))
+                for entry, rows, key in entries
+            )
+        )
+        names = [t.name for t in model.spec.outputs]
+        joined = {n: np.concatenate([r[n] for r in results]) for n in names}
+        outputs, at = [], 0
+        for rows in counts:
+            outputs.append({n: joined[n][at : at + rows] for n in names})
+            at += rows
+        return outputs
 
 
 def shape_output(model: LoadedModel, out: RequestedOutput, outputs: Tensors) -> np.ndarray:

@@ -275,10 +275,16 @@ class EngineServer:
         for size in call.sizes:
             uploads.append(source[at : at + size])
             at += size
-        model, version, predictions = await self.engine.classify(
-            Uploads(call.name, call.version, uploads, call.k, call.client)
+        classified = await self.engine.classify(
+            Uploads(call.name, call.version, uploads, call.k, call.client, call.counts)
         )
-        return wire.Classified(model, version), orjson.dumps(predictions)
+        answers = [
+            {"error": a.message, "status": a.status, "reason": a.reason}
+            if isinstance(a, StokerError)
+            else {"answers": a}
+            for a in classified.answers
+        ]
+        return wire.Classified(classified.model, classified.version), orjson.dumps(answers)
 
     async def _metrics(self, connection: Connection, call: wire.Metrics, _: bytes) -> Handled:
         return wire.Done(), await self.engine.metrics_text()

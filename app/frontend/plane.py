@@ -27,6 +27,7 @@ from app.contract import (
     ENGINE_REGIONS,
     THREADED_DECODE_BYTES,
     Answer,
+    Classified,
     Contract,
     ForwardToEngine,
     Frame,
@@ -67,6 +68,21 @@ class Gathering:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass(eq=False)
+class UploadGathering:
+    """Upload requests of one turn of the loop that go to the engine as one call."""
+
+    name: str | None
+    version: str | None
+    k: int | None
+    client: str
+    images: list[bytes] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    answers: list[asyncio.Future[Classified]] = field(default_factory=list)
+    waiting: int = 0
+    task: asyncio.Task[None] | None = None
+
+
 class DataPlane:
     def __init__(self, settings: Settings, client: EngineClient) -> None:
         self.settings = settings
@@ -74,6 +90,7 @@ class DataPlane:
         self.failed: BaseException | None = None
         self.drain_state = Drain(settings.server.drain_timeout_s)
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
+        self._uploads: dict[tuple[Any, ...], UploadGathering] = {}
         self._flush_scheduled = False
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -278,6 +295,8 @@ class DataPlane:
         self._flush_scheduled = False
         for key in list(self._gatherings):
             self._send(key)
+        for key in list(self._uploads):
+            self._send_uploads(key)
 
     def _send(self, key: tuple[Any, ...]) -> None:
         gathering = self._gatherings.pop(key)
@@ -322,8 +341,70 @@ class DataPlane:
         client: str = "",
     ) -> tuple[str, str, list[Any]]:
         """Uploads through the model's handler and batcher: one answer per upload (top-k
-        labels for the image classifier). ``name`` None: the default model."""
+        labels for the image classifier). ``name`` None: the default model. The uploads of
+        one turn of the loop for the same model, ``k`` and client go to the engine as one
+        call; the engine's handler reads them (only it knows what an upload must be)."""
         with self.drain_state.in_flight():
             if self.draining:
                 raise draining()
-            return await self.client.classify(Uploads(name, version, uploads, k, client))
+            key = (name, version, k, client)
+            gathering = self._uploads.get(key)
+            bound = max(self.settings.models.decode_batch, len(uploads))
+            if gathering is not None and len(gathering.images) + len(uploads) > bound:
+                self._send_uploads(key)
+                gathering = None
+            if gathering is None:
+                gathering = UploadGathering(name, version, k, client)
+                self._uploads[key] = gathering
+                if not self._flush_scheduled:
+                    self._flush_scheduled = True
+                    asyncio.get_running_loop().call_soon(self._send_all)
+            index = len(gathering.counts)
+            mine: asyncio.Future[Classified] = asyncio.get_running_loop().create_future()
+            gathering.images.extend(uploads)
+            gathering.counts.append(len(uploads))
+            gathering.answers.append(mine)
+            gathering.waiting += 1
+            try:
+                classified = await mine
+            except asyncio.CancelledError:
+                gathering.waiting -= 1
+                if gathering.waiting == 0 and gathering.task is not None:
+                    gathering.task.cancel()
+                raise
+            answer = classified.answers[index]
+            if isinstance(answer, StokerError):
+                raise answer
+            return classified.model, classified.version, answer
+
+    def _send_uploads(self, key: tuple[Any, ...]) -> None:
+        gathering = self._uploads.pop(key)
+        if gathering.waiting == 0:
+            return  # every caller left before it was sent (counted by nobody: no engine saw it)
+        uploads = Uploads(
+            gathering.name,
+            gathering.version,
+            gathering.images,
+            gathering.k,
+            gathering.client,
+            tuple(gathering.counts),
+        )
+        gathering.task = asyncio.create_task(self._deliver_uploads(uploads, gathering.answers))
+
+    async def _deliver_uploads(
+        self, uploads: Uploads, answers: Sequence[asyncio.Future[Classified]]
+    ) -> None:
+        try:
+            classified = await self.client.classify(uploads)
+        except asyncio.CancelledError:
+            for answer in answers:
+                answer.cancel()
+            raise
+        except Exception as error:
+            for answer in answers:
+                if not answer.done():
+                    answer.set_exception(error)
+            return
+        for answer in answers:
+            if not answer.done():
+                answer.set_result(classified)

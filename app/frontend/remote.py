@@ -30,10 +30,10 @@ import orjson
 
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
-from app.contract import Answer, Contract, Frame, Part, Ran, Raw, Slot, Uploads
+from app.contract import Answer, Classified, Contract, Frame, Part, Ran, Raw, Slot, Uploads
 from app.errors import StokerError, Unavailable
 from app.frontend.arena import Arena, place_inputs
-from app.frontend.links import EngineLink, R, Reply, answered, choose, connected
+from app.frontend.links import EngineLink, R, RemoteError, Reply, answered, choose, connected
 from app.frontend.poll import Poller
 from app.metrics import (
     labelled_metrics,
@@ -487,9 +487,10 @@ class RemoteEngine:
             data = bytes(slot.view[: inferred.slot_length])
         return Answer(inferred.model, inferred.version, inferred.headers, data)
 
-    async def classify(self, uploads: Uploads) -> tuple[str, str, list[Any]]:
+    async def classify(self, uploads: Uploads) -> Classified:
         """The uploads one after the other in a slot of the arena (or the payload), for the
-        engine's handler; the answers come back as JSON in the payload."""
+        engine's handler; the answers come back as JSON in the payload, per request its
+        answers or its failure (counted by the engine)."""
         sizes = tuple(len(image) for image in uploads.images)
         async with self.body_buffer(sum(sizes) if sizes else None) as slot:
             payload, place = b"", None
@@ -502,10 +503,18 @@ class RemoteEngine:
             else:
                 payload = b"".join(uploads.images)
             name, version = uploads.name, uploads.version
-            call = wire.Classify(name, version, uploads.k, sizes, uploads.client, place)
+            call = wire.Classify(
+                name, version, uploads.k, sizes, uploads.client, place, uploads.counts
+            )
             link = self._choose(name, version)
             number = link.request(call, payload)
-            reply, data = await self._held(link, number, [slot] if slot else [], 1)
+            requests = len(uploads.counts) or 1
+            reply, data = await self._held(link, number, [slot] if slot else [], requests)
         classified = answered(reply, wire.Classified)
-        predictions: list[Any] = orjson.loads(data)
-        return classified.model, classified.version, predictions
+        answers: list[list[Any] | StokerError] = []
+        for entry in orjson.loads(data):
+            if "error" in entry:
+                answers.append(RemoteError(entry["error"], entry["status"], entry["reason"]))
+            else:
+                answers.append(entry["answers"])
+        return Classified(classified.model, classified.version, answers)
