@@ -112,7 +112,9 @@ class LimitSettings(BaseModel):
     max_inflight_body_bytes: int = Field(default=1024 * 1024 * 1024, gt=0)
     """Most body bytes being received at once by one process (by declared length); more is
     answered 503 at once. With ``max_body_bytes`` it bounds what bodies in flight may cost:
-    40 clients that each declare 64 MiB get 16 in, the rest a 503."""
+    40 clients that each declare 64 MiB get 16 in, the rest a 503. gRPC has a budget of
+    this size of its own, for the requests of its calls in flight from their arrival to
+    their answer (RESOURCE_EXHAUSTED past it)."""
     max_image_pixels: int = Field(default=40_000_000, gt=0)
     """Largest decoded image (width x height); protects against decompression bombs."""
     max_image_aspect_ratio: float = Field(default=32.0, ge=1)
@@ -139,11 +141,17 @@ class LimitSettings(BaseModel):
     """Open connections per process (per front end with several). Beyond it, requests get
     503 and the connection closes, except ``/v2/health/*``, so probes still answer. Keep it
     under the open-file limit (``ulimit -n``)."""
+    max_grpc_calls: int = Field(default=1000, gt=0)
+    """gRPC calls in flight per process (per front end with several), streams and health
+    watches among them, liveness, readiness and health checks not; beyond it a call is
+    RESOURCE_EXHAUSTED at once. gRPC's counterpart of ``max_connections``: an HTTP/1.1
+    connection carries one request at a time, a gRPC connection many calls. Each call may
+    hold a message of up to ``max_body_bytes`` while it arrives."""
     max_share_per_address: float = Field(default=0.75, gt=0, le=1)
-    """The most of ``max_connections`` and of ``max_inflight_body_bytes`` one client address
-    may hold, so one address can never lock every other out: the rest stays for the others.
-    Lower it where many clients share the server evenly; 1 turns it off (behind a proxy
-    every client has the proxy's address)."""
+    """The most of ``max_connections``, ``max_grpc_calls`` and ``max_inflight_body_bytes``
+    one client address may hold, so one address can never lock every other out: the rest
+    stays for the others. Lower it where many clients share the server evenly; 1 turns it
+    off (behind a proxy every client has the proxy's address)."""
     max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole

@@ -2,15 +2,13 @@
 
 ``start`` binds ``server.grpc_port`` (with several front-end processes each binds it with
 SO_REUSEPORT, so the kernel spreads connections over them as the shared HTTP listener does;
-with one process a port that is taken fails the start), serves ``inference.
-GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, and applies HTTP's
-limits where gRPC has them: a message over ``limits.max_body_bytes`` is RESOURCE_EXHAUSTED
-before it is read whole, metadata is bounded by ``limits.max_header_bytes``, a connection
-must open within ``limits.header_timeout_s`` and idle ones close after ``server.keep_alive_s``.
-(``max_connections`` and ``max_inflight_body_bytes`` have no gRPC counterpart here: grpc.aio
-reads a message whole before a handler sees it.) With API keys, every call but the health and
-liveness ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata,
-as HTTP's headers) or is UNAUTHENTICATED before its handler runs. ``stop`` lets calls in
+with one process a port that is taken fails the start) and serves ``inference.
+GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, every call but
+the probes' counted against the limits of ``app.frontend.grpc.limits`` (connections, calls
+and request bytes in flight, per process and per address; message size and arrival time;
+idle connections). With API keys, every call but the health and liveness ones needs one
+(``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's headers) or is
+UNAUTHENTICATED before its handler runs (and before it is counted). ``stop`` lets calls in
 flight finish: the data plane's drain has already refused new inference with UNAVAILABLE.
 """
 
@@ -21,11 +19,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from app.errors import client_text
 from app.frontend.auth import KeyRing, presented_key
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.limits import CallLimits, core_options, limited
 from app.frontend.grpc.service import SERVICE, Health, InferenceService
 from app.frontend.plane import DataPlane
 from app.settings import Settings
@@ -38,15 +37,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+HEALTH = "grpc.health.v1.Health"
 # Open without a key, as /v2/health/live and /v2/health/ready are over HTTP.
 OPEN_METHODS = frozenset(
     {
         f"/{SERVICE}/ServerLive",
         f"/{SERVICE}/ServerReady",
-        "/grpc.health.v1.Health/Check",
-        "/grpc.health.v1.Health/Watch",
+        f"/{HEALTH}/Check",
+        f"/{HEALTH}/Watch",
     }
 )
+# Not counted against the calls in flight, so that probes answer while the server is full
+# (a Watch is counted: it stays open).
+PROBES = frozenset({"ServerLive", "ServerReady"})
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
@@ -97,10 +100,10 @@ def refusal(handler: Handler, message: str) -> Handler:
 RAW_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 
-def handlers(service: InferenceService) -> dict[str, Handler]:
+def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler]:
     """A handler for every method the proto declares, by its name, each calling the method of
-    ``service`` of that name; the messages of all but ``RAW_METHODS`` (de)serialized by the
-    generated classes."""
+    ``service`` of that name under ``limits`` (``PROBES`` not counted); the messages
+    of all but ``RAW_METHODS`` (de)serialized by the generated classes."""
     found: dict[str, Handler] = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         behaviour = getattr(service, method.name)
@@ -110,10 +113,23 @@ def handlers(service: InferenceService) -> dict[str, Handler]:
             decode = getattr(pb, method.input_type.name).FromString
             encode = getattr(pb, method.output_type.name).SerializeToString
         if method.client_streaming and method.server_streaming:
-            found[method.name] = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
+            handler = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
         else:
-            found[method.name] = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
+            handler = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
+        found[method.name] = limited(handler, limits, counted=method.name not in PROBES)
     return found
+
+
+def health_handlers(health: Health, limits: CallLimits) -> dict[str, Handler]:
+    """``grpc.health.v1.Health``'s two methods under ``limits``, a Check not counted."""
+    decode = health_pb2.HealthCheckRequest.FromString
+    encode = health_pb2.HealthCheckResponse.SerializeToString
+    check = grpc.unary_unary_rpc_method_handler(health.Check, decode, encode)
+    watch = grpc.unary_stream_rpc_method_handler(health.Watch, decode, encode)
+    return {
+        "Check": limited(check, limits, counted=False),
+        "Watch": limited(watch, limits),
+    }
 
 
 def address(host: str, port: int) -> str:
@@ -122,23 +138,17 @@ def address(host: str, port: int) -> str:
 
 async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     """The gRPC server on ``server.grpc_port``, started; raises if the port cannot be bound."""
-    limits = settings.limits
-    shared_port = settings.server.front_ends > 1 or bool(settings.server.engine_gpus)
-    options = [
-        ("grpc.max_receive_message_length", limits.max_body_bytes),
-        ("grpc.max_metadata_size", limits.max_header_bytes),
-        ("grpc.max_connection_idle_ms", settings.server.keep_alive_s * 1000),
-        # A connection that has not opened HTTP/2 in this long is closed, as a request head
-        # that does not arrive in header_timeout_s is over HTTP (slow-loris).
-        ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
-        ("grpc.so_reuseport", 1 if shared_port else 0),
-    ]
     keys = KeyRing(settings.auth.keys())
+    options = core_options(settings)
     server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys else [], options=options)
-    served = handlers(InferenceService(plane, limits.max_body_bytes))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, served),))
-    server.add_registered_method_handlers(SERVICE, served)
-    health_pb2_grpc.add_HealthServicer_to_server(Health(plane), server)
+    limits = CallLimits(settings.limits)
+    service = InferenceService(plane, settings.limits.max_body_bytes, limits)
+    for name, served in [
+        (SERVICE, handlers(service, limits)),
+        (HEALTH, health_handlers(Health(plane), limits)),
+    ]:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, served),))
+        server.add_registered_method_handlers(name, served)
     where = address(settings.server.host, settings.server.grpc_port)
     try:
         bound = server.add_insecure_port(where)

@@ -25,8 +25,10 @@ from app import __version__
 from app.errors import PayloadTooLarge, StokerError
 from app.frontend.grpc import codec
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.limits import CallLimits, peer_host
 from app.frontend.plane import DataPlane
 from app.frontend.routes import EXTENSIONS
+from app.metrics import http_refused
 
 log = logging.getLogger(__name__)
 
@@ -87,18 +89,6 @@ def answered(method: Method[M]) -> Method[M]:
     return call
 
 
-def peer_host(context: Context) -> str:
-    """Whom the batcher is fair to: the client's address, as HTTP takes it ("ipv4:1.2.3.4:5"
-    and "ipv6:[::1]:5" are gRPC's spellings of a peer)."""
-    peer = context.peer() or ""
-    kind, _, rest = peer.partition(":")
-    if kind == "ipv4":
-        return rest.rpartition(":")[0]
-    if kind == "ipv6":
-        return rest.rpartition(":")[0].strip("[]")
-    return rest
-
-
 def deadline_us(context: Context) -> int | None:
     """What is left of the call's deadline, in microseconds (None: the call has none)."""
     left = context.time_remaining()
@@ -109,9 +99,11 @@ class InferenceService:
     """Every method of ``inference.GRPCInferenceService`` (``server.handlers`` registers
     them by the proto's names)."""
 
-    def __init__(self, plane: DataPlane, max_body_bytes: int) -> None:
+    def __init__(self, plane: DataPlane, max_body_bytes: int, limits: CallLimits) -> None:
         self.plane = plane
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
+        """What the calls in flight hold: a stream's requests count their bytes here."""
 
     # -- health and metadata ------------------------------------------------------------
 
@@ -240,22 +232,32 @@ class InferenceService:
         self, request_iterator: AsyncIterator[bytes], context: Context
     ) -> AsyncGenerator[bytes, None]:
         """Every request of the stream runs as it arrives, many at once, and each is answered
-        as it completes (a failure as its ``error_message``); the stream ends once the
-        client has sent its last request and every one is answered."""
+        as it completes (a failure as its ``error_message``, one past the request bytes in
+        flight among them); the stream ends once the client has sent its last request and
+        every one is answered."""
         answers: asyncio.Queue[bytes | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        held = self.limits.message_bytes
+        address = peer_host(context)
 
         async def one(data: bytes) -> None:
             request = pb.ModelInferRequest()
+            refusal = held.take(address, len(data))
             try:
                 call = codec.read_request(data)
                 request = call.request
+                if refusal is not None:
+                    http_refused(503, "grpc_inflight_bytes")
+                    raise PayloadTooLarge(refusal)
                 answer = codec.stream_answer(await self._infer(call, context))
             except StokerError as error:
                 answer = codec.stream_error(request, error.message)
             except Exception as error:
                 log.error("unhandled %s in a gRPC stream", type(error).__name__, exc_info=error)
                 answer = codec.stream_error(request, "internal server error")
+            finally:
+                if refusal is None:
+                    held.give(address, len(data))
             answers.put_nowait(answer)
 
         async def read() -> None:

@@ -31,12 +31,13 @@ from app.errors import (
 )
 from app.frontend.auth import KeyRing
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.limits import CallLimits, peer_host
 from app.frontend.grpc.server import KeyCheck
-from app.frontend.grpc.service import Health, InferenceService, code_of, peer_host
+from app.frontend.grpc.service import Health, InferenceService, code_of
 from app.frontend.plane import DataPlane
 from app.frontend.server import embedded
 from app.protocol import RequestedOutput, encode_response
-from app.settings import ServerSettings, Settings
+from app.settings import LimitSettings, ServerSettings, Settings
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
 
 T = TypeVar("T")
@@ -80,7 +81,7 @@ def with_service(tmp_path: Path, scenario: Callable[[InferenceService], Awaitabl
         plane = embedded(settings)
         await plane.start()
         try:
-            return await scenario(InferenceService(plane, LIMIT))
+            return await scenario(InferenceService(plane, LIMIT, CallLimits(LimitSettings())))
         finally:
             await plane.stop()
 
@@ -222,7 +223,7 @@ class LendingPlane:
 @pytest.mark.parametrize("slot_bytes", [4096, 16])
 def test_a_request_is_written_into_the_slot_the_engine_client_lends(slot_bytes: int) -> None:
     plane = LendingPlane(slot_bytes)
-    service = InferenceService(cast(DataPlane, plane), LIMIT)
+    service = InferenceService(cast(DataPlane, plane), LIMIT, CallLimits(LimitSettings()))
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     response = pb.ModelInferResponse.FromString(
         asyncio.run(service.ModelInfer(tiny_request(x), cast(Any, Context())))

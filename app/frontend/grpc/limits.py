@@ -1,0 +1,245 @@
+"""What a gRPC client may hold of a front end: HTTP's limits where gRPC can have them.
+
+grpc.aio gives Python no hook per connection and hands a message over only once it has
+arrived whole, so the limits sit at three levels (``limits`` in the settings):
+
+- **gRPC core, per process**: at most ``max_connections`` connections (one past it is
+  closed as it opens, a health probe's too: HTTP's probes stay open); a connection must open
+  HTTP/2 within ``header_timeout_s``; one with no call for ``server.keep_alive_s`` is closed;
+  a peer that stops answering keepalive pings is dropped; pings more often than every 5
+  minutes without calls get the connection closed (core's own defaults); a message over
+  ``max_body_bytes`` is refused as its length arrives. grpc core cannot count connections
+  by address.
+- **Calls, here, per process and per address**: at most ``max_grpc_calls`` calls in flight
+  and ``max_share_per_address`` of them from one client address (RESOURCE_EXHAUSTED, with
+  the limit and its value). A gRPC connection carries many calls, so this is what bounds an
+  address's use of the server, as HTTP/1.1's connections (one request each) do over HTTP:
+  connections an address holds beyond its calls are idle and closed after ``keep_alive_s``.
+  Liveness, readiness and ``grpc.health.v1`` ``Check`` are not counted, so probes answer
+  while the server is full.
+- **Message bytes, here, per process and per address**: the requests of the calls in flight
+  (from their arrival to their answer) hold at most ``max_inflight_body_bytes`` bytes and
+  ``max_share_per_address`` of them from one address; a request past either is
+  RESOURCE_EXHAUSTED (in a stream: that request's ``error_message``). HTTP's bodies have a
+  budget of the same size of their own.
+
+A slow sender: a unary call's message must arrive whole within ``body_timeout_s`` of the
+call's start (DEADLINE_EXCEEDED), so a client that trickles one holds its call and at most
+``max_body_bytes`` of buffer that long (HTTP/2's flow control grants a stream the window of
+the message it reads), as HTTP's 408 bounds a trickled body. A stream's later messages have
+no such bound: a stream may stay open as long as its client wants, counted as a call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from app.metrics import http_refused
+from app.settings import LimitSettings, Settings
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+    Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+
+
+def peer_host(context: Context) -> str:
+    """The client's address, as HTTP takes it ("ipv4:1.2.3.4:5" and "ipv6:[::1]:5" are
+    gRPC's spellings of a peer): what the limits and the batcher's fairness go by."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    return rest
+
+
+class Budget:
+    """An amount the calls in flight hold, at most ``limit`` in all and ``share`` of it from
+    one client address, so one address never takes the whole."""
+
+    def __init__(self, limit: int, share: float, what: str, setting: str) -> None:
+        self.limit = limit
+        self.per_address = max(1, int(limit * share))
+        self.what = what
+        self.setting = setting
+        self.held = 0
+        self.by_address: dict[str, int] = {}
+
+    def take(self, address: str, amount: int) -> str | None:
+        """Holds ``amount`` for ``address``; or, where that would pass a limit, holds nothing
+        and says which limit and its value."""
+        mine = self.by_address.get(address, 0)
+        if self.held + amount > self.limit:
+            return (
+                f"{self.held} {self.what} in flight, {amount} more would pass "
+                f"limits.{self.setting} ({self.limit}); retry later"
+            )
+        if mine + amount > self.per_address:
+            return (
+                f"{mine} {self.what} in flight from this address, {amount} more would pass its "
+                f"share of limits.{self.setting} ({self.per_address} of {self.limit}); "
+                "retry later"
+            )
+        self.held += amount
+        self.by_address[address] = mine + amount
+        return None
+
+    def give(self, address: str, amount: int) -> None:
+        self.held -= amount
+        left = self.by_address[address] - amount
+        if left:
+            self.by_address[address] = left
+        else:
+            del self.by_address[address]
+
+
+class CallLimits:
+    """The calls and request bytes in flight of one gRPC server, and how long a unary call's
+    message may take to arrive."""
+
+    def __init__(self, limits: LimitSettings) -> None:
+        share = limits.max_share_per_address
+        self.calls = Budget(limits.max_grpc_calls, share, "gRPC calls", "max_grpc_calls")
+        self.message_bytes = Budget(
+            limits.max_inflight_body_bytes, share, "request bytes", "max_inflight_body_bytes"
+        )
+        self.message_timeout_s = limits.body_timeout_s
+
+    @contextlib.asynccontextmanager
+    async def call(self, context: Context, counted: bool = True) -> AsyncIterator[str]:
+        """The call (its client's address given) counted against the calls' budget while it
+        runs, or ended RESOURCE_EXHAUSTED; not ``counted``: neither."""
+        address = peer_host(context)
+        if not counted:
+            yield address
+            return
+        refusal = self.calls.take(address, 1)
+        if refusal is not None:
+            http_refused(503, "grpc_calls")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            yield address
+        finally:
+            self.calls.give(address, 1)
+
+    @contextlib.asynccontextmanager
+    async def request(
+        self, address: str, requests: AsyncIterator[bytes], context: Context
+    ) -> AsyncIterator[bytes]:
+        """A unary call's request once it has arrived whole, its bytes counted against the
+        message bytes' budget until the call is answered; DEADLINE_EXCEEDED if it has not
+        arrived within ``message_timeout_s``, RESOURCE_EXHAUSTED past the budget."""
+        # The read is left to end with the call, never cancelled: grpc completes it then.
+        reading = asyncio.ensure_future(anext(requests, None))
+        done, _ = await asyncio.wait({reading}, timeout=self.message_timeout_s)
+        if not done:
+            reading.add_done_callback(_retrieved)
+            http_refused(408, "grpc_message_timeout")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the request message did not arrive whole within limits.body_timeout_s "
+                f"({self.message_timeout_s:g} s)",
+            )
+        data = reading.result()
+        if data is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+        refusal = self.message_bytes.take(address, len(data))
+        if refusal is not None:
+            http_refused(503, "grpc_inflight_bytes")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        try:
+            yield data
+        finally:
+            self.message_bytes.give(address, len(data))
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # read, so that asyncio does not log it as never retrieved
+
+
+def limited(handler: Handler, limits: CallLimits, counted: bool = True) -> Handler:
+    """``handler`` with its calls counted against ``limits`` (not ``counted``: a probe's,
+    whose message still has its deadline and its bytes their budget). A unary request is
+    taken as a request stream of one message, so the call counts from its start, before its
+    message arrives (grpc.aio calls a unary handler only once it has), and the message can
+    be given a deadline; the client sees no difference on the wire."""
+    decode: Callable[[bytes], Any] | None = handler.request_deserializer
+    encode = handler.response_serializer
+
+    async def parsed(data: bytes, context: Context) -> Any:
+        if decode is None:
+            return data
+        try:
+            return decode(data)
+        except Exception:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+
+    if handler.request_streaming:
+        # (grpc's stubs type the behaviours as synchronous ones.)
+        streamed: Any = handler.stream_stream
+
+        async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
+            async with (
+                limits.call(context, counted),
+                contextlib.aclosing(streamed(requests, context)) as answers,
+            ):
+                async for answer in answers:
+                    yield answer
+
+        return grpc.stream_stream_rpc_method_handler(stream, decode, encode)
+
+    if handler.response_streaming:
+        answering: Any = handler.unary_stream
+
+        async def unary_stream(
+            requests: AsyncIterator[bytes], context: Context
+        ) -> AsyncIterator[Any]:
+            async with (
+                limits.call(context, counted) as address,
+                limits.request(address, requests, context) as data,
+                contextlib.aclosing(answering(await parsed(data, context), context)) as answers,
+            ):
+                async for answer in answers:
+                    yield answer
+
+        return grpc.stream_stream_rpc_method_handler(unary_stream, None, encode)
+
+    behaviour: Any = handler.unary_unary
+
+    async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
+        async with (
+            limits.call(context, counted) as address,
+            limits.request(address, requests, context) as data,
+        ):
+            return await behaviour(await parsed(data, context), context)
+
+    return grpc.stream_unary_rpc_method_handler(unary, None, encode)
+
+
+def core_options(settings: Settings) -> list[tuple[str, int]]:
+    """grpc core's share of the limits (the module's docstring)."""
+    limits = settings.limits
+    shared_port = settings.server.front_ends > 1 or bool(settings.server.engine_gpus)
+    keep_alive_ms = settings.server.keep_alive_s * 1000
+    return [
+        ("grpc.max_receive_message_length", limits.max_body_bytes),
+        ("grpc.max_metadata_size", limits.max_header_bytes),
+        ("grpc.max_allowed_incoming_connections", limits.max_connections),
+        ("grpc.max_connection_idle_ms", keep_alive_ms),
+        # A connection that has not opened HTTP/2 in this long is closed, as a request head
+        # that does not arrive in header_timeout_s is over HTTP (slow-loris).
+        ("grpc.server_handshake_timeout_ms", int(limits.header_timeout_s * 1000)),
+        # A peer gone without a close (a pulled cable) holds its calls until a ping goes
+        # unanswered (20 s, core's keepalive_timeout_ms), not for hours.
+        ("grpc.keepalive_time_ms", keep_alive_ms),
+        ("grpc.so_reuseport", 1 if shared_port else 0),
+    ]
