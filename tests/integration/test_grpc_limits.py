@@ -1,0 +1,391 @@
+"""What a gRPC client may hold of a real server, with tritonclient.grpc as published: calls in
+flight per address and per process, request bytes in flight per address and per process,
+connections per process, a unary message that does not arrive in time, and silent and idle
+connections. A second client address is 127.0.0.2 (all of 127.0.0.0/8 is this host's),
+reached through a relay that connects from it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc.aio as tgrpc_aio
+from grpc_health.v1 import health_pb2
+from onnx import TensorProto, helper
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import TINY_CONFIG, tiny_onnx
+from tests.integration.conftest import metric_samples, stop_server
+from tests.integration.test_grpc import (
+    GrpcServer,
+    add_model,
+    grpc_input,
+    health_stub,
+    start_grpc,
+)
+
+MAX_CALLS = 8  # 6 per address, at the default share of 0.75
+MAX_CONNECTIONS = 6
+MiB = 1024 * 1024
+MAX_BYTES = 4 * MiB  # 3 MiB per address
+# A request to "hold" waits a minute for a fuller batch: its bytes stay in flight until then,
+# or until its client cancels it.
+HOLD_CONFIG = """\
+max_batch_size: 8
+runners: 1
+dynamic_batching:
+  max_queue_delay_us: 60000000
+  max_queue_work_s: 0
+  default_timeout_us: 0
+"""
+
+
+def echo_onnx() -> onnx.ModelProto:
+    """y = x for FP32 rows of any length."""
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "echo",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "n"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "n"])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
+    repo = tmp_path_factory.mktemp("grpc-limits") / "repository"
+    add_model(repo, "tiny", tiny_onnx(), TINY_CONFIG)
+    add_model(repo, "echo", echo_onnx(), "max_batch_size: 8\nrunners: 1\n")
+    add_model(repo, "hold", echo_onnx(), HOLD_CONFIG)
+    env = {
+        "STOKER_LIMITS__MAX_GRPC_CALLS": str(MAX_CALLS),
+        "STOKER_LIMITS__MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+        "STOKER_LIMITS__MAX_INFLIGHT_BODY_BYTES": str(MAX_BYTES),
+        "STOKER_LIMITS__BODY_TIMEOUT_S": "1.5",
+        "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
+        "STOKER_SERVER__KEEP_ALIVE_S": "2",
+    }
+    running = start_grpc(repo, repo.parent / "server.log", env)
+    yield running
+    assert stop_server(running.http) == 0, running.http.log.read_text()[-3000:]
+
+
+@contextlib.contextmanager
+def relay(target: str, source: str) -> Iterator[str]:
+    """A TCP relay on 127.0.0.1 whose connections reach ``target`` from the address
+    ``source``: what a client on another host looks like to the server."""
+    host, port = target.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    opened: list[socket.socket] = []
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket()
+            upstream.bind((source, 0))
+            upstream.connect((host, int(port)))
+            opened.extend([client, upstream])
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=pump, args=(src, dst), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        listener.close()
+        for sock in opened:
+            sock.close()
+
+
+X = np.ones((1, 4), np.float32)
+
+
+async def hold_a_call(client: tgrpc_aio.InferenceServerClient, release: asyncio.Event) -> Any:
+    """A stream that stays open until ``release``, once its first request is answered (so
+    the server has taken it as a call in flight); its answers' iterator."""
+
+    async def requests() -> AsyncIterator[dict[str, Any]]:
+        yield {"model_name": "tiny", "inputs": [grpc_input("x", X, "FP32")]}
+        await release.wait()
+
+    answers = client.stream_infer(requests())
+    result, error = await asyncio.wait_for(anext(answers), 30)
+    assert error is None and result.as_numpy("y").shape == (1, 3)
+    return answers
+
+
+def refusals(server: GrpcServer, reason: str) -> float:
+    return sum(
+        value
+        for (name, labels), value in metric_samples(server.http).items()
+        if name == "stoker_http_refusals_total" and ("reason", reason) in labels
+    )
+
+
+def test_calls_in_flight_are_bounded_per_address_and_per_process(limited: GrpcServer) -> None:
+    """127.0.0.1 holds its share of the calls (6 of 8): its next call is RESOURCE_EXHAUSTED
+    while its probes answer and 127.0.0.2 is served; 127.0.0.2 then takes the last two: the
+    server's next call is refused too. Once the holders end, 127.0.0.1 is served again."""
+    before = refusals(limited, "grpc_calls")
+
+    async def scenario() -> tuple[InferenceServerException, InferenceServerException, Any]:
+        release = asyncio.Event()
+        near = tgrpc_aio.InferenceServerClient(limited.address)
+        with relay(limited.address, "127.0.0.2") as far_address:
+            far = tgrpc_aio.InferenceServerClient(far_address)
+            held = [await hold_a_call(near, release) for _ in range(6)]
+            with pytest.raises(InferenceServerException) as over_share:
+                await near.infer("tiny", [grpc_input("x", X, "FP32")])
+            assert await near.is_server_live() and await near.is_server_ready()
+            channel = grpc.aio.insecure_channel(limited.address)
+            health = await health_stub(channel).Check(health_pb2.HealthCheckRequest())
+            await channel.close()
+            answer = await far.infer("tiny", [grpc_input("x", X, "FP32")])
+            assert answer.as_numpy("y").shape == (1, 3)
+            held += [await hold_a_call(far, release) for _ in range(2)]
+            with pytest.raises(InferenceServerException) as over_cap:
+                await far.infer("tiny", [grpc_input("x", X, "FP32")])
+            release.set()
+            for answers in held:
+                assert [item async for item in answers] == []  # ended, nothing more
+            again = await near.infer("tiny", [grpc_input("x", X, "FP32")])
+            assert again.as_numpy("y").shape == (1, 3)
+            await far.close()
+        await near.close()
+        return over_share.value, over_cap.value, health.status
+
+    over_share, over_cap, health = asyncio.run(scenario())
+    assert health == health_pb2.HealthCheckResponse.SERVING
+    assert over_share.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert over_share.message() == (
+        "6 gRPC calls in flight from this address, 1 more would pass its share of "
+        "limits.max_grpc_calls (6 of 8); retry later"
+    )
+    assert over_cap.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert over_cap.message() == (
+        "8 gRPC calls in flight, 1 more would pass limits.max_grpc_calls (8); retry later"
+    )
+    assert refusals(limited, "grpc_calls") - before == 2
+
+
+def pending(server: GrpcServer, model: str) -> float:
+    return sum(
+        value
+        for (name, labels), value in metric_samples(server.http).items()
+        if name == "stoker_inference_pending_request_count" and ("model", model) in labels
+    )
+
+
+def rows(size: int) -> list[Any]:
+    """One FP32 row of ``size`` bytes, as the only input of "echo" and "hold"."""
+    return [grpc_input("x", np.ones((1, size // 4), np.float32), "FP32")]
+
+
+def test_request_bytes_in_flight_are_bounded_per_address_and_per_process(
+    limited: GrpcServer,
+) -> None:
+    """127.0.0.1's 2 MiB request waits in the queue: its 1.5 MiB more would pass its share
+    (3 of 4 MiB) and is refused; 127.0.0.2's 1.5 MiB is taken beside it, and then 1 MiB more
+    from anyone passes the 4 MiB in all. Once the waiting requests are cancelled, their
+    bytes are free again."""
+    before = refusals(limited, "grpc_inflight_bytes")
+
+    async def wait_pending(count: int) -> None:
+        deadline = time.monotonic() + 30
+        while await asyncio.to_thread(pending, limited, "hold") < count:
+            assert time.monotonic() < deadline, "the held request never reached the queue"
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> tuple[InferenceServerException, InferenceServerException]:
+        near = tgrpc_aio.InferenceServerClient(limited.address)
+        with relay(limited.address, "127.0.0.2") as far_address:
+            far = tgrpc_aio.InferenceServerClient(far_address)
+            first = asyncio.create_task(near.infer("hold", rows(2 * MiB)))
+            await wait_pending(1)
+            with pytest.raises(InferenceServerException) as over_share:
+                await near.infer("echo", rows(3 * MiB // 2))
+            second = asyncio.create_task(far.infer("hold", rows(3 * MiB // 2)))
+            await wait_pending(2)
+            with pytest.raises(InferenceServerException) as over_all:
+                await far.infer("echo", rows(MiB))
+            for task in (first, second):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            # The server lets go of a cancelled call soon after, not at once.
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    answer = await near.infer("echo", rows(3 * MiB - 4096))
+                    break
+                except InferenceServerException as error:
+                    assert error.status() == "StatusCode.RESOURCE_EXHAUSTED", error
+                    assert time.monotonic() < deadline, "the cancelled requests' bytes stay held"
+                    await asyncio.sleep(0.05)
+            assert answer.as_numpy("y").shape == (1, (3 * MiB - 4096) // 4)
+            await far.close()
+        await near.close()
+        return over_share.value, over_all.value
+
+    over_share, over_all = asyncio.run(scenario())
+    assert over_share.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    message = over_share.message()
+    assert message.startswith("2097") and "in flight from this address" in message
+    assert "its share of limits.max_inflight_body_bytes (3145728 of 4194304)" in message
+    assert over_all.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "would pass limits.max_inflight_body_bytes (4194304)" in over_all.message()
+    assert refusals(limited, "grpc_inflight_bytes") - before >= 2
+
+
+def test_a_unary_message_that_does_not_arrive_in_time_is_deadline_exceeded(
+    limited: GrpcServer,
+) -> None:
+    """A ModelInfer call whose message never comes (a client that trickles one looks the same
+    to the server: gRPC hands a message over whole) ends at body_timeout_s, with the limit
+    and its value; the call it held is free again."""
+    before = refusals(limited, "grpc_message_timeout")
+
+    async def scenario() -> tuple[grpc.aio.AioRpcError, float]:
+        never = asyncio.Event()
+
+        async def nothing() -> AsyncIterator[bytes]:
+            await never.wait()
+            yield b""
+
+        async with grpc.aio.insecure_channel(limited.address) as channel:
+            call: Any = channel.stream_unary("/inference.GRPCInferenceService/ModelInfer")
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as late:
+                await call(nothing(), timeout=60)
+            return late.value, time.monotonic() - started
+
+    late, elapsed = asyncio.run(scenario())
+    assert late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert late.details() == (
+        "the request message did not arrive whole within limits.body_timeout_s (1.5 s)"
+    )
+    assert 1.4 < elapsed < 15
+    assert refusals(limited, "grpc_message_timeout") - before == 1
+
+
+def frames_until_goaway(sock: socket.socket) -> bool:
+    """Reads HTTP/2 frames, acknowledging SETTINGS and PINGs as a client must, until the
+    server's GOAWAY (True) or a close (False)."""
+    buffer = b""
+
+    def read(n: int) -> bytes | None:
+        nonlocal buffer
+        while len(buffer) < n:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return None
+            buffer += chunk
+        data, buffer = buffer[:n], buffer[n:]
+        return data
+
+    while (head := read(9)) is not None:
+        length = int.from_bytes(head[:3], "big")
+        kind, flags = head[3], head[4]
+        payload = read(length)
+        if payload is None:
+            return False
+        if kind == 0x7:
+            return True
+        if kind == 0x4 and not flags & 0x1:
+            sock.sendall(struct.pack(">I", 0)[1:] + b"\x04\x01" + b"\x00" * 4)
+        if kind == 0x6 and not flags & 0x1:
+            sock.sendall(struct.pack(">I", 8)[1:] + b"\x06\x01" + b"\x00" * 4 + payload)
+    return False
+
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def test_silent_and_idle_connections_are_closed(limited: GrpcServer) -> None:
+    """A connection that never opens HTTP/2 is closed at header_timeout_s; one that opens it
+    and makes no call is told GOAWAY at server.keep_alive_s."""
+    host, port = limited.address.split(":")
+    silent = socket.create_connection((host, int(port)), timeout=30)
+    idle = socket.create_connection((host, int(port)), timeout=30)
+    idle.sendall(PREFACE)
+    started = time.monotonic()
+    with silent, idle:
+        while silent.recv(65536):  # the server's SETTINGS, then the close
+            pass
+        silent_for = time.monotonic() - started
+        assert frames_until_goaway(idle)
+        idle_for = time.monotonic() - started
+    assert 1.0 < silent_for < 15
+    assert 1.5 < idle_for < 20
+
+
+def own_connection(address: str) -> tgrpc_aio.InferenceServerClient:
+    """A client on a connection of its own (grpc's channels to one target share one)."""
+    return tgrpc_aio.InferenceServerClient(
+        address, channel_args=[("grpc.use_local_subchannel_pool", 1)]
+    )
+
+
+async def hold_on_own_connection(
+    address: str, release: asyncio.Event
+) -> tuple[tgrpc_aio.InferenceServerClient, Any]:
+    """``hold_a_call`` on a connection of its own, tried again while the server still counts
+    connections that earlier tests closed (it counts one out once it has seen its close)."""
+    deadline = time.monotonic() + 30
+    while True:
+        client = own_connection(address)
+        try:
+            return client, await hold_a_call(client, release)
+        except grpc.aio.AioRpcError as error:
+            await client.close()
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+            assert time.monotonic() < deadline, "a closed connection never freed its place"
+            await asyncio.sleep(0.1)
+
+
+def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
+    """Six clients each keep a call open on a connection of its own (6 connections, the
+    cap): a seventh client's connection is closed as it opens (UNAVAILABLE; its probes' too:
+    use HTTP's), and once one of the six goes, a new client is served."""
+
+    async def scenario() -> InferenceServerException:
+        release = asyncio.Event()
+        holders = [await hold_on_own_connection(limited.address, release) for _ in range(6)]
+        late = own_connection(limited.address)
+        with pytest.raises(InferenceServerException) as refused:
+            await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
+        await late.close()
+        release.set()
+        for client, answers in holders:
+            assert [item async for item in answers] == []
+            await client.close()
+        # All six are closed now: a seventh gets its place once the server has seen a close.
+        later, answers = await hold_on_own_connection(limited.address, release)
+        assert [item async for item in answers] == []
+        await later.close()
+        return refused.value
+
+    refused = asyncio.run(scenario())
+    assert refused.status() == "StatusCode.UNAVAILABLE", refused.message()
