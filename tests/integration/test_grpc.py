@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 import httpx
+import ml_dtypes
 import numpy as np
 import onnx
 import orjson
@@ -53,8 +54,6 @@ from tests.integration.conftest import (
 )
 
 ESPRESSO = 967
-# BF16 is left out: the onnxruntime backend cannot load a BF16 model (its session refuses
-# the numpy type); its transcoding is covered by tests/unit/app/frontend/test_grpc_codec.py.
 ONNX_TYPES = {
     "BOOL": TensorProto.BOOL,
     "UINT8": TensorProto.UINT8,
@@ -66,6 +65,7 @@ ONNX_TYPES = {
     "INT32": TensorProto.INT32,
     "INT64": TensorProto.INT64,
     "FP16": TensorProto.FLOAT16,
+    "BF16": TensorProto.BFLOAT16,
     "FP32": TensorProto.FLOAT,
     "FP64": TensorProto.DOUBLE,
     "BYTES": TensorProto.STRING,
@@ -197,7 +197,7 @@ def sample(datatype: str) -> np.ndarray:
     if dtype.kind in "iu":
         info = np.iinfo(dtype)
         return np.array([[info.min, info.max, 0], [1, 7, info.max - 1]], dtype=dtype)
-    info_f = np.finfo(dtype)
+    info_f = ml_dtypes.finfo(dtype)
     return np.array([[info_f.min, info_f.max, -0.0], [1.5, info_f.tiny, np.pi]], dtype=dtype)
 
 
@@ -350,17 +350,19 @@ def test_raw_contents_of_every_datatype_come_back_whole(served: GrpcServer, data
     client.close()
 
 
-@pytest.mark.parametrize("datatype", [*TYPED_FIELDS, "FP16"])
+@pytest.mark.parametrize("datatype", [*TYPED_FIELDS, "FP16", "BF16"])
 def test_typed_contents_answer_as_raw_contents_do(served: GrpcServer, datatype: str) -> None:
     """Typed ``contents`` (which tritonclient never sends, other clients do) give the answer
-    the same values in ``raw_input_contents`` give; FP16 has no typed field, as in Triton."""
-    x = sample("FP16" if datatype == "FP16" else datatype)
+    the same values in ``raw_input_contents`` give; FP16 and BF16 have no typed field, as in
+    Triton."""
+    x = sample(datatype)
     request = service_pb2.ModelInferRequest(model_name=echo_name(datatype))
     tensor = request.inputs.add(name="x", datatype=datatype, shape=list(x.shape))
     field = TYPED_FIELDS.get(datatype, "fp32_contents")
-    getattr(tensor.contents, field).extend(x.ravel().tolist())
+    values = x.astype(np.float32) if datatype == "BF16" else x  # Python floats, not bfloat16s
+    getattr(tensor.contents, field).extend(values.ravel().tolist())
     stub = served.stub()
-    if datatype == "FP16":
+    if datatype in ("FP16", "BF16"):
         with pytest.raises(grpc.RpcError) as refused:
             stub.ModelInfer(request)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

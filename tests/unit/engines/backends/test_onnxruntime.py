@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -261,3 +262,44 @@ def test_an_engine_reads_the_file_once_at_load(tiny_path: Path, tmp_path: Path) 
         )
     finally:
         runner.close()
+
+
+def test_bf16_tensors_go_in_and_come_out_bit_for_bit(tmp_path: Path) -> None:
+    """ONNX Runtime's Python API takes and gives no numpy bfloat16; the runner does: a BF16
+    input cast to FP32 gives its values, an FP32 input cast to BF16 gives the rounded ones,
+    and an empty batch gives empty arrays."""
+    graph = helper.make_graph(
+        [
+            helper.make_node("Cast", ["b"], ["widened"], to=TensorProto.FLOAT),
+            helper.make_node("Cast", ["f"], ["narrowed"], to=TensorProto.BFLOAT16),
+        ],
+        "casts",
+        [
+            helper.make_tensor_value_info("b", TensorProto.BFLOAT16, ["batch", 3]),
+            helper.make_tensor_value_info("f", TensorProto.FLOAT, ["batch", 3]),
+        ],
+        [
+            helper.make_tensor_value_info("widened", TensorProto.FLOAT, ["batch", 3]),
+            helper.make_tensor_value_info("narrowed", TensorProto.BFLOAT16, ["batch", 3]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = save(model, tmp_path)
+    spec = onnxruntime.read_spec(path, "casts", 8)
+    runner = onnxruntime.load(path, spec, EngineOptions()).new_runner()
+    # bfloat16 bit patterns: 1.0, -2.5, the largest finite, -0.0, the smallest normal, 0.1
+    bits = np.array([[0x3F80, 0xC020, 0x7F7F], [0x8000, 0x0080, 0x3DCD]], np.uint16)
+    b = bits.view(ml_dtypes.bfloat16)
+    widened = (bits.astype(np.uint32) << 16).view(np.float32)
+    f = np.array([[1.0, 1.00390625, 3.0e38], [-0.0, np.pi, 65504.0]], np.float32)
+    try:
+        outputs = runner.run({"b": b, "f": f})
+        empty = runner.run({"b": b[:0], "f": f[:0]})
+    finally:
+        runner.close()
+    assert outputs["widened"].dtype == np.float32
+    assert outputs["widened"].tobytes() == widened.tobytes()
+    assert outputs["narrowed"].dtype == ml_dtypes.bfloat16
+    assert outputs["narrowed"].tobytes() == f.astype(ml_dtypes.bfloat16).tobytes()
+    assert empty["narrowed"].shape == (0, 3) and empty["widened"].shape == (0, 3)
