@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -112,58 +112,48 @@ class CallLimits:
             limits.max_inflight_body_bytes, share, "request bytes", "max_inflight_body_bytes"
         )
         self.message_timeout_s = limits.body_timeout_s
+        self._endings: set[asyncio.Future[Any]] = set()
+        """Calls being ended for a message that came too late (a reference to each)."""
 
-    @contextlib.asynccontextmanager
-    async def call(self, context: Context, counted: bool = True) -> AsyncIterator[str]:
-        """The call (its client's address given) counted against the calls' budget while it
-        runs, or ended RESOURCE_EXHAUSTED; not ``counted``: neither."""
-        address = peer_host(context)
-        if not counted:
-            yield address
-            return
-        refusal = self.calls.take(address, 1)
-        if refusal is not None:
-            http_refused(503, "grpc_calls")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    async def refuse(self, context: Context, reason: str, refusal: str) -> NoReturn:
+        http_refused(503, reason)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+
+    async def message(self, context: Context) -> bytes:
+        """A unary call's request, once it has arrived whole; DEADLINE_EXCEEDED if it has not
+        within ``message_timeout_s``."""
+        # Past the deadline the call is ended from a timer, which makes the read fail with
+        # that ending; cancelling the read instead would abandon grpc's pending operation.
+        ended: list[asyncio.Future[Any]] = []
+        timer = asyncio.get_running_loop().call_later(
+            self.message_timeout_s, self._too_late, context, ended
+        )
         try:
-            yield address
+            data = await context.read()
         finally:
-            self.calls.give(address, 1)
-
-    @contextlib.asynccontextmanager
-    async def request(
-        self, address: str, requests: AsyncIterator[bytes], context: Context
-    ) -> AsyncIterator[bytes]:
-        """A unary call's request once it has arrived whole, its bytes counted against the
-        message bytes' budget until the call is answered; DEADLINE_EXCEEDED if it has not
-        arrived within ``message_timeout_s``, RESOURCE_EXHAUSTED past the budget."""
-        # The read is left to end with the call, never cancelled: grpc completes it then.
-        reading = asyncio.ensure_future(anext(requests, None))
-        done, _ = await asyncio.wait({reading}, timeout=self.message_timeout_s)
-        if not done:
-            reading.add_done_callback(_retrieved)
-            http_refused(408, "grpc_message_timeout")
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the request message did not arrive whole within limits.body_timeout_s "
-                f"({self.message_timeout_s:g} s)",
-            )
-        data = reading.result()
-        if data is None:
+            timer.cancel()
+        if ended:  # it came as the call was being ended: it ends all the same
+            await ended[0]
+        if data is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
-        refusal = self.message_bytes.take(address, len(data))
-        if refusal is not None:
-            http_refused(503, "grpc_inflight_bytes")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        try:
-            yield data
-        finally:
-            self.message_bytes.give(address, len(data))
+        assert isinstance(data, bytes)
+        return data
 
+    def _too_late(self, context: Context, ended: list[asyncio.Future[Any]]) -> None:
+        http_refused(408, "grpc_message_timeout")
+        message = (
+            "the request message did not arrive whole within limits.body_timeout_s "
+            f"({self.message_timeout_s:g} s)"
+        )
+        ending = asyncio.ensure_future(context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message))
+        self._endings.add(ending)
+        ending.add_done_callback(self._ended)
+        ended.append(ending)
 
-def _retrieved(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled():
-        task.exception()  # read, so that asyncio does not log it as never retrieved
+    def _ended(self, ending: asyncio.Future[Any]) -> None:
+        self._endings.discard(ending)
+        if not ending.cancelled():
+            ending.exception()  # the AbortError that ending a call raises: expected
 
 
 def limited(handler: Handler, limits: CallLimits, counted: bool = True) -> Handler:
@@ -171,56 +161,80 @@ def limited(handler: Handler, limits: CallLimits, counted: bool = True) -> Handl
     whose message still has its deadline and its bytes their budget). A unary request is
     taken as a request stream of one message, so the call counts from its start, before its
     message arrives (grpc.aio calls a unary handler only once it has), and the message can
-    be given a deadline; the client sees no difference on the wire."""
+    be given a deadline; the client sees no difference on the wire. (Written out rather than
+    with context managers: this runs for every call.)"""
     decode: Callable[[bytes], Any] | None = handler.request_deserializer
     encode = handler.response_serializer
+    calls, held = limits.calls, limits.message_bytes
 
-    async def parsed(data: bytes, context: Context) -> Any:
+    async def admitted(context: Context) -> str:
+        address = peer_host(context)
+        if counted and (refusal := calls.take(address, 1)) is not None:
+            await limits.refuse(context, "grpc_calls", refusal)
+        return address
+
+    async def request(context: Context, address: str) -> tuple[Any, int]:
+        """The call's request, parsed, and its size, counted in ``held``."""
+        data = await limits.message(context)
+        size = len(data)
+        if (refusal := held.take(address, size)) is not None:
+            await limits.refuse(context, "grpc_inflight_bytes", refusal)
         if decode is None:
-            return data
+            return data, size
         try:
-            return decode(data)
+            return decode(data), size
         except Exception:
+            held.give(address, size)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
 
+    # (grpc's stubs type the behaviours as synchronous ones.)
     if handler.request_streaming:
-        # (grpc's stubs type the behaviours as synchronous ones.)
         streamed: Any = handler.stream_stream
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            async with (
-                limits.call(context, counted),
-                contextlib.aclosing(streamed(requests, context)) as answers,
-            ):
-                async for answer in answers:
-                    yield answer
+            address = await admitted(context)
+            try:
+                async with contextlib.aclosing(streamed(requests, context)) as answers:
+                    async for answer in answers:
+                        yield answer
+            finally:
+                if counted:
+                    calls.give(address, 1)
 
         return grpc.stream_stream_rpc_method_handler(stream, decode, encode)
 
     if handler.response_streaming:
         answering: Any = handler.unary_stream
 
-        async def unary_stream(
-            requests: AsyncIterator[bytes], context: Context
-        ) -> AsyncIterator[Any]:
-            async with (
-                limits.call(context, counted) as address,
-                limits.request(address, requests, context) as data,
-                contextlib.aclosing(answering(await parsed(data, context), context)) as answers,
-            ):
-                async for answer in answers:
-                    yield answer
+        async def unary_stream(_: Any, context: Context) -> AsyncIterator[Any]:
+            address = await admitted(context)
+            try:
+                message, size = await request(context, address)
+                try:
+                    async with contextlib.aclosing(answering(message, context)) as answers:
+                        async for answer in answers:
+                            yield answer
+                finally:
+                    held.give(address, size)
+            finally:
+                if counted:
+                    calls.give(address, 1)
 
         return grpc.stream_stream_rpc_method_handler(unary_stream, None, encode)
 
     behaviour: Any = handler.unary_unary
 
-    async def unary(requests: AsyncIterator[bytes], context: Context) -> Any:
-        async with (
-            limits.call(context, counted) as address,
-            limits.request(address, requests, context) as data,
-        ):
-            return await behaviour(await parsed(data, context), context)
+    async def unary(_: Any, context: Context) -> Any:
+        address = await admitted(context)
+        try:
+            message, size = await request(context, address)
+            try:
+                return await behaviour(message, context)
+            finally:
+                held.give(address, size)
+        finally:
+            if counted:
+                calls.give(address, 1)
 
     return grpc.stream_unary_rpc_method_handler(unary, None, encode)
 
