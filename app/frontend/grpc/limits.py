@@ -4,30 +4,32 @@ grpc.aio gives Python no hook per connection and hands a message over only once 
 arrived whole, so the limits sit at three levels (``limits`` in the settings):
 
 - **gRPC core, per process**: at most ``max_connections`` connections (one past it is
-  closed as it opens, a health probe's too: HTTP's probes stay open); a connection must open
-  HTTP/2 within ``header_timeout_s``; one with no call for ``server.keep_alive_s`` is closed;
-  a peer that stops answering keepalive pings is dropped; pings more often than every 5
-  minutes without calls get the connection closed (core's own defaults); a message over
-  ``max_body_bytes`` is refused as its length arrives. grpc core cannot count connections
-  by address.
+  closed as it opens, a health probe's too: HTTP's probes stay open), counted apart from
+  HTTP's; a connection must open HTTP/2 within ``header_timeout_s``; one with no call for
+  ``server.keep_alive_s`` is told GOAWAY; a peer that stops answering keepalive pings (sent
+  every ``keep_alive_s``) is dropped 20 s later; a message over ``max_body_bytes`` is
+  RESOURCE_EXHAUSTED; a client that pings more often than every 5 minutes without calls is
+  disconnected (core's defaults). grpc core cannot count connections by address.
 - **Calls, here, per process and per address**: at most ``max_grpc_calls`` calls in flight
-  and ``max_share_per_address`` of them from one client address (RESOURCE_EXHAUSTED, with
+  and ``max_share_per_address`` of them from one client address (RESOURCE_EXHAUSTED, naming
   the limit and its value). A gRPC connection carries many calls, so this is what bounds an
-  address's use of the server, as HTTP/1.1's connections (one request each) do over HTTP:
-  connections an address holds beyond its calls are idle and closed after ``keep_alive_s``.
-  Liveness, readiness and ``grpc.health.v1`` ``Check`` are not counted, so probes answer
-  while the server is full.
-- **Message bytes, here, per process and per address**: the requests of the calls in flight
+  address's use of the server, as HTTP/1.1's connections (one request each) do over HTTP;
+  the connections it holds beyond its calls are idle and closed after ``keep_alive_s``.
+  Liveness, readiness and ``grpc.health.v1`` Check are not counted, so probes answer while
+  the server is full; a health Watch is (it stays open).
+- **Request bytes, here, per process and per address**: the requests of the calls in flight
   (from their arrival to their answer) hold at most ``max_inflight_body_bytes`` bytes and
   ``max_share_per_address`` of them from one address; a request past either is
   RESOURCE_EXHAUSTED (in a stream: that request's ``error_message``). HTTP's bodies have a
   budget of the same size of their own.
 
 A slow sender: a unary call's message must arrive whole within ``body_timeout_s`` of the
-call's start (DEADLINE_EXCEEDED), so a client that trickles one holds its call and at most
-``max_body_bytes`` of buffer that long (HTTP/2's flow control grants a stream the window of
-the message it reads), as HTTP's 408 bounds a trickled body. A stream's later messages have
-no such bound: a stream may stay open as long as its client wants, counted as a call.
+call's start (DEADLINE_EXCEEDED), so a client that trickles one holds its call, and at most
+``max_body_bytes`` of buffer (HTTP/2's flow control opens a stream's window as far as the
+message it reads), that long, as HTTP's 408 bounds a trickled body. What messages still
+arriving hold in all is bounded only by the calls: ``max_grpc_calls`` x ``max_body_bytes``.
+A stream's later messages have no deadline: a stream may stay open as long as its client
+wants, counted as a call.
 """
 
 from __future__ import annotations
