@@ -259,6 +259,45 @@ def test_request_bytes_in_flight_are_bounded_per_address_and_per_process(
     assert refusals(limited, "grpc_inflight_bytes") - before >= 2
 
 
+def test_a_streams_request_past_the_bytes_in_flight_is_answered_with_its_error(
+    limited: GrpcServer,
+) -> None:
+    """On one stream: a 2 MiB request waits in the queue, so the next one's 1.5 MiB would pass
+    the address's 3 MiB; that one is answered with the refusal as its error_message, by its
+    id, and the stream goes on (a small request after it is answered)."""
+
+    async def scenario() -> list[tuple[Any, Any]]:
+        client = tgrpc_aio.InferenceServerClient(limited.address)
+        done = asyncio.Event()
+
+        async def requests() -> AsyncIterator[dict[str, Any]]:
+            yield {"model_name": "hold", "inputs": rows(2 * MiB), "request_id": "held"}
+            deadline = time.monotonic() + 30
+            while await asyncio.to_thread(pending, limited, "hold") < 1:
+                assert time.monotonic() < deadline, "the held request never reached the queue"
+                await asyncio.sleep(0.02)
+            yield {"model_name": "echo", "inputs": rows(3 * MiB // 2), "request_id": "more"}
+            yield {"model_name": "echo", "inputs": rows(1024), "request_id": "small"}
+            await done.wait()
+
+        answers = client.stream_infer(requests())
+        got = [await asyncio.wait_for(anext(answers), 30) for _ in range(2)]
+        answers.cancel()  # and with it the held request
+        done.set()
+        await client.close()
+        return got
+
+    (first, second) = asyncio.run(scenario())
+    refused = first if first[1] is not None else second
+    answered = second if refused is first else first
+    assert refused[0] is None and refused[1] is not None
+    assert "in flight from this address" in refused[1].message()
+    assert "its share of limits.max_inflight_body_bytes (3145728 of 4194304)" in (
+        refused[1].message()
+    )
+    assert answered[1] is None and answered[0].get_response().id == "small"
+
+
 def test_a_unary_message_that_does_not_arrive_in_time_is_deadline_exceeded(
     limited: GrpcServer,
 ) -> None:
