@@ -93,32 +93,40 @@ Decoded = tuple[Rows, list[bool]]
 
 
 class DecodeQueue:
-    """Gathers the JPEG uploads of concurrent requests into batches for a batch decoder.
+    """Gathers the JPEG uploads of concurrent requests into batches for batch decoders.
 
-    There is no timer: while one batch decodes, the requests that arrive wait and form the
-    next one (up to ``max_batch`` images; a larger request alone), as a zero-delay dynamic
-    batcher does. ``decode`` answers the request's rows (a view of the batch's, where the
-    decoder put them) and, per upload, whether it was decoded (the caller decodes the rest
-    on the CPU). A decoder that fails as a whole is logged and answers None, so a device
-    fault degrades to CPU decoding, never to errors.
+    There is no timer: while every decoder is busy, the requests that arrive wait and form
+    the next batch (up to ``max_batch`` images; a larger request alone), as a zero-delay
+    dynamic batcher does. Each decoder (one per device stream) runs in a thread of its own,
+    one batch at a time, so the CPU side of one batch (JPEG parsing, kernel launches)
+    overlaps another's. ``decode`` answers the request's rows (a view of the batch's, where
+    the decoder put them) and, per upload, whether it was decoded (the caller decodes the
+    rest on the CPU). A decoder that fails as a whole is logged and answers None, so a
+    device fault degrades to CPU decoding, never to errors.
     """
 
     def __init__(
         self,
-        decode: BatchDecode,
+        decode: BatchDecode | Sequence[BatchDecode],
         max_batch: int,
         label: str = "decode",
         on_batch: Callable[[int], None] | None = None,
     ) -> None:
-        self._decode = decode
+        self._decoders = [decode] if callable(decode) else list(decode)
         self._on_batch = on_batch
         self._max = max(1, max_batch)
         self._pending: deque[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=label)
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        self._running: set[asyncio.Task[None]] = set()
+        self._executor = ThreadPoolExecutor(
+            max_workers=len(self._decoders), thread_name_prefix=label
+        )
 
     def start(self) -> None:
+        for index in range(len(self._decoders)):
+            self._free.put_nowait(index)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def decode(self, uploads: Sequence[bytes | None]) -> Decoded | None:
@@ -130,11 +138,11 @@ class DecodeQueue:
         return await future
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._pending:
+                index = await self._free.get()  # meanwhile arrivals join the next batch
                 batch: list[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = []
                 images = 0
                 while self._pending and (
@@ -145,29 +153,41 @@ class DecodeQueue:
                         batch.append((uploads, future))
                         images += len(uploads)
                 if not batch:
+                    self._free.put_nowait(index)
                     continue
-                joined = [data for uploads, _ in batch for data in uploads]
-                decoded: Decoded | None
-                try:
-                    decoded = await loop.run_in_executor(self._executor, self._decode, joined)
-                    if len(decoded[1]) != len(joined) or len(decoded[0]) != len(joined):
-                        raise RuntimeError(f"{len(decoded[1])} rows for {len(joined)} images")
-                except Exception:
-                    log.exception(
-                        "device decode of %d image(s) failed; decoding on the CPU", len(joined)
-                    )
-                    decoded = None
-                if self._on_batch is not None:
-                    self._on_batch(len(joined))
-                at = 0
-                for uploads, future in batch:
-                    end = at + len(uploads)
-                    if not future.done():
-                        rows, ok = decoded if decoded is not None else (None, None)
-                        future.set_result(
-                            None if rows is None or ok is None else (rows[at:end], ok[at:end])
-                        )
-                    at = end
+                task = asyncio.get_running_loop().create_task(self._decode_batch(index, batch))
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+
+    async def _decode_batch(
+        self,
+        index: int,
+        batch: list[tuple[list[bytes | None], asyncio.Future[Decoded | None]]],
+    ) -> None:
+        joined = [data for uploads, _ in batch for data in uploads]
+        decoded: Decoded | None
+        try:
+            decoded = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._decoders[index], joined
+            )
+            if len(decoded[1]) != len(joined) or len(decoded[0]) != len(joined):
+                raise RuntimeError(f"{len(decoded[1])} rows for {len(joined)} images")
+        except Exception:
+            log.exception("device decode of %d image(s) failed; decoding on the CPU", len(joined))
+            decoded = None
+        finally:
+            self._free.put_nowait(index)
+        if self._on_batch is not None:
+            self._on_batch(len(joined))
+        at = 0
+        for uploads, future in batch:
+            end = at + len(uploads)
+            if not future.done():
+                rows, ok = decoded if decoded is not None else (None, None)
+                future.set_result(
+                    None if rows is None or ok is None else (rows[at:end], ok[at:end])
+                )
+            at = end
 
     async def close(self) -> None:
         if self._task is not None:
@@ -175,6 +195,9 @@ class DecodeQueue:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        for task in list(self._running):
+            with contextlib.suppress(Exception):
+                await task
         for _, future in self._pending:
             if not future.done():
                 future.set_result(None)

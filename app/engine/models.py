@@ -331,9 +331,12 @@ def gpu_decoder(
     from engines.backends.torch import images as torch_images
 
     device = f"cuda:{config.gpus[0] if config.gpus else 0}"
-    decoder = torch_images.TorchImageDecoder(config.preprocess.with_datatype("UINT8"), device)
+    prep = config.preprocess.with_datatype("UINT8")
+    decoders = [
+        torch_images.TorchImageDecoder(prep, device) for _ in range(settings.models.decode_workers)
+    ]
     queue = images.DecodeQueue(
-        decoder.decode,
+        [decoder.decode for decoder in decoders],
         settings.models.decode_batch,
         f"{config.name}-jpeg",
         metrics.decode_batch if metrics else None,

@@ -4,12 +4,13 @@
 (Pillow's BILINEAR, antialiased as it shrinks) and the centre crop (``engines.preprocess.
 crop_box``) of images of different sizes are then two batched matrix products: Pillow's
 resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
-keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of similar
-sizes are padded into one group (zeros in the image and the weights), a group costs a few
-kernels whatever its sizes, and the weights of each size are made once and cached on the
-device. The UINT8 batch stays on the device (``DeviceRows``) and the runner copies it into
-its input buffer there: nothing but the JPEG bytes crosses PCIe. The same code runs on the
-CPU (``device="cpu"`` with another JPEG decoder), which is how it is tested without a GPU.
+keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of one size
+share their weights; the sizes left alone are padded into groups of similar sizes (zeros in
+the image and the weights); a group costs a few kernels, and the weights of each size are
+made once and cached on the device. The UINT8 batch stays on the device (``DeviceRows``) and
+the runner copies it into its input buffer there: nothing but the JPEG bytes crosses PCIe.
+The same code runs on the CPU (``device="cpu"`` with another JPEG decoder), which is how it
+is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -133,46 +134,65 @@ class TorchImageDecoder:
     def _resize_group(
         self, batch: torch.Tensor, images: list[torch.Tensor | None], group: list[int]
     ) -> None:
-        """Resize and crop the images of one group into their rows of ``batch``: padded into
-        one float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between
-        them, as Pillow rounds between its two passes)."""
+        """Resize and crop the images of one group into their rows of ``batch``: in one
+        float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between them,
+        as Pillow rounds between its two passes). Images of one size share their weights
+        (broadcast, nothing copied per image); others are padded with zeros, image and
+        weights alike."""
         crop = self.spec.crop
         sizes = [tuple(images[i].shape[1:]) for i in group]  # type: ignore[union-attr]
-        height = max(h for h, _ in sizes)
-        width = max(w for _, w in sizes)
-        n = len(group)
-        x = torch.zeros((n, 3, height, width), dtype=torch.float32, device=self.device)
-        wy = torch.zeros((n, 1, crop, height), dtype=torch.float32, device=self.device)
-        wx = torch.zeros((n, 1, width, crop), dtype=torch.float32, device=self.device)
-        for slot, (i, (h, w)) in enumerate(zip(group, sizes, strict=True)):
+        if len(set(sizes)) == 1:
+            h, w = sizes[0]
             new_w, new_h, left, top = crop_box(w, h, self.spec)
-            x[slot, :, :h, :w].copy_(images[i])  # type: ignore[arg-type]
-            wy[slot, 0, :, :h].copy_(self._weights(h, new_h, top, crop))
-            wx[slot, 0, :w, :].copy_(self._weights(w, new_w, left, crop).T)
+            x = torch.stack([images[i] for i in group]).to(torch.float32)  # type: ignore[misc]
+            wy = self._weights(h, new_h, top, crop)[None, None]
+            wx = self._weights(w, new_w, left, crop).T[None, None]
+        else:
+            height = max(h for h, _ in sizes)
+            width = max(w for _, w in sizes)
+            n = len(group)
+            x = torch.zeros((n, 3, height, width), dtype=torch.float32, device=self.device)
+            wy = torch.zeros((n, 1, crop, height), dtype=torch.float32, device=self.device)
+            wx = torch.zeros((n, 1, width, crop), dtype=torch.float32, device=self.device)
+            for slot, (i, (h, w)) in enumerate(zip(group, sizes, strict=True)):
+                new_w, new_h, left, top = crop_box(w, h, self.spec)
+                x[slot, :, :h, :w].copy_(images[i])  # type: ignore[arg-type]
+                wy[slot, 0, :, :h].copy_(self._weights(h, new_h, top, crop))
+                wx[slot, 0, :w, :].copy_(self._weights(w, new_w, left, crop).T)
         # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
         across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
         rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
-        index = torch.tensor(group, device=self.device)
-        batch.index_copy_(0, index, rows.to(torch.uint8))
+        if group == list(range(group[0], group[0] + len(group))):
+            batch[group[0] : group[0] + len(group)].copy_(rows)
+        else:
+            index = torch.tensor(group, device=self.device)
+            batch.index_copy_(0, index, rows.to(torch.uint8))
 
     def _weights_on_device(self, size: int, resized: int, start: int, count: int) -> torch.Tensor:
         return torch.from_numpy(bilinear_weights(size, resized, start, count)).to(self.device)
 
     @staticmethod
     def _groups(images: list[torch.Tensor | None]) -> list[list[int]]:
-        """Indices of the decoded images in groups of similar sizes: sorted by size, a group
-        ends where padding it to the next image would pass ``GROUP_PIXELS`` or waste more
+        """Indices of the decoded images in groups: those of one size together (in slices
+        of ``GROUP_PIXELS``); the sizes left alone then sorted and padded together, a group
+        ending where padding it to the next image would pass ``GROUP_PIXELS`` or waste more
         than ``GROUP_WASTE`` times its pixels."""
-        decoded = [
-            (int(image.shape[1]), int(image.shape[2]), i)
-            for i, image in enumerate(images)
-            if image is not None
-        ]
-        decoded.sort()
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for i, image in enumerate(images):
+            if image is not None:
+                by_size.setdefault((int(image.shape[1]), int(image.shape[2])), []).append(i)
         groups: list[list[int]] = []
+        alone: list[tuple[int, int, int]] = []
+        for (h, w), same in by_size.items():
+            if len(same) == 1:
+                alone.append((h, w, same[0]))
+                continue
+            step = max(1, GROUP_PIXELS // (h * w))
+            groups += [same[start : start + step] for start in range(0, len(same), step)]
+        alone.sort()
         group: list[int] = []
         height = width = pixels = 0
-        for h, w, i in decoded:
+        for h, w, i in alone:
             grown_h, grown_w = max(height, h), max(width, w)
             padded = (len(group) + 1) * grown_h * grown_w
             if group and (padded > GROUP_PIXELS or padded > GROUP_WASTE * (pixels + h * w)):

@@ -210,3 +210,32 @@ def test_a_cancelled_request_is_skipped_and_others_still_answer() -> None:
     assert answer is not None and answer[1] == [True]
     assert isinstance(answer[0], ArrayRows) and answer[0].array[0, 0] == ord("d")
     assert decoder.batches == [1, 1]  # b and c never reached the decoder
+
+
+def test_two_decoders_decode_two_batches_at_once() -> None:
+    """The second batch goes to the second decoder while the first still decodes: the first
+    decoder waits (bounded) for the second to start, which a queue that ran one batch at a
+    time could never let happen."""
+    second_started = threading.Event()
+    overlapped: list[bool] = []
+
+    def first(uploads: list[bytes | None]) -> tuple[ArrayRows, list[bool]]:
+        overlapped.append(second_started.wait(timeout=30))
+        return ArrayRows(np.ones((len(uploads), 2), np.uint8)), [True] * len(uploads)
+
+    def second(uploads: list[bytes | None]) -> tuple[ArrayRows, list[bool]]:
+        second_started.set()
+        return ArrayRows(np.full((len(uploads), 2), 2, np.uint8)), [True] * len(uploads)
+
+    async def scenario() -> list[Decoded | None]:
+        queue = DecodeQueue([first, second], max_batch=1)
+        queue.start()
+        try:
+            return list(await asyncio.gather(queue.decode([b"a"]), queue.decode([b"b"])))
+        finally:
+            await queue.close()
+
+    answers = asyncio.run(scenario())
+    assert overlapped == [True]
+    values = sorted(int(a[0].array[0, 0]) for a in answers if a is not None)  # type: ignore[attr-defined]
+    assert values == [1, 2]  # one batch each

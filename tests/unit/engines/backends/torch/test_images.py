@@ -93,8 +93,12 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
     d = jpeg_of((300, 200))
     decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
     alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in (a, b, c, d)}
-    mixed = [a, b, d, a, c, a, b, d]
-    for limit, waste in ((torch_images.GROUP_PIXELS, 100.0), (640 * 480 * 2, 1.0)):
+    for mixed, limit, waste, groups_wanted in (
+        ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 100.0, 4),  # 3 sizes twice or more
+        ([a, b, c, d], torch_images.GROUP_PIXELS, 100.0, 1),  # four sizes padded together
+        ([a, b, c, d], 640 * 480 * 2, 1.0, 4),  # nothing padded
+        ([a, a, a, c], 512 * 512 * 2, 1.0, 3),  # one size in slices of two
+    ):
         saved = torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE
         torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE = limit, waste
         try:
@@ -103,7 +107,7 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
         finally:
             torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE = saved
         assert sorted(i for g in groups for i in g) == list(range(len(mixed)))
-        assert (len(groups) == 1) == (waste == 100.0)
+        assert len(groups) == groups_wanted, groups
         for data, row in zip(mixed, np.asarray(rows), strict=True):
             assert within_a_level(row, alone[data])
 
