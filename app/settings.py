@@ -86,9 +86,11 @@ class ModelRepositorySettings(BaseModel):
     decode_batch: int = Field(default=64, gt=0)
     """Most JPEG uploads decoded together on the GPU (uploads of concurrent requests are
     gathered while the previous batch decodes)."""
-    decode_workers: int = Field(default=2, gt=0)
-    """GPU JPEG decoders per model, each on a CUDA stream and thread of its own: the CPU
-    side of one batch (JPEG parsing, kernel launches) overlaps another's."""
+    decode_workers: int = Field(default=1, gt=0)
+    """GPU JPEG decoders per model, each on a CUDA stream and thread of its own, so the CPU
+    side of one batch (JPEG parsing, kernel launches) overlaps another's. Two decoded 1.4x
+    the images of one on an H200 alone, but the service was slower with two in the one run
+    measured (BENCHMARKS.md, run 26): one until that is understood."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""

@@ -18,8 +18,8 @@ import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from engines.backends.torch.images import TorchImageDecoder  # noqa: E402
-from engines.preprocess import ImagePreprocess  # noqa: E402
+from engines.backends.torch.images import TorchImageDecoder
+from engines.preprocess import ImagePreprocess
 
 
 def timed(fn, repeat: int = 7) -> float:  # type: ignore[no-untyped-def]
