@@ -244,29 +244,31 @@ class LocalEngine:
         self,
         model: LoadedModel,
         work: Callable[[], Awaitable[T]],
-        requests: int = 1,
+        requests: int | Callable[[], int] = 1,
         timed: bool = True,
     ) -> T:
-        """Run the work of one request (or of ``requests`` run together), counting the
-        outcome (and, ``timed``, the duration) of each by reason; refuse it with 503 once
-        the engine drains, and track it until answered so a drain can wait."""
+        """Run the work of one request (or of ``requests`` run together: a number, or what
+        the callable says once the work ends, when the work counted some failures itself),
+        counting the outcome (and, ``timed``, the duration) of each by reason; refuse it
+        with 503 once the engine drains, and track it until answered so a drain can wait."""
         started = time.perf_counter()
+        count = requests if callable(requests) else (lambda: requests)
         try:
             if self.drain_state.draining:
                 raise draining()
             with self.drain_state.in_flight():
                 result = await work()
         except StokerError as exc:
-            model.metrics.request_failed(exc.reason, time.perf_counter() - started, requests)
+            model.metrics.request_failed(exc.reason, time.perf_counter() - started, count())
             exc.counted = True
             raise
         except asyncio.CancelledError:
-            model.metrics.request_failed("cancelled", time.perf_counter() - started, requests)
+            model.metrics.request_failed("cancelled", time.perf_counter() - started, count())
             raise
         except Exception:
-            model.metrics.request_failed("backend", time.perf_counter() - started, requests)
+            model.metrics.request_failed("backend", time.perf_counter() - started, count())
             raise
-        model.metrics.request_succeeded(time.perf_counter() - started, requests, timed)
+        model.metrics.request_succeeded(time.perf_counter() - started, count(), timed)
         return result
 
     async def run(self, frame: Frame) -> Ran:
@@ -381,11 +383,14 @@ class LocalEngine:
         started = time.perf_counter()
         requests = [[bytes(image) for image in part] for part in uploads.requests()]
         answers: list[list[Any] | StokerError] = [[] for _ in requests]
+        live: list[int] = []  # the requests still running, counted by ``_measured``
 
         def failed(i: int, error: StokerError) -> None:
             model.metrics.request_failed(error.reason, time.perf_counter() - started)
             error.counted = True
             answers[i] = error
+            if i in live:
+                live.remove(i)  # counted here: not again by ``_measured``
 
         for i, images in enumerate(requests):
             try:
@@ -396,11 +401,12 @@ class LocalEngine:
         async def work() -> None:
             arrived = time.monotonic()
             model.batcher.admit(len(live))
+            decoding = list(live)
             decoded = await asyncio.gather(
-                *(handler.decode(requests[i]) for i in live), return_exceptions=True
+                *(handler.decode(requests[i]) for i in decoding), return_exceptions=True
             )
             blocks: list[tuple[int, dict[str, Any]]] = []
-            for i, inputs in zip(live, decoded, strict=True):
+            for i, inputs in zip(decoding, decoded, strict=True):
                 if isinstance(inputs, StokerError):
                     failed(i, inputs)
                 elif isinstance(inputs, BaseException):
@@ -416,9 +422,9 @@ class LocalEngine:
             for (i, _), out in zip(blocks, outputs, strict=True):
                 answers[i] = handler.encode(out, top)
 
-        live = [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
+        live += [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
         if live:
-            await self._measured(model, work, requests=len(live))
+            await self._measured(model, work, requests=lambda: len(live))
         return Classified(model.name, model.version, answers)
 
     def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:

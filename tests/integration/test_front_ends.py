@@ -13,6 +13,7 @@ dies.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -229,6 +230,32 @@ def test_uploads_errors_and_metadata_come_from_the_engine(
     assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
     assert httpx.get(f"{front_ends.url}/v2/models/tiny/ready").json()["ready"] is True
     assert httpx.get(f"{front_ends.url}/v2/health/live").status_code == 200
+
+
+def test_concurrent_uploads_through_front_ends_fail_alone(
+    front_ends: Server, coffee_jpeg: bytes
+) -> None:
+    """Uploads sent at once reach the engine gathered (one call per front end and loop turn);
+    each answer is its own: the non-image is that request's 400, the others espresso."""
+
+    async def many() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=front_ends.url, timeout=60) as client:
+            bodies = [coffee_jpeg if i % 5 else b"GIF89a" + bytes(2) for i in range(40)]
+            return await asyncio.gather(
+                *(
+                    client.post("/infer", content=body, headers={"Content-Type": "image/jpeg"})
+                    for body in bodies
+                )
+            )
+
+    responses = asyncio.run(many())
+    for i, response in enumerate(responses):
+        if i % 5:
+            assert response.status_code == 200, response.text
+            assert response.json()["predictions"][0][0]["label"] == "espresso"
+        else:
+            assert response.status_code == 400, response.text
+            assert "cannot decode image" in response.json()["error"]
 
 
 def test_metrics_keep_one_set_of_totals_across_front_ends(front_ends: Server) -> None:

@@ -174,6 +174,63 @@ def test_uploads_go_through_the_models_handler(tmp_path: Path, efficientnet_dir:
     assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1
 
 
+def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
+    tmp_path: Path, efficientnet_dir: Path
+) -> None:
+    """Five upload requests at once: one call to the engine with each request's images
+    counted; the request whose upload is not an image and the one with a PNG cut short get
+    their own 400, the other three their answers, and each is counted as it ended."""
+    import shutil
+
+    from tests.conftest import sample_jpegs
+    from tests.unit.app.test_metrics import series
+
+    shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    jpeg = sample_jpegs()[1]
+    png = io.BytesIO()
+    Image.open(io.BytesIO(jpeg)).save(png, format="PNG")
+    requests = [
+        [jpeg],
+        [png.getvalue(), jpeg],
+        [b"not an image"],
+        [jpeg, b"\x89PNG\r\n\x1a\n" + bytes(20)],
+        [jpeg],
+    ]
+
+    async def scenario(plane: DataPlane) -> Any:
+        calls: list[tuple[int, ...]] = []
+        real = plane.client.classify
+
+        async def counting(uploads: Any) -> Any:
+            calls.append(uploads.counts)
+            return await real(uploads)
+
+        plane.client.classify = counting  # type: ignore[method-assign]
+        before = series("efficientnet_lite0")
+        results = await asyncio.gather(
+            *(plane.classify_images(None, None, r, 1) for r in requests), return_exceptions=True
+        )
+        return calls, results, before, series("efficientnet_lite0")
+
+    calls, results, before, after = with_plane(tmp_path, scenario)
+    assert calls == [(1, 2, 1, 2, 1)]
+    for i in (2, 3):
+        assert isinstance(results[i], BadRequest), results[i]
+    assert "not an image format" in results[2].message
+    assert "PNG" in results[3].message
+    answers = [results[i][2] for i in (0, 1, 4)]
+    assert [len(a) for a in answers] == [1, 2, 1]
+    labels = {a[-1][0]["label"] for a in answers} | {answers[1][0][0]["label"]}
+    assert len(labels) == 1  # the same photo (and its PNG) gets the same label everywhere
+
+    def delta(name: str, *labels: str) -> float:
+        key = (name, *labels, "version=fp32")
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("stoker_inference_request_success_total") == 3
+    assert delta("stoker_inference_request_failure_total", "reason=invalid") == 2
+
+
 def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
     pixels = np.zeros((2, 3, 224, 224), np.uint8)
     floats = np.zeros((2, 3, 224, 224), np.float32)
