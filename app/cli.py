@@ -94,6 +94,10 @@ def build_settings(args: argparse.Namespace) -> Settings:
 
 
 def serve(settings: Settings) -> int:
+    from app import settings as settings_module
+
+    if settings_module.AUTO_FRONT_ENDS is not None:
+        log.info("%s", settings_module.AUTO_FRONT_ENDS)
     if settings.server.front_ends > 1 or settings.server.engine_gpus:
         from app.processes import serve_processes
 

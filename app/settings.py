@@ -7,6 +7,7 @@ README (``STOKER_PORT``...) are not provided on purpose: one spelling per field.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,6 +16,44 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.protocol import MAX_JSON_DEPTH
 from engines.store import default_root
+
+FRONT_ENDS_PER_GPU = 4
+"""Front ends per GPU for ``front_ends: auto``: the most images/s and batch-1 requests/s of
+2, 4 and 8 in front of one H200 (BENCHMARKS.md, runs 6-13)."""
+AUTO_FRONT_ENDS: str | None = None
+"""What ``front_ends: auto`` last chose and why (the server logs it at start)."""
+
+
+def visible_gpus(root: str = "/proc/driver/nvidia/gpus") -> int:
+    """NVIDIA GPUs this process may use, without loading CUDA: the driver's list, cut to
+    ``CUDA_VISIBLE_DEVICES`` where that is set ("" or -1: none)."""
+    try:
+        found = len(os.listdir(root))
+    except OSError:
+        return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    wanted = []
+    for item in (v.strip() for v in visible.split(",")):
+        if not item or item.startswith("-"):
+            break  # CUDA stops at the first invalid entry
+        wanted.append(item)
+    return min(found, len(wanted))
+
+
+def auto_front_ends(gpus: int | None = None, cores: int | None = None) -> tuple[int, str]:
+    """The front ends ``auto`` gives, and why: ``FRONT_ENDS_PER_GPU`` per visible GPU, at
+    most half the cores (the engine needs the rest); 1 without a GPU."""
+    gpus = visible_gpus() if gpus is None else gpus
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    if gpus == 0:
+        return 1, "no GPU visible: one process, the fastest on a CPU machine"
+    count = max(1, min(FRONT_ENDS_PER_GPU * gpus, cores // 2, 64))
+    return (
+        count,
+        f"{gpus} GPU(s), {cores} cores: {FRONT_ENDS_PER_GPU} per GPU, at most half the cores",
+    )
 
 
 class ServerSettings(BaseModel):
@@ -39,13 +78,26 @@ class ServerSettings(BaseModel):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On shutdown, how long in-flight and queued requests may take to finish before exit.
     Keep it below Kubernetes' terminationGracePeriodSeconds."""
-    front_ends: int = Field(default=1, ge=1, le=64)
+    front_ends: int = Field(default="auto", validate_default=True, ge=1, le=64)
     """HTTP front-end processes. 1: one process serves HTTP and runs the models (the embedded
     default, fastest on a small CPU machine). N > 1: N front ends accept on the one port,
     authenticate, apply the limits and read bodies, and one engine process runs the models;
     bodies cross in shared memory (``/dev/shm``: give containers ``shm_slots x
     shm_slot_bytes`` per front end). One event loop takes in about 1 GB/s of bodies and
-    1,000 requests/s: a GPU wants 2 to 4."""
+    1,000 requests/s: a GPU wants 2 to 4. ``auto`` (the default): 4 per visible GPU (the
+    number measured best on an H200), at most half the cores; 1 where no GPU is visible.
+    What ``auto`` chose, and why, is logged at start."""
+
+    @field_validator("front_ends", mode="before")
+    @classmethod
+    def _front_ends(cls, value: object) -> object:
+        global AUTO_FRONT_ENDS
+        if value == "auto":
+            count, why = auto_front_ends()
+            AUTO_FRONT_ENDS = f"front_ends auto: {count} ({why})"
+            return count
+        return value
+
     engine_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """One engine process per listed GPU, each serving every model on that GPU alone (its
     ``CUDA_VISIBLE_DEVICES`` is that GPU; the models' own ``gpus`` are then not used), behind
@@ -55,14 +107,19 @@ class ServerSettings(BaseModel):
     ``CUDA_VISIBLE_DEVICES``). Empty: one engine process, the models' ``gpus`` as
     configured. Any entry runs front ends and engines as processes, even with
     ``front_ends`` 1."""
-    shm_slots: int = Field(default=16, ge=1)
+    shm_slots: int = Field(default=4, ge=1)
     """Shared-memory arena per front end, in slots: the arena is ``shm_slots x
-    shm_slot_bytes`` bytes, lent to bodies in 4 KiB pages (a 150 KB image takes 37), so it
-    holds many small bodies at once or ``shm_slots`` of the largest. A body that finds no
-    room travels over the control socket."""
-    shm_slot_bytes: int = Field(default=8 * 1024 * 1024, ge=64 * 1024)
-    """The largest body (and answer) that travels in shared memory. 32 UINT8 images of
-    224x224 take 4.8 MB."""
+    shm_slot_bytes`` bytes (256 MiB by default, at most half of what ``/dev/shm`` has free,
+    shared by the front ends), lent to bodies in 4 KiB pages (a 150 KB image takes 37), so
+    it holds many small bodies at once or ``shm_slots`` of the largest. When it is full a
+    body waits for pages (``arena_wait_s``, then 503), never taking a slower road."""
+    shm_slot_bytes: int = Field(default=64 * 1024 * 1024, ge=64 * 1024)
+    """The largest body (and answer) that travels in shared memory (the largest body by
+    default: ``limits.max_body_bytes``); a larger one crosses over the control socket, and
+    the front end logs it once. 32 UINT8 images of 224x224 take 4.8 MB."""
+    arena_wait_s: float = Field(default=5.0, gt=0)
+    """How long a body waits for room in a full arena before its 503 (counted as
+    ``stoker_http_refusals_total{reason="arena_full"}``)."""
 
 
 class ModelRepositorySettings(BaseModel):

@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # a free port (tests/integration/test_grpc.py): on the default 8001, servers started side by
 # side, or beside a developer's own, would collide.
 os.environ.setdefault("STOKER_SERVER__GRPC_PORT", "0")
+# And one process unless a test asks for front ends: ``front_ends: auto`` would start four per
+# GPU on a GPU machine, where the tests' servers are meant to be the one-process server.
+os.environ.setdefault("STOKER_SERVER__FRONT_ENDS", "1")
 
 
 def run_python(script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ slot, so tensor bytes never cross the control channel."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import logging
@@ -14,6 +15,7 @@ import secrets
 import numpy as np
 
 from app.contract import Slot
+from app.errors import Unavailable
 from app.protocol import pack_tensor
 from app.wire import TensorRef
 
@@ -64,6 +66,8 @@ class Arena:
             os.close(descriptor)
         # Free runs of pages, (first page, count), sorted and never adjacent.
         self._free: list[tuple[int, int]] = [(0, pages)] if pages else []
+        # Bodies waiting for pages, in arrival order: (size, future of their slot).
+        self._waiting: list[tuple[int, asyncio.Future[Slot]]] = []
 
     @property
     def name(self) -> str:
@@ -89,6 +93,57 @@ class Arena:
                 return Slot(start, memoryview(self.memory)[start : start + length])
         return None
 
+    async def lend_within(self, size: int, wait_s: float) -> Slot | None:
+        """Room for ``size`` bytes, waiting up to ``wait_s`` for pages to come back when the
+        arena is full (back-pressure: a body never takes the slower road because others hold
+        the pages); None only for a body larger than a slot. Past the wait: 503."""
+        if size > self.slot_bytes:
+            return None
+        slot = self.lend(size) if not self._waiting else None  # no overtaking those waiting
+        if slot is not None:
+            return slot
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        entry = (size, future)
+        self._waiting.append(entry)
+        self._serve_waiting()
+        claimed = False
+        try:
+            slot = await asyncio.wait_for(asyncio.shield(future), wait_s)
+            claimed = True
+            return slot
+        except TimeoutError:
+            raise Unavailable(
+                f"this front end's shared-memory arena ({self.size_bytes} bytes) had no room "
+                f"for a {size}-byte body for {wait_s:g} s; retry later"
+            ) from None
+        finally:
+            if not future.done():
+                future.cancel()
+            elif not claimed and not future.cancelled():
+                self.give_back(future.result())  # lent as the wait ended: not taken
+            if entry in self._waiting:
+                self._waiting.remove(entry)
+                self._serve_waiting()  # those it held up may fit now
+
+    def _serve_waiting(self) -> None:
+        """Lend freed pages to the bodies waiting, in order of arrival; the first that does
+        not fit yet stops the others behind it (no stream of small bodies starves a large
+        one; each waits at most its bound)."""
+        while self._waiting:
+            size, future = self._waiting[0]
+            if future.done():
+                self._waiting.pop(0)
+                continue
+            slot = self.lend(size)
+            if slot is None:
+                return
+            self._waiting.pop(0)
+            future.set_result(slot)
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.memory)
+
     def give_back(self, slot: Slot) -> None:
         """Make a slot's pages lendable again (once: a second call is a no-op)."""
         if slot.returned:
@@ -104,6 +159,8 @@ class Arena:
             self._free[at - 1] = (first, before + count)
         else:
             self._free.insert(at, (first, count))
+        if self._waiting:
+            self._serve_waiting()
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):

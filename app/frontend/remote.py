@@ -36,6 +36,7 @@ from app.frontend.arena import Arena, place_inputs
 from app.frontend.links import EngineLink, R, RemoteError, Reply, answered, choose, connected
 from app.frontend.poll import Poller
 from app.metrics import (
+    http_refused,
     labelled_metrics,
     merged_statistics,
 )
@@ -64,6 +65,7 @@ class RemoteEngine:
         self._links = [EngineLink(label, Path(control)) for label, control in engines]
         front = settings.server
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
+        self._bypass_logged = False
         self._stopping = False
         self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int]]] = {}
         """Per model version asked for, its contract and the engines ready when it was
@@ -350,7 +352,24 @@ class RemoteEngine:
 
     @contextlib.asynccontextmanager
     async def body_buffer(self, declared: int | None) -> AsyncIterator[Slot | None]:
-        slot = self.arena.lend(declared) if declared is not None else None
+        """A slot of the arena for a body of ``declared`` bytes, waiting (bounded by
+        ``server.arena_wait_s``, then 503) while the arena is full; None for a body of no
+        declared length or larger than a slot (it crosses over the control socket)."""
+        slot = None
+        if declared is not None:
+            try:
+                slot = await self.arena.lend_within(declared, self.settings.server.arena_wait_s)
+            except StokerError:
+                http_refused(503, "arena_full")
+                raise
+            if slot is None and not self._bypass_logged:
+                self._bypass_logged = True
+                log.warning(
+                    "a %d-byte body is larger than a shared-memory slot (%d bytes): such bodies "
+                    "cross over the control socket, slower (server.shm_slot_bytes)",
+                    declared,
+                    self.arena.slot_bytes,
+                )
         try:
             yield slot
         finally:

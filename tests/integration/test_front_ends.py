@@ -139,8 +139,11 @@ def test_bodies_in_a_slot_and_over_the_socket_answer_alike(
 def test_more_images_than_the_arena_holds_each_get_their_own_answer(
     front_ends: Server, efficientnet_dir: Path
 ) -> None:
-    """Twelve different UINT8 images at once: three fit a front end's arena, the rest
-    travel over the socket; each answer is ONNX Runtime's for its own image."""
+    """Twelve different UINT8 images at once: three fit a front end's arena, the rest wait
+    for its pages as the first are answered (back-pressure, not the socket); each answer is
+    ONNX Runtime's for its own image, and none was refused for a full arena."""
+    refused = ("stoker_http_refusals_total", (("reason", "arena_full"), ("status", "503")))
+    before = metric_samples(front_ends).get(refused, 0.0)
     rng = np.random.default_rng(11)
     images = [rng.integers(0, 256, (1, 3, 224, 224), dtype=np.uint8) for _ in range(12)]
     session = cpu_session(str(efficientnet_dir / "model.onnx"), threads=1)
@@ -161,6 +164,7 @@ def test_more_images_than_the_arena_holds_each_get_their_own_answer(
         floats = normalize(image, ImagePreprocess(), np.dtype(np.float32))
         (want,) = session.run(None, {"input": floats})
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    assert metric_samples(front_ends).get(refused, 0.0) == before
 
 
 def test_json_and_classification_answers_are_encoded_by_the_front_end(

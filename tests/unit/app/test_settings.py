@@ -230,3 +230,42 @@ def test_every_section_is_documented() -> None:
     undocumented = [name for name, info in Settings.model_fields.items() if not info.description]
     assert undocumented == []
     assert {info.annotation for info in Settings.model_fields.values()} == set(SECTIONS)
+
+
+def test_front_ends_auto_counts_the_visible_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``auto``: four front ends per GPU the driver lists and ``CUDA_VISIBLE_DEVICES``
+    leaves, at most half the cores; one process where no GPU is visible."""
+    from app import settings as module
+
+    gpus = tmp_path / "gpus"
+    gpus.mkdir()
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (gpus / bus).mkdir()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert module.visible_gpus(str(gpus)) == 2
+    assert module.visible_gpus(str(tmp_path / "none")) == 0  # no NVIDIA driver
+    for visible, count in (("1", 1), ("0,1", 2), ("", 0), ("-1", 0), ("0,-1,1", 1)):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        assert module.visible_gpus(str(gpus)) == count, visible
+    assert module.auto_front_ends(gpus=1, cores=16)[0] == 4
+    assert module.auto_front_ends(gpus=2, cores=64)[0] == 8
+    assert module.auto_front_ends(gpus=1, cores=4)[0] == 2  # half the cores
+    assert module.auto_front_ends(gpus=1, cores=2)[0] == 1
+    assert module.auto_front_ends(gpus=0, cores=128) == (
+        1,
+        "no GPU visible: one process, the fastest on a CPU machine",
+    )
+    # The setting: "auto" (the default) becomes a number, and the choice is kept for the log.
+    monkeypatch.setattr(module, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 16)
+    assert Settings().server.front_ends == 4
+    assert (
+        module.AUTO_FRONT_ENDS
+        == "front_ends auto: 4 (1 GPU(s), 16 cores: 4 per GPU, at most half the cores)"
+    )
+    monkeypatch.setenv("STOKER_SERVER__FRONT_ENDS", "2")
+    assert Settings().server.front_ends == 2
+    with pytest.raises(ValidationError):
+        Settings(server={"front_ends": "many"})  # type: ignore[arg-type]

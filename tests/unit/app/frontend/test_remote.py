@@ -59,6 +59,65 @@ def test_small_bodies_share_the_arena_and_large_ones_get_contiguous_pages(arena:
     assert arena.free_bytes == 4 * PAGE
 
 
+def test_a_body_waits_for_pages_in_a_full_arena_then_gets_them(arena: Arena) -> None:
+    """Back-pressure: with every page lent, a body waits; the pages given back go to the
+    waiters in order of arrival; one whose bound passes gets 503; a waiter whose client
+    leaves takes nothing; every page comes back."""
+
+    async def scenario() -> None:
+        held = [arena.lend(4 * PAGE) for _ in range(4)]
+        assert all(h is not None for h in held) and arena.free_bytes == 0
+        first = asyncio.create_task(arena.lend_within(3 * PAGE, 30))
+        second = asyncio.create_task(arena.lend_within(PAGE, 30))
+        late = asyncio.create_task(arena.lend_within(4 * PAGE, 0.05))
+        await asyncio.sleep(0)
+        assert not first.done() and not second.done()
+        with pytest.raises(Unavailable, match=r"had no room for a 16384-byte body for 0\.05 s"):
+            await late
+        assert held[0] is not None
+        arena.give_back(held[0])  # 4 pages: the first waiter's 3, then the second's 1
+        got = [await first, await second]
+        assert [len(s.view) if s else 0 for s in got] == [3 * PAGE, PAGE]
+        assert await arena.lend_within(5 * PAGE, 1) is None  # larger than a slot: no wait
+        gone = asyncio.create_task(arena.lend_within(2 * PAGE, 30))
+        await asyncio.sleep(0)
+        gone.cancel()  # its client left while it waited
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        for slot in [*held[1:], *got]:
+            assert slot is not None
+            arena.give_back(slot)
+        assert arena.free_bytes == 16 * PAGE
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_body_does_not_let_later_ones_overtake_it(arena: Arena) -> None:
+    """While a body waits, a new one that would fit the pages left does not take them from
+    it: it queues behind (a stream of small bodies cannot starve a large one)."""
+
+    async def scenario() -> None:
+        held = [arena.lend(4 * PAGE) for _ in range(3)] + [arena.lend(2 * PAGE)]
+        big = asyncio.create_task(arena.lend_within(4 * PAGE, 30))
+        await asyncio.sleep(0)
+        small = asyncio.create_task(arena.lend_within(PAGE, 30))  # 2 pages free, but queued
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        last = held[3]
+        assert last is not None
+        arena.give_back(last)  # 4 free: the big one's
+        lent = await big
+        assert lent is not None and len(lent.view) == 4 * PAGE
+        assert not small.done()
+        first = held[0]
+        assert first is not None
+        arena.give_back(first)
+        lent = await small
+        assert lent is not None and len(lent.view) == PAGE
+
+    asyncio.run(scenario())
+
+
 def test_returned_pages_join_their_neighbours_and_a_second_return_is_a_no_op(
     arena: Arena,
 ) -> None:
