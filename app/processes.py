@@ -42,6 +42,8 @@ RESTART_BACKOFF_S = 1.0
 # broken) is restarted after 1, 2, 4, 8 s, then left out; one that served this long before
 # it died starts the count again. When every engine is dead and left out, the server stops.
 ENGINE_RESTARTS = 5
+# A front end that ends this many times in a row, each soon after its start, stops the server.
+FRONT_END_RESTARTS = 5
 ENGINE_STEADY_S = 60.0
 
 
@@ -223,6 +225,7 @@ def serve_processes(settings: Settings) -> int:
 
     count = settings.server.front_ends
     fronts = {n: start_front_end(n) for n in range(count)}
+    front_failures: dict[int, int] = {}  # deaths in a row, each soon after its start
     started = {n: time.monotonic() for n in fronts}
     log.info(
         "serving on http://%s:%d with %d front-end processes and %d engine process(es)",
@@ -276,6 +279,21 @@ def serve_processes(settings: Settings) -> int:
                     continue
                 if time.monotonic() - started[number] < RESTART_BACKOFF_S:
                     continue
+                # Front ends are alike: one that cannot start (an import, a port taken) fails
+                # in every one, and restarting it for ever would only hide that.
+                soon = time.monotonic() - started[number] < ENGINE_STEADY_S
+                front_failures[number] = front_failures.get(number, 0) + 1 if soon else 0
+                if front_failures[number] >= FRONT_END_RESTARTS:
+                    log.error(
+                        "front end %d ended %d times in a row soon after its start (exit code "
+                        "%s; its error is above): stopping",
+                        number,
+                        front_failures[number],
+                        process.exitcode,
+                    )
+                    code = 1
+                    stopping = True
+                    break
                 log.warning(
                     "front end %d ended (exit code %s): restarting it", number, process.exitcode
                 )

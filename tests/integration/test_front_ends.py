@@ -36,6 +36,7 @@ from engines.preprocess import ImagePreprocess, normalize, preprocess
 from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
 from tests.integration.conftest import (
     Server,
+    launch_server,
     metric_samples,
     serve_one_model,
     start_server,
@@ -444,3 +445,29 @@ def test_a_killed_supervisor_leaves_no_server_behind(tmp_path: Path) -> None:
     assert alive == [], f"still running: {alive}"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/v2/health/live", timeout=2)
+
+
+def test_front_ends_that_cannot_start_stop_the_server(tmp_path: Path) -> None:
+    """A front end failing at its start (here its gRPC port is taken by another program)
+    fails in every front end: the supervisor restarts it a few times, then exits 1 saying so,
+    rather than restarting it for ever behind a server that never turns ready."""
+    import socket
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        env = front_end_env(STOKER_SERVER__GRPC_PORT=str(holder.getsockname()[1]))
+        (tmp_path / "repo" / "tiny").mkdir(parents=True)
+        onnx.save(tiny_onnx(), str(tmp_path / "repo" / "tiny" / "model.onnx"))
+        (tmp_path / "repo" / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+        server = launch_server(tmp_path / "repo", tmp_path / "server.log", env)
+        try:
+            assert server.process.wait(timeout=120) == 1
+            assert "times in a row soon after its start" in server.log.read_text()
+        finally:
+            if server.process.poll() is None:
+                server.process.kill()
+                server.process.wait()
+    finally:
+        holder.close()

@@ -259,7 +259,7 @@ def test_front_ends_auto_counts_the_visible_gpus(
     )
     # The setting: "auto" (the default) becomes a number, and the choice is kept for the log.
     monkeypatch.setattr(module, "visible_gpus", lambda: 1)
-    monkeypatch.setattr(module.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
     assert Settings().server.front_ends == 4
     assert (
         module.AUTO_FRONT_ENDS
