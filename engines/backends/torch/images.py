@@ -5,10 +5,11 @@
 crop_box``) of images of different sizes are then two batched matrix products: Pillow's
 resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
 keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of one size
-share their weights; the sizes left alone are padded into groups of similar sizes (zeros in
-the image and the weights); a group costs a few kernels, and the weights of each size are
-made once and cached on the device. The UINT8 batch stays on the device (``DeviceRows``) and
-the runner copies it into its input buffer there: nothing but the JPEG bytes crosses PCIe.
+share their weights; the sizes left alone are padded with zeros to 64-pixel buckets, image
+and weights alike (the weights of each size and bucket made once and cached on the device);
+a group costs a few kernels, not a few per image. The UINT8 batch stays on the device
+(``DeviceRows``) and the runner copies it into its input buffer there: nothing but the JPEG
+bytes crosses PCIe.
 The same code runs on the CPU (``device="cpu"`` with another JPEG decoder), which is how it
 is tested without a GPU.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from functools import lru_cache, partial
 from typing import Any
@@ -30,10 +32,10 @@ from engines.preprocess import ImagePreprocess, crop_box
 log = logging.getLogger(__name__)
 # Padded pixels of one group at most: 64 images of 640x480 (a 236 MB float copy).
 GROUP_PIXELS = 64 * 640 * 480
-# A group's padded area is at most this much more than the pixels its images have.
-GROUP_WASTE = 1.5
-# Weight matrices kept on the device, by (size, resized size, crop start, crop).
-CACHED_WEIGHTS = 512
+# Images of different sizes are padded together up to the next multiple of this, per side.
+BUCKET = 64
+# Weight matrices kept on the device, by (size, resized size, crop start, crop, padded size).
+CACHED_WEIGHTS = 1024
 
 
 JpegDecode = Callable[..., Any]
@@ -137,28 +139,33 @@ class TorchImageDecoder:
         """Resize and crop the images of one group into their rows of ``batch``: in one
         float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between them,
         as Pillow rounds between its two passes). Images of one size share their weights
-        (broadcast, nothing copied per image); others are padded with zeros, image and
-        weights alike."""
+        (broadcast); a group of sizes within one ``BUCKET`` is padded with zeros to it, its
+        weights (cached padded) stacked in one call."""
         crop = self.spec.crop
         sizes = [tuple(images[i].shape[1:]) for i in group]  # type: ignore[union-attr]
+        chosen = [images[i] for i in group]
         if len(set(sizes)) == 1:
             h, w = sizes[0]
             new_w, new_h, left, top = crop_box(w, h, self.spec)
-            x = torch.stack([images[i] for i in group]).to(torch.float32)  # type: ignore[misc]
-            wy = self._weights(h, new_h, top, crop)[None, None]
-            wx = self._weights(w, new_w, left, crop).T[None, None]
+            x = torch.stack(chosen).to(torch.float32)  # type: ignore[arg-type]
+            wy = self._weights(h, new_h, top, crop, h)[None, None]
+            wx = self._weights(w, new_w, left, crop, w).T[None, None]
         else:
-            height = max(h for h, _ in sizes)
-            width = max(w for _, w in sizes)
-            n = len(group)
-            x = torch.zeros((n, 3, height, width), dtype=torch.float32, device=self.device)
-            wy = torch.zeros((n, 1, crop, height), dtype=torch.float32, device=self.device)
-            wx = torch.zeros((n, 1, width, crop), dtype=torch.float32, device=self.device)
-            for slot, (i, (h, w)) in enumerate(zip(group, sizes, strict=True)):
-                new_w, new_h, left, top = crop_box(w, h, self.spec)
-                x[slot, :, :h, :w].copy_(images[i])  # type: ignore[arg-type]
-                wy[slot, 0, :, :h].copy_(self._weights(h, new_h, top, crop))
-                wx[slot, 0, :w, :].copy_(self._weights(w, new_w, left, crop).T)
+            height, width = bucket(*sizes[0])
+            x = padded(chosen, height, width).to(torch.float32)  # type: ignore[arg-type]
+            boxes = [crop_box(w, h, self.spec) for h, w in sizes]
+            wy = torch.stack(
+                [
+                    self._weights(h, new_h, top, crop, height)
+                    for (h, _), (_, new_h, _, top) in zip(sizes, boxes, strict=True)
+                ]
+            )[:, None]
+            wx = torch.stack(
+                [
+                    self._weights(w, new_w, left, crop, width).T
+                    for (_, w), (new_w, _, left, _) in zip(sizes, boxes, strict=True)
+                ]
+            )[:, None]
         # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
         across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
         rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
@@ -168,41 +175,32 @@ class TorchImageDecoder:
             index = torch.tensor(group, device=self.device)
             batch.index_copy_(0, index, rows.to(torch.uint8))
 
-    def _weights_on_device(self, size: int, resized: int, start: int, count: int) -> torch.Tensor:
-        return torch.from_numpy(bilinear_weights(size, resized, start, count)).to(self.device)
+    def _weights_on_device(
+        self, size: int, resized: int, start: int, count: int, width: int
+    ) -> torch.Tensor:
+        """``bilinear_weights`` on the device, zero columns up to ``width`` (a bucket)."""
+        weights = np.zeros((count, width), dtype=np.float32)
+        weights[:, :size] = bilinear_weights(size, resized, start, count)
+        return torch.from_numpy(weights).to(self.device)
 
     @staticmethod
     def _groups(images: list[torch.Tensor | None]) -> list[list[int]]:
-        """Indices of the decoded images in groups: those of one size together (in slices
-        of ``GROUP_PIXELS``); the sizes left alone then sorted and padded together, a group
-        ending where padding it to the next image would pass ``GROUP_PIXELS`` or waste more
-        than ``GROUP_WASTE`` times its pixels."""
+        """Indices of the decoded images in groups: those of one size together; the sizes
+        left alone by their ``BUCKET`` (padded together); each group in slices of at most
+        ``GROUP_PIXELS`` padded pixels."""
         by_size: dict[tuple[int, int], list[int]] = {}
         for i, image in enumerate(images):
             if image is not None:
                 by_size.setdefault((int(image.shape[1]), int(image.shape[2])), []).append(i)
+        by_bucket: dict[tuple[int, int], list[int]] = {}
         groups: list[list[int]] = []
-        alone: list[tuple[int, int, int]] = []
-        for (h, w), same in by_size.items():
+        for size, same in by_size.items():
             if len(same) == 1:
-                alone.append((h, w, same[0]))
-                continue
-            step = max(1, GROUP_PIXELS // (h * w))
-            groups += [same[start : start + step] for start in range(0, len(same), step)]
-        alone.sort()
-        group: list[int] = []
-        height = width = pixels = 0
-        for h, w, i in alone:
-            grown_h, grown_w = max(height, h), max(width, w)
-            padded = (len(group) + 1) * grown_h * grown_w
-            if group and (padded > GROUP_PIXELS or padded > GROUP_WASTE * (pixels + h * w)):
-                groups.append(group)
-                group, height, width, pixels = [], 0, 0, 0
-                grown_h, grown_w = h, w
-            group.append(i)
-            height, width, pixels = grown_h, grown_w, pixels + h * w
-        if group:
-            groups.append(group)
+                by_bucket.setdefault(bucket(*size), []).extend(same)
+            else:
+                groups += _sliced(same, size[0] * size[1])
+        for (height, width), members in by_bucket.items():
+            groups += _sliced(sorted(members), height * width)
         return groups
 
     def _decode_all(self, jpegs: Sequence[bytes | None]) -> list[torch.Tensor | None]:
@@ -232,6 +230,31 @@ class TorchImageDecoder:
         return torch.cuda.stream(self._stream)
 
 
+def bucket(height: int, width: int) -> tuple[int, int]:
+    """The padded size a picture of ``height`` x ``width`` shares with its neighbours."""
+    return -(-height // BUCKET) * BUCKET, -(-width // BUCKET) * BUCKET
+
+
+def _sliced(members: list[int], pixels: int) -> list[list[int]]:
+    step = max(1, GROUP_PIXELS // pixels)
+    return [members[start : start + step] for start in range(0, len(members), step)]
+
+
+def padded(images: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
+    """(n, 3, height, width) UINT8, each image in its top-left corner, zeros around: one call
+    through a nested tensor where the device has it, else a copy per image."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # nested tensors: "prototype stage"
+            nested = torch.nested.nested_tensor(images)
+            return nested.to_padded_tensor(0, (len(images), 3, height, width))
+    except (RuntimeError, NotImplementedError):
+        out = images[0].new_zeros((len(images), 3, height, width))
+        for slot, image in enumerate(images):
+            out[slot, :, : image.shape[1], : image.shape[2]].copy_(image)
+        return out
+
+
 def bilinear_weights(size: int, resized: int, start: int, count: int) -> np.ndarray:
     """Pillow's BILINEAR resampling of one axis from ``size`` to ``resized`` pixels as a
     (``count`` x ``size``) matrix, the output pixels ``start`` to ``start + count`` of it
@@ -240,15 +263,12 @@ def bilinear_weights(size: int, resized: int, start: int, count: int) -> np.ndar
     scale = size / resized
     filter_scale = max(scale, 1.0)
     support = filter_scale  # the triangle's support of 1, widened
-    weights = np.zeros((count, size), dtype=np.float64)
-    for row, out in enumerate(range(start, start + count)):
-        center = (out + 0.5) * scale
-        low = max(int(center - support + 0.5), 0)
-        high = min(int(center + support + 0.5), size)
-        taps = np.arange(low, high)
-        w = np.maximum(0.0, 1.0 - np.abs((taps - center + 0.5) / filter_scale))
-        total = w.sum()
-        if total != 0:
-            w /= total
-        weights[row, low:high] = w
+    center = (np.arange(start, start + count) + 0.5) * scale
+    low = np.maximum((center - support + 0.5).astype(np.int64), 0)  # C's (int): toward zero
+    high = np.minimum((center + support + 0.5).astype(np.int64), size)
+    taps = np.arange(size)[None, :]
+    weights = np.maximum(0.0, 1.0 - np.abs((taps - center[:, None] + 0.5) / filter_scale))
+    weights *= (taps >= low[:, None]) & (taps < high[:, None])
+    totals = weights.sum(axis=1, keepdims=True)
+    np.divide(weights, totals, out=weights, where=totals != 0)
     return weights.astype(np.float32)

@@ -90,26 +90,44 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
     from engines.backends.torch import images as torch_images
 
     a, b, c = sample_jpegs()[:3]
-    d = jpeg_of((300, 200))
+    d, e = jpeg_of((300, 200)), jpeg_of((290, 199))  # one bucket (320 x 256), two sizes
     decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
-    alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in (a, b, c, d)}
-    for mixed, limit, waste, groups_wanted in (
-        ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 100.0, 4),  # 3 sizes twice or more
-        ([a, b, c, d], torch_images.GROUP_PIXELS, 100.0, 1),  # four sizes padded together
-        ([a, b, c, d], 640 * 480 * 2, 1.0, 4),  # nothing padded
-        ([a, a, a, c], 512 * 512 * 2, 1.0, 3),  # one size in slices of two
+    alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in (a, b, c, d, e)}
+    for mixed, limit, groups_wanted in (
+        ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 4),  # three sizes twice or more
+        ([a, b, c, d], torch_images.GROUP_PIXELS, 4),  # four buckets
+        ([d, c, e], torch_images.GROUP_PIXELS, 2),  # d and e padded together
+        ([a, a, a, c], 512 * 512 * 2, 3),  # one size in slices of two
     ):
-        saved = torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE
-        torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE = limit, waste
+        saved = torch_images.GROUP_PIXELS
+        torch_images.GROUP_PIXELS = limit
         try:
             groups = decoder._groups(decoder._decode_all(mixed))
             rows, _ = decoder.decode(mixed)
         finally:
-            torch_images.GROUP_PIXELS, torch_images.GROUP_WASTE = saved
+            torch_images.GROUP_PIXELS = saved
         assert sorted(i for g in groups for i in g) == list(range(len(mixed)))
         assert len(groups) == groups_wanted, groups
         for data, row in zip(mixed, np.asarray(rows), strict=True):
             assert within_a_level(row, alone[data])
+
+
+def test_padding_in_one_call_or_image_by_image_gives_the_same_batch() -> None:
+    """The nested tensor's padding and the copy per image (where a device lacks it)."""
+    import torch
+
+    from engines.backends.torch import images as torch_images
+
+    rng = np.random.default_rng(4)
+    pictures = [
+        torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8))
+        for h, w in ((5, 7), (8, 3))
+    ]
+    one_call = torch_images.padded(pictures, 8, 8)
+    by_image = torch.zeros((2, 3, 8, 8), dtype=torch.uint8)
+    for i, picture in enumerate(pictures):
+        by_image[i, :, : picture.shape[1], : picture.shape[2]] = picture
+    assert torch.equal(one_call, by_image)
 
 
 def within_a_level(row: np.ndarray, alone: np.ndarray) -> bool:
