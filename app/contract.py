@@ -52,6 +52,10 @@ class Contract:
     spec: ModelSpec
     pixels: str | None
     priority_levels: int
+    serial: int = 0
+    """Which load of the version it describes: the engine refuses a request decoded
+    against an older contract than the served one's (``app.errors.Reloaded``), which the data
+    plane then decodes again. 0: any."""
 
     def as_json(self) -> dict[str, Any]:
         def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
@@ -67,6 +71,7 @@ class Contract:
             "max_batch_size": spec.max_batch_size,
             "pixels": self.pixels,
             "priority_levels": self.priority_levels,
+            "serial": self.serial,
         }
 
     @classmethod
@@ -81,7 +86,12 @@ class Contract:
             int(value["max_batch_size"]),
         )
         return cls(
-            value["model"], value["version"], spec, value["pixels"], value["priority_levels"]
+            value["model"],
+            value["version"],
+            spec,
+            value["pixels"],
+            value["priority_levels"],
+            value.get("serial", 0),
         )
 
 
@@ -172,6 +182,8 @@ class Frame:
     timeout_us: int | None
     priority: int
     client: str
+    serial: int = 0
+    """The serial of the contract its requests were decoded against (``Contract.serial``)."""
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,13 @@ class Unavailable(StokerError):
     reason = "unavailable"
 
 
+class Reloaded(Unavailable):
+    """The model version was reloaded with another contract (inputs, outputs, max batch)
+    after a request was decoded against the old one: the data plane decodes it again."""
+
+    reason = "reloaded"
+
+
 class DeadlineExceeded(StokerError):
     status = 504
     reason = "timeout"

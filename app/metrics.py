@@ -12,6 +12,7 @@ totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import copy
 import threading
 import time
@@ -58,6 +59,11 @@ class CountedHistogram(Collector):
             if series is None:
                 series = self._series[values] = CountedSeries(self.bounds)
             return series
+
+    def remove(self, *values: str) -> None:
+        """Drop one label set (a model version that was unloaded)."""
+        with self._lock:
+            self._series.pop(values, None)
 
     def describe(self) -> Iterator[HistogramMetricFamily]:
         yield HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
@@ -189,9 +195,19 @@ MODEL_UNAVAILABLE = Gauge(
 )
 
 
+UNAVAILABLE_REASONS = ("accuracy", "load")
+
+
 def model_unavailable(model: str, version: str, reason: str) -> None:
     """Count a configured version that is not served (``reason``: accuracy or load)."""
     MODEL_UNAVAILABLE.labels(model, version, reason).set(1)
+
+
+def model_available(model: str, version: str) -> None:
+    """A version loaded since, or no longer configured: its unavailable series go."""
+    for reason in UNAVAILABLE_REASONS:
+        with contextlib.suppress(KeyError):
+            MODEL_UNAVAILABLE.remove(model, version, reason)
 
 
 HTTP_REFUSALS = Counter(
@@ -375,9 +391,41 @@ class ModelMetrics:
         self._batch = BATCH_SIZE.labels(*labels)
         self._decoded = {d: IMAGES_DECODED.labels(*labels, d) for d in ("gpu", "cpu")}
         self._decode_batch = DECODE_BATCH_SIZE.labels(*labels)
+        self._pending_sources: list[Callable[[], int]] = []
         # Failure series exist from the start, so a dashboard's rate() sees a zero, not a gap.
-        for reason in ("invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"):
+        self._reasons = {"invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"}
+        for reason in self._reasons:
             REQUEST_FAILURE.labels(*labels, reason)
+
+    def forget(self) -> None:
+        """Remove every series of this model version from the registry (it was unloaded):
+        a dashboard then shows it gone, not frozen at its last values."""
+        labels = (self.model, self.version)
+        for metric in (
+            REQUEST_SUCCESS,
+            INFERENCE_COUNT,
+            EXECUTION_COUNT,
+            PENDING_REQUESTS,
+            BATCH_SIZE,
+            DECODE_BATCH_SIZE,
+        ):
+            with contextlib.suppress(KeyError):
+                metric.remove(*labels)
+        for histogram in (
+            REQUEST_DURATION,
+            QUEUE_DURATION,
+            COMPUTE_INPUT_DURATION,
+            COMPUTE_INFER_DURATION,
+            COMPUTE_OUTPUT_DURATION,
+        ):
+            histogram.remove(*labels)
+        for device in ("gpu", "cpu"):
+            with contextlib.suppress(KeyError):
+                IMAGES_DECODED.remove(*labels, device)
+        for reason in self._reasons:
+            with contextlib.suppress(KeyError):
+                REQUEST_FAILURE.remove(*labels, reason)
+        model_available(*labels)
 
     def request_succeeded(self, seconds: float, times: int = 1, timed: bool = True) -> None:
         """``times`` requests answered, each after ``seconds``. ``timed`` False: a front end
@@ -402,6 +450,7 @@ class ModelMetrics:
 
     def request_failed(self, reason: str, seconds: float, times: int = 1) -> None:
         """``times`` requests failed for ``reason``, each after ``seconds``."""
+        self._reasons.add(reason)
         REQUEST_FAILURE.labels(self.model, self.version, reason).inc(times)
         self.fail.add(seconds, times)
 
@@ -419,8 +468,16 @@ class ModelMetrics:
 
     def count_pending(self, source: Callable[[], int]) -> None:
         """The pending-requests gauge reads ``source`` (the batcher's own count of its queued
-        and executing requests) at scrape time: one count, never a second copy of it."""
-        self._pending.set_function(source)
+        and executing requests) at scrape time: one count, never a second copy of it. While
+        a reload switches, the old batcher's and the new one's are added up."""
+        self._pending_sources.append(source)
+        sources = self._pending_sources
+        self._pending.set_function(lambda: sum(count() for count in sources))
+
+    def stop_counting(self, source: Callable[[], int]) -> None:
+        """A batcher that closed: the gauge no longer reads it."""
+        with contextlib.suppress(ValueError):
+            self._pending_sources.remove(source)
 
     def batch_executed(self, times: BatchTimes) -> None:
         self._exec_count.inc()

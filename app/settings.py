@@ -155,6 +155,21 @@ class ModelRepositorySettings(BaseModel):
     """Stop the server when any model version fails to load or misses its accuracy budget
     (Triton's ``--exit-on-error``). Off: that version answers 503 with the reason and the
     rest serve, which keeps a pod up when one precision does not hold on its CPU."""
+    control: Literal["none", "explicit", "poll"] = "none"
+    """How the model set changes while serving (Triton's ``--model-control-mode``). ``none``:
+    fixed at start; ``POST /v2/repository/models/<m>/load`` and ``/unload`` are refused.
+    ``explicit``: those endpoints (and gRPC's RepositoryModelLoad/Unload) load, reload and
+    unload models; ``startup`` says what loads at start. ``poll``: the repository is
+    checked every ``poll_s``, and a model whose config.yaml or files changed is reloaded, a
+    new folder loaded, a removed one unloaded; the endpoints are refused, as in Triton. A
+    reload warms the new version beside the old one, which costs both in memory meanwhile."""
+    startup: list[str] | None = None
+    """Explicit mode: the models loaded at start (folder names). Unset: those the other
+    modes load (``models``, else every model whose config autoloads); empty: none, the
+    server is ready with nothing loaded and waits for load requests."""
+    poll_s: float = Field(default=5.0, gt=0)
+    """Poll mode: seconds between looks at the repository's files (modification times and
+    sizes, not contents). Shorter picks a change up sooner at the cost of a stat per file."""
 
 
 class StoreSettings(BaseModel):

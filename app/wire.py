@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 """Raised whenever a message changes shape: front ends and engines of one release agree."""
 
 
@@ -36,6 +36,8 @@ class Op(enum.StrEnum):
     MODEL_CONFIG = "model_config"
     STATISTICS = "statistics"
     REPOSITORY_INDEX = "repository_index"
+    LOAD = "load"
+    UNLOAD = "unload"
     SHM_REGISTER = "shm_register"
     SHM_UNREGISTER = "shm_unregister"
     SHM_STATUS = "shm_status"
@@ -162,6 +164,9 @@ class Run(_Message, frozen=True, tag=Op.RUN.value):
     items: tuple[RunItem, ...]
     spent_us: int = 0
     """How long its oldest request has been on its way: its deadline counts from there."""
+    serial: int = 0
+    """The serial of the contract its requests were decoded against (``Contract.serial``):
+    one a reload replaced is refused, to be decoded again."""
 
 
 class Infer(_Message, frozen=True, tag=Op.INFER.value):
@@ -217,6 +222,20 @@ class RepositoryIndex(_Message, frozen=True, tag=Op.REPOSITORY_INDEX.value):
     pass
 
 
+class Load(_Message, frozen=True, tag=Op.LOAD.value):
+    """Load or reload a model (``config``: a config in place of its config.yaml); answered
+    ``Done`` once it serves, or a ``Failure`` that says why not."""
+
+    name: str
+    config: dict[str, Any] | None = None
+
+
+class Unload(_Message, frozen=True, tag=Op.UNLOAD.value):
+    """Unload a model; answered ``Done`` once its requests are answered and it is freed."""
+
+    name: str
+
+
 class ShmRegister(_Message, frozen=True, tag=Op.SHM_REGISTER.value):
     name: str
     key: str
@@ -246,6 +265,8 @@ Call = (
     | ModelConfig
     | Statistics
     | RepositoryIndex
+    | Load
+    | Unload
     | ShmRegister
     | ShmUnregister
     | ShmStatus
@@ -282,6 +303,9 @@ class EngineState(_Reply, frozen=True, tag="state"):
     queued: int
     """Requests queued or running over every version: what routing weighs."""
     serving: tuple[Serving, ...]
+    generation: int = 0
+    """Moves whenever a model is loaded, reloaded or unloaded: a front end then drops the
+    contracts it cached from this engine."""
 
 
 GONE = EngineState(alive=False, ready=False, queued=0, serving=())

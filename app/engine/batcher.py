@@ -164,11 +164,15 @@ class Batcher:
         self._idle.set()
         # Requests queued or executing: what close() waits for, and the pending gauge.
         self._in_flight = 0
-        metrics.count_pending(lambda: self._in_flight)
+        metrics.count_pending(self._pending_count)
         self._executions: set[asyncio.Task[None]] = set()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closing = False
+        self._closed_why = "server is shutting down"
         self.failed: BaseException | None = None
+
+    def _pending_count(self) -> int:
+        return self._in_flight
 
     @property
     def pending(self) -> int:
@@ -202,7 +206,7 @@ class Batcher:
         if self.failed is not None:
             raise Unavailable(f"model {self._metrics.model!r} failed; retry on another replica")
         if self._closing:
-            raise Unavailable(f"model {self._metrics.model!r} is not accepting requests")
+            raise Unavailable(self._closed_why)
         if self._queued + requests > self._policy.max_queue_size:
             raise QueueFull(
                 f"queue of model {self._metrics.model!r} is full "
@@ -465,9 +469,12 @@ class Batcher:
         if self._dispatcher is not None:
             self._dispatcher.cancel()
 
-    async def close(self, drain_timeout_s: float) -> None:
+    async def close(self, drain_timeout_s: float, why: str = "server is shutting down") -> None:
         """Refuse new requests, let queued and executing ones finish for up to the drain
-        timeout, then fail what is left with 503 and stop."""
+        timeout, then fail what is left with 503 and stop. ``why``: what those 503s say (the
+        server stops, the model is unloaded)."""
+        if not self._closing:
+            self._closed_why = why
         self._closing = True
         try:
             async with asyncio.timeout(drain_timeout_s):
@@ -481,8 +488,9 @@ class Batcher:
         for level in self._levels:
             for pending in level:
                 if not pending.future.done():
-                    pending.future.set_exception(Unavailable("server is shutting down"))
+                    pending.future.set_exception(Unavailable(self._closed_why))
         if self._dispatcher is not None:
             self._dispatcher.cancel()
             await asyncio.gather(self._dispatcher, return_exceptions=True)
         await asyncio.gather(*self._executions, return_exceptions=True)
+        self._metrics.stop_counting(self._pending_count)

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, TypeVar
@@ -41,7 +41,8 @@ from app.engine.handlers import check_uploads
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
-from app.errors import BadRequest, DeadlineExceeded, StokerError
+from app.engine.watch import watch
+from app.errors import BadRequest, DeadlineExceeded, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
 from engines.spec import TensorSpec
@@ -53,7 +54,9 @@ Shaped = list[tuple[RequestedOutput, np.ndarray]]
 
 def contract_of(model: LoadedModel) -> Contract:
     levels = model.entry.config.dynamic_batching.priority_levels
-    return Contract(model.name, model.version, model.spec, model.inputs.pixels, levels)
+    return Contract(
+        model.name, model.version, model.spec, model.inputs.pixels, levels, model.serial
+    )
 
 
 class LocalEngine:
@@ -64,12 +67,24 @@ class LocalEngine:
         self.drain_state = Drain(settings.server.drain_timeout_s)
         self.failed: BaseException | None = None
         """Why loading failed, in an engine process (``app.child.watch_loading``)."""
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Loads and unloads in progress (they finish when their caller leaves) and poll
+        mode's watch of the repository."""
 
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Load every model (``Registry.load_all``); readiness follows."""
+        """Load every model (``Registry.load_all``); readiness follows. In poll mode, the
+        repository is watched from then on (``app.engine.watch``)."""
         await self.models.load_all()
+        models = self.settings.models
+        if models.control == "poll":
+            self._keep(asyncio.create_task(watch(self.models, models.poll_s), name="poll"))
+
+    def _keep(self, task: asyncio.Task[None]) -> asyncio.Task[None]:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     def begin_drain(self) -> None:
         """New requests get 503 and a build running in a worker thread stops. Plain
@@ -90,6 +105,9 @@ class LocalEngine:
     async def stop(self) -> None:
         """Free runners and engines in reverse order of loading."""
         self.begin_drain()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.models.close_batchers(self.drain_state.time_left())
         await self.models.close()
         self.regions.close()
@@ -198,6 +216,44 @@ class LocalEngine:
     async def repository_index(self) -> list[dict[str, str]]:
         return self.models.index()
 
+    # -- model control --------------------------------------------------------------------
+
+    def _controllable(self) -> None:
+        """Refuse a load or unload the mode does not take, or one that comes while the
+        server drains."""
+        mode = self.settings.models.control
+        if mode == "none":
+            raise BadRequest(
+                "model control is off (models.control is none: the models are fixed at "
+                "start); set STOKER_MODELS__CONTROL=explicit to load and unload models"
+            )
+        if mode == "poll":
+            raise BadRequest(
+                "explicit model load / unload is not allowed in poll mode (models.control "
+                "is poll: changes to the repository's files load and unload models)"
+            )
+        if self.drain_state.draining:
+            raise draining()
+
+    async def _finished(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run a load or an unload to its end even if its caller goes away meanwhile (a
+        half-done switch would help no one); the caller waits for it."""
+        await asyncio.shield(self._keep(asyncio.create_task(work, name="model-control")))
+
+    async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Load model ``name`` or reload it (``config``: in place of its config.yaml)."""
+        self._controllable()
+        await self._finished(self.models.load(name, config))
+
+    async def unload(self, name: str) -> None:
+        self._controllable()
+        await self._finished(self.models.unload(name))
+
+    @property
+    def generation(self) -> int:
+        """Moves whenever the served set changes (``Registry.generation``)."""
+        return self.models.generation
+
     async def metrics_text(self) -> bytes:
         """The Prometheus exposition of this process."""
         return generate_latest()
@@ -258,6 +314,8 @@ class LocalEngine:
                 raise draining()
             with self.drain_state.in_flight():
                 result = await work()
+        except Reloaded:
+            raise  # not an outcome: the data plane decodes it again and sends it anew
         except StokerError as exc:
             model.metrics.request_failed(exc.reason, time.perf_counter() - started, count())
             exc.counted = True
@@ -278,6 +336,9 @@ class LocalEngine:
         data plane's (``request_timed``), from its body to its encoded answer, in every
         process model."""
         model = self.models.get(frame.model, frame.version)
+        if frame.serial and frame.serial != model.serial:
+            # Decoded against the contract of a version a reload replaced: decoded again.
+            raise Reloaded(f"model {model.name!r} version {model.version!r} was reloaded; retry")
         parts = frame.parts
 
         arrived = min((p.arrived for p in parts if p.arrived is not None), default=None)
@@ -358,6 +419,7 @@ class LocalEngine:
         """Through the batcher; ``blocks``: one request's tensors, or those of gathered ones
         (one batch key), in order; ``scheduling``: the timeout (us) and priority."""
         timeout_us, priority = scheduling
+        model = model.current()  # a reload may have switched while this request decoded
         # The key of what the engine gets: normalised pixels batch with FP32 requests.
         engine_blocks = [model.inputs.for_engine(block) for block in blocks]
         key = batch_key(model.spec, engine_blocks[0])
@@ -442,6 +504,7 @@ class LocalEngine:
         """Each request's rows through the batcher, as few entries as the max batch allows
         (consecutive requests of one batch key together; one larger than it in slices);
         each request's outputs, in order."""
+        model = model.current()  # a reload may have switched while the images decoded
         step = model.spec.max_batch_size or 1
         counts = [len(next(iter(block.values()))) for block in blocks]
         entries: list[tuple[list[dict[str, Any]], int, Any]] = []  # blocks, rows, key

@@ -12,7 +12,10 @@ all load models through here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import dataclasses
+import gc
 import logging
 import os
 import tempfile
@@ -29,7 +32,7 @@ from app.engine.batcher import Batcher
 from app.engine.handlers import Handler, HandlerContext, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
-from app.errors import BadRequest, client_text
+from app.errors import BadRequest, Reloaded, client_text
 from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
@@ -294,6 +297,11 @@ class LoadedModel:
     inputs: InputPolicy
     handler: Handler | None = None
     """What ``POST /infer`` does with uploads; None: the model takes V2 tensors only."""
+    serial: int = 0
+    """Which contract requests for it are decoded against (``app.contract.Contract.serial``):
+    a reload that keeps the tensors, the max batch and the priority levels keeps it."""
+    replaced_by: LoadedModel | None = None
+    """The version that serves in its place since a reload switched to it."""
 
     @property
     def name(self) -> str:
@@ -303,16 +311,45 @@ class LoadedModel:
     def ready(self) -> bool:
         return self.batcher.failed is None
 
+    @property
+    def terms(self) -> tuple[ModelSpec, str | None, int]:
+        """What a request decoded for it relies on: a reload that changes any of it gives
+        the new version another ``serial``."""
+        return self.spec, self.inputs.pixels, self.entry.config.dynamic_batching.priority_levels
+
+    def current(self) -> LoadedModel:
+        """The version serving in its place now: itself, or the one a reload switched to
+        while a request for it was being decoded (``Reloaded`` when that one's contract is
+        another: the request is decoded again)."""
+        model = self
+        while model.replaced_by is not None:
+            model = model.replaced_by
+        if model.serial != self.serial:
+            raise Reloaded(f"model {self.name!r} version {self.version!r} was reloaded; retry")
+        return model
+
     def timeout_s(self, timeout_us: int | None) -> float | None:
         """A request's deadline in seconds (see ``deadline_s``)."""
         return deadline_s(self.entry.config.dynamic_batching, timeout_us)
 
-    async def close(self, drain_timeout_s: float = 0.0) -> None:
-        """Stop its batcher, handler, runners and engine, in that order."""
-        await self.batcher.close(drain_timeout_s)
+    async def close(
+        self, drain_timeout_s: float = 0.0, why: str = "server is shutting down"
+    ) -> None:
+        """Stop its batcher (what it queued runs to its answer within ``drain_timeout_s``; the
+        rest is answered 503 with ``why``), handler, runners and engine, in that order."""
+        await self.batcher.close(drain_timeout_s, why)
         if self.handler is not None:
             await self.handler.close()
         await asyncio.to_thread(self.pool.close)
+
+
+def release_memory() -> None:
+    """Give what freed models held back to the system: collect the cycles that keep an
+    engine alive, then ask glibc to return its free heap pages (without it, RSS stays at
+    its peak after an unload, although the memory is free for the next load)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def gpu_decoder(
@@ -376,8 +413,10 @@ async def load(
     store: EngineStore,
     settings: Settings,
     cancelled: Cancelled = never,
+    metrics: ModelMetrics | None = None,
 ) -> LoadedModel:
-    """One version loaded, its runners warmed, its batcher and upload handler started."""
+    """One version loaded, its runners warmed, its batcher and upload handler started.
+    ``metrics``: those of the version it replaces (a reload), whose totals it continues."""
     entry, config = model.entry, model.entry.config
     started = time.perf_counter()
     engine, policy = await asyncio.to_thread(
@@ -386,7 +425,8 @@ async def load(
     pool: RunnerPool | None = None
     handler: Handler | None = None
     decoder: images.DecodeQueue | None = None
-    metrics = ModelMetrics(config.name, precision)
+    if metrics is None:
+        metrics = ModelMetrics(config.name, precision)
     labels = entry.labels()
     try:
         runners = config.runner_count(backends.resolve(backend))

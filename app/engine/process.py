@@ -128,6 +128,8 @@ class EngineServer:
             wire.ModelConfig: self._model_config,
             wire.Statistics: self._statistics,
             wire.RepositoryIndex: self._repository_index,
+            wire.Load: self._load,
+            wire.Unload: self._unload,
             wire.ShmRegister: self._shm_register,
             wire.ShmUnregister: self._shm_unregister,
             wire.ShmStatus: self._shm_status,
@@ -204,7 +206,9 @@ class EngineServer:
         if not engine.alive and self.on_fault is not None:
             self.on_fault()
         serving = tuple(wire.Serving(*served) for served in engine.serving())
-        state = wire.EngineState(engine.alive, engine.ready, engine.queued_requests(), serving)
+        state = wire.EngineState(
+            engine.alive, engine.ready, engine.queued_requests(), serving, engine.generation
+        )
         return state, b""
 
     async def _describe(self, connection: Connection, call: wire.Describe, _: bytes) -> Handled:
@@ -227,7 +231,9 @@ class EngineServer:
             }
             wanted = [RequestedOutput(o.name, True, o.classification) for o in item.outputs]
             parts.append(Part(inputs, item.rows, wanted, arrived=arrived))
-        frame = Frame(call.name, call.version, parts, call.timeout_us, call.priority, call.client)
+        frame = Frame(
+            call.name, call.version, parts, call.timeout_us, call.priority, call.client, call.serial
+        )
         ran = await self.engine.run(frame)
         replies, chunks, at = [], [], 0
         for item, shaped in zip(call.items, ran.outputs, strict=True):
@@ -311,6 +317,14 @@ class EngineServer:
         self, connection: Connection, call: wire.RepositoryIndex, _: bytes
     ) -> Handled:
         return wire.Value(await self.engine.repository_index()), b""
+
+    async def _load(self, connection: Connection, call: wire.Load, _: bytes) -> Handled:
+        await self.engine.load(call.name, call.config)
+        return wire.Done(), b""
+
+    async def _unload(self, connection: Connection, call: wire.Unload, _: bytes) -> Handled:
+        await self.engine.unload(call.name)
+        return wire.Done(), b""
 
     async def _shm_register(
         self, connection: Connection, call: wire.ShmRegister, _: bytes

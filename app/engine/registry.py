@@ -1,20 +1,37 @@
-"""The registry: every configured model, its loaded versions, and the versions refused.
+"""The registry: every model it knows, the versions that serve, those refused and why, and how
+the set changes while serving (``models.control``).
 
-It loads them all through ``app.engine.models`` at startup, records a version that misses its
-accuracy budget or fails to load (with the reason its 503s give), answers which version
-serves a request, says what is ready, and closes everything in reverse order of loading.
+At startup it loads the models the mode names (``load_all``) through ``app.engine.models``.
+In explicit and poll mode, ``load`` loads a model or reloads it: the new versions are built
+and warmed beside the old ones, which serve meanwhile, and one assignment switches to them;
+the old ones finish what they queued and are freed. ``unload`` refuses new requests to the
+model at once, lets what it queued finish (within the drain timeout), frees its runners and
+engines and removes its metrics. A load that fails leaves what served serving and says why
+(the answer to the load, the index, the 503s of a model that never loaded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
+from dataclasses import dataclass, field
+from typing import Any
 
-from app.engine.models import LoadedModel, load, source
-from app.engine.repository import ModelEntry, discover
-from app.errors import NotFound, Unavailable, client_text
-from app.metrics import model_unavailable
+from app.engine.models import LoadedModel, load, release_memory, source
+from app.engine.repository import (
+    ConfigError,
+    Files,
+    ModelEntry,
+    discover,
+    fingerprint,
+    load_config,
+    model_folder,
+    parse_config,
+)
+from app.errors import BadRequest, NotFound, Unavailable, client_text
+from app.metrics import model_available, model_unavailable
 from app.settings import Settings
 from engines import backends
 from engines.base import FatalEngineError
@@ -23,14 +40,45 @@ from engines.store import EngineStore
 
 log = logging.getLogger(__name__)
 
+# A model's state, as the repository index names it.
+READY = "READY"
+LOADING = "LOADING"
+UNLOADING = "UNLOADING"
+UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(eq=False)
+class Known:
+    """One model the registry knows: the config its versions serve with, the versions and
+    those refused, and, while it is not serving, what it is doing or why not."""
+
+    entry: ModelEntry | None = None
+    """The config in effect (None: nothing ever loaded)."""
+    versions: dict[str, LoadedModel] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Version -> why it is not served (it missed its budget or failed to load)."""
+    state: str = READY
+    """READY (its versions serve, or say why not), LOADING (a first load), UNLOADING, or
+    UNAVAILABLE (unloaded, or its first load failed: ``reason``)."""
+    reason: str = ""
+    loading: ModelEntry | None = None
+    """The config a load is building (a first load's versions are listed from it)."""
+    reloading: bool = False
+    last_failure: str = ""
+    """Why the last load failed while the versions before it serve on."""
+    files: Files | None = None
+    """The folder's files when it was last loaded (poll mode compares)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One load or unload of a model at a time; other models change meanwhile."""
+
 
 class Registry:
-    """Every configured model, its loaded versions, and the versions refused with why.
+    """Every known model, its loaded versions, and the versions refused with why.
 
     Readiness, per level: a version is ready while its batcher runs (``LoadedModel.ready``);
-    the registry is ready once loading is over, something serves and every loaded version is
-    ready (``ready``); a refused version does not hold it back, it answers 503 with its
-    reason.
+    the registry is ready once loading at startup is over, something serves (or the mode
+    lets models come later) and every loaded version is ready (``ready``); a refused version
+    does not hold it back, it answers 503 with its reason.
     """
 
     def __init__(self, settings: Settings, one_device: bool = False) -> None:
@@ -39,62 +87,73 @@ class Registry:
         self.settings = settings
         self.one_device = one_device
         self.store = EngineStore(settings.store.path)
-        self._entries: list[ModelEntry] = []
-        self._loaded: dict[str, dict[str, LoadedModel]] = {}
-        # model -> version -> why it is not served (it missed its budget or failed to load).
-        self._unavailable: dict[str, dict[str, str]] = {}
+        self._known: dict[str, Known] = {}
+        self._serials = itertools.count(1)
         self.loading_done = False
+        self.generation = 0
+        """Counts changes of the served set: front ends drop what they cached from it when
+        it moves (``app.frontend.remote``)."""
         # Set when the server stops: a build running in a worker thread stops at its next
         # check instead of holding the process up until it ends.
         self.stopping = threading.Event()
 
-    # -- loading and closing
+    @property
+    def controlled(self) -> bool:
+        """Whether models load and unload while serving (explicit or poll mode)."""
+        return self.settings.models.control != "none"
+
+    # -- loading at startup and closing
+
+    def startup_entries(self) -> list[ModelEntry]:
+        """What loads at start: the named models or every autoloading one; in explicit
+        mode, ``models.startup`` where it is set."""
+        repo = self.settings.models
+        if repo.control == "explicit" and repo.startup is not None:
+            if not repo.repository.is_dir():
+                raise ConfigError(f"model repository {repo.repository} does not exist")
+            return [self._config_of(name) for name in repo.startup]
+        return discover(repo.repository, repo.models)
 
     async def load_all(self) -> None:
-        """Load every model, warm every runner. A version that misses its accuracy budget
-        or fails to load is not served and says why (unless ``models.exit_on_error``); the
-        others serve. Nothing at all to serve is an error."""
-        repo = self.settings.models
-        self._entries = discover(repo.repository, repo.models)
-        if self.one_device:
-            self._entries = [
-                entry.model_copy(update={"config": entry.config.model_copy(update={"gpus": []})})
-                for entry in self._entries
-            ]
-        for entry in self._entries:
+        """Load every model of ``startup_entries``, warm every runner. A version that misses
+        its accuracy budget or fails to load is not served and says why (unless
+        ``models.exit_on_error``); the others serve. Nothing at all to serve is an error in
+        mode none, where nothing can be loaded later."""
+        entries = [self._placed(entry) for entry in self.startup_entries()]
+        for entry in entries:
+            self._known[entry.config.name] = Known(state=LOADING, loading=entry)
+        for entry in entries:
+            known = self._known[entry.config.name]
+            known.files = await asyncio.to_thread(fingerprint, entry.folder)
+            generated = not entry.onnx_path.exists()
             try:
-                await self._load(entry)
+                versions, refused = await self._load(entry, {}, startup=True)
             except BuildCancelled as stopped:
                 log.info("loading stopped, the server is shutting down: %s", stopped)
                 return
-            except FatalEngineError:
-                raise  # the device is broken for every model: liveness must go
-            except Exception as error:
-                # What every version needs (the ONNX file, its spec) is missing; _load
-                # registers a model's versions only once all of them were tried.
-                for precision in entry.config.precisions:
-                    self._refuse(entry.config.name, precision, error)
-        refused = [f"{n}[{v}]" for n, versions in self._unavailable.items() for v in versions]
-        if not self.loaded():
+            self._settle(known, entry, versions, refused)
+            if generated:  # its generator wrote the folder: that is no change to reload for
+                known.files = await asyncio.to_thread(fingerprint, entry.folder)
+        refused_all = [f"{name}[{v}]" for name, known in self._known.items() for v in known.refused]
+        if not self.loaded() and not self.controlled:
             # Nothing to serve: stop (the orchestrator shows a crash loop) rather than stay
             # live and never ready.
-            raise RuntimeError(f"no model version could be served: {', '.join(refused)}")
+            raise RuntimeError(f"no model version could be served: {', '.join(refused_all)}")
         self.loading_done = True
+        served = {n: sorted(k.versions) for n, k in self._known.items() if k.versions}
         log.info(
             "ready: %s%s",
-            ", ".join(f"{n}{sorted(v)}" for n, v in self._loaded.items()) or "no model",
-            f"; NOT served: {', '.join(refused)} (see above)" if refused else "",
+            ", ".join(f"{n}{v}" for n, v in served.items()) or "no model",
+            f"; NOT served: {', '.join(refused_all)} (see above)" if refused_all else "",
         )
 
-    def _refuse(self, model: str, version: str, error: Exception) -> None:
-        """Record a version that will not be served, once, with the reason its 503s give;
-        or re-raise where ``models.exit_on_error`` wants the server to stop."""
-        if self.settings.models.exit_on_error:
+    def _refuse(self, model: str, version: str, error: Exception, startup: bool) -> str:
+        """Record a version that will not be served, once; the reason its 503s give. At
+        startup, re-raise where ``models.exit_on_error`` wants the server to stop."""
+        if startup and self.settings.models.exit_on_error:
             raise error
         accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
         reason = str(error) if accuracy_refusal else f"{type(error).__name__}: {error}"
-        # Clients get a bounded reason (a backend's message can be long); the log, all of it.
-        self._unavailable.setdefault(model, {})[version] = client_text(reason, 600)
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
             "model %s version %s is NOT served (%s): %s",
@@ -105,29 +164,74 @@ class Registry:
             # A missing file says it all; anything else may need its traceback.
             exc_info=None if isinstance(error, AccuracyBudgetExceeded | OSError) else error,
         )
+        # Clients get a bounded reason (a backend's message can be long); the log, all of it.
+        return client_text(reason, 600)
 
-    async def _load(self, entry: ModelEntry) -> None:
+    async def _load(
+        self, entry: ModelEntry, previous: dict[str, LoadedModel], startup: bool = False
+    ) -> tuple[dict[str, LoadedModel], dict[str, str]]:
+        """Every version of ``entry`` loaded and warmed, or refused with why; ``previous``:
+        the versions they replace, whose metrics they continue."""
         config = entry.config
         settings = self.settings.models
-        backend = backends.resolve(settings.backend or config.backend)
-        model = await asyncio.to_thread(source, entry, settings.prepare_missing)
+        refused: dict[str, str] = {}
+        try:
+            backend = backends.resolve(settings.backend or config.backend)
+            model = await asyncio.to_thread(source, entry, settings.prepare_missing)
+        except (FatalEngineError, BuildCancelled):
+            raise
+        except Exception as error:
+            # What every version needs (the ONNX file, its spec) is missing.
+            for precision in config.precisions:
+                refused[precision] = self._refuse(config.name, precision, error, startup)
+            return {}, refused
         versions: dict[str, LoadedModel] = {}
         try:
             for precision in config.precisions:
+                old = previous.get(precision)
+                metrics = old.metrics if old is not None else None
                 try:
                     versions[precision] = await load(
-                        model, precision, backend, self.store, self.settings, self.stopping.is_set
+                        model,
+                        precision,
+                        backend,
+                        self.store,
+                        self.settings,
+                        self.stopping.is_set,
+                        metrics,
                     )
                 except (FatalEngineError, BuildCancelled):
                     raise
                 except Exception as error:
-                    self._refuse(config.name, precision, error)
+                    refused[precision] = self._refuse(config.name, precision, error, startup)
         except BaseException:
             # Cancelled (shutdown mid-load), fatal, or exit_on_error: what loaded is closed.
             for loaded in versions.values():
                 await loaded.close()
             raise
-        self._loaded[config.name] = versions
+        return versions, refused
+
+    def _settle(
+        self,
+        known: Known,
+        entry: ModelEntry,
+        versions: dict[str, LoadedModel],
+        refused: dict[str, str],
+    ) -> dict[str, LoadedModel]:
+        """Switch ``known`` to the versions of ``entry`` in one step; the versions it served
+        before are returned, each pointing at the one that replaces it."""
+        old = known.versions
+        for version, model in versions.items():
+            before = old.get(version)
+            keep = before is not None and before.terms == model.terms
+            model.serial = before.serial if before is not None and keep else next(self._serials)
+            model_available(entry.config.name, version)
+        for version, before in old.items():
+            before.replaced_by = versions.get(version)
+        known.entry, known.versions, known.refused = entry, versions, refused
+        known.state, known.reason, known.loading, known.last_failure = READY, "", None, ""
+        self.generation += 1
+        return old
 
     async def close_batchers(self, timeout_s: float) -> None:
         """Fail what is still queued after ``timeout_s`` (a running batch finishes)."""
@@ -138,14 +242,171 @@ class Registry:
         self.stopping.set()
         for model in reversed(self.loaded()):
             await model.close()
-        self._loaded.clear()
+        for known in self._known.values():
+            known.versions = {}
+
+    # -- model control
+
+    def _config_of(self, name: str, override: object = None) -> ModelEntry:
+        """The config a load of ``name`` serves with: its config.yaml, or ``override`` (a
+        load request's, for the same folder)."""
+        folder = model_folder(self.settings.models.repository, name)
+        if folder is None:
+            raise NotFound(
+                f"no model '{client_text(name)}' in the repository "
+                f"(no {self.settings.models.repository}/<model>/config.yaml)"
+            )
+        if override is None:
+            return load_config(folder)
+        return parse_config(folder, override, f"the config given for {name!r}")
+
+    def _placed(self, entry: ModelEntry) -> ModelEntry:
+        if not self.one_device:
+            return entry
+        return entry.model_copy(update={"config": entry.config.model_copy(update={"gpus": []})})
+
+    async def load(self, name: str, override: dict[str, Any] | None = None) -> None:
+        """Load model ``name`` from its folder (``override``: a config in place of its
+        config.yaml), or reload it. A reload builds and warms the new versions while the
+        old ones serve, then switches; the old ones finish what they queued and are freed.
+        If the default version does not load, nothing changes (what served serves on) and
+        ``BadRequest`` says why; other versions that do not load say why in the index."""
+        if model_folder(self.settings.models.repository, name) is None:
+            self._config_of(name)  # raises: 404
+        known = self._known.setdefault(name, Known(state=UNAVAILABLE, reason="not loaded"))
+        async with known.lock:
+            if self.stopping.is_set():
+                raise Unavailable("server is shutting down; models are not loaded")
+            files = await asyncio.to_thread(fingerprint, self.settings.models.repository / name)
+            first = not known.versions
+            try:
+                entry = self._placed(self._config_of(name, override))
+            except ConfigError as error:
+                self._failed(name, known, first, files, f"ConfigError: {error}")
+                raise BadRequest(f"model {name!r} did not load: {error}") from None
+            generated = not entry.onnx_path.exists()
+            if first:
+                known.state, known.loading = LOADING, entry
+            else:
+                known.reloading = True
+            self.generation += 1
+            log.info("model %s: %s", name, "loading" if first else "reloading beside the old")
+            try:
+                versions, refused = await self._load(entry, known.versions)
+            except BuildCancelled:
+                self._failed(name, known, first, files, "the server is shutting down")
+                raise Unavailable("server is shutting down; models are not loaded") from None
+            except BaseException:
+                self._failed(name, known, first, files, "the load was interrupted")
+                raise
+            finally:
+                known.reloading = False
+            default = entry.config.default_precision
+            if default not in versions:
+                for model in versions.values():
+                    await model.close()
+                if not first:  # the old versions' series serve on; the new refusals' go
+                    for version in refused:
+                        if version not in known.refused:
+                            model_available(name, version)
+                why = refused.get(default, "it did not load")
+                self._failed(name, known, first, files, f"version {default!r}: {why}", entry)
+                release_memory()
+                on = "" if first else "; the versions loaded before serve on"
+                raise BadRequest(f"model {name!r} did not load: version {default!r}: {why}{on}")
+            old = self._settle(known, entry, versions, refused)
+            known.files = files
+            if generated:
+                known.files = await asyncio.to_thread(fingerprint, entry.folder)
+            if old:
+                await self._retire(name, old, versions)
+        log.info("model %s: serving %s", name, ", ".join(sorted(versions)))
+
+    def _failed(
+        self,
+        name: str,
+        known: Known,
+        first: bool,
+        files: Files,
+        why: str,
+        entry: ModelEntry | None = None,
+    ) -> None:
+        """A load that did not switch: a first one leaves the model unavailable with why; a
+        reload leaves the old versions serving and says why beside them."""
+        known.files = files  # poll mode tries again once the files change, not every poll
+        if first:
+            known.state, known.reason, known.loading = UNAVAILABLE, f"load failed: {why}", None
+            if entry is not None:
+                known.entry = entry
+        else:
+            known.last_failure = why
+        self.generation += 1
+        log.error("model %s did not load: %s", name, why)
+
+    async def _retire(
+        self, name: str, old: dict[str, LoadedModel], new: dict[str, LoadedModel]
+    ) -> None:
+        """The versions a reload replaced: what they queued runs to its answer (within the
+        drain timeout), then they are freed; a version the new config dropped loses its
+        metrics."""
+        timeout = self.settings.server.drain_timeout_s
+        await asyncio.gather(
+            *(
+                model.close(timeout, f"model {name!r} version {version!r} is no longer served")
+                for version, model in old.items()
+            )
+        )
+        for version, model in old.items():
+            if version not in new:
+                model.metrics.forget()
+        release_memory()
+
+    async def unload(self, name: str) -> None:
+        """Unload model ``name``: new requests get 503 at once, the requests it queued run to
+        their answer (those left after the drain timeout get 503), then its runners, engines
+        and metrics go. Unloading a model that is not loaded does nothing."""
+        known = self._known.get(name)
+        if known is None:
+            self._config_of(name)  # raises 404 for a model the repository does not have
+            return
+        async with known.lock:
+            if known.state in (UNAVAILABLE, UNLOADING):
+                return
+            versions = known.versions
+            known.state = UNLOADING
+            self.generation += 1
+            log.info("model %s: unloading %s", name, ", ".join(sorted(versions)) or "nothing")
+            timeout = self.settings.server.drain_timeout_s
+            try:
+                await asyncio.gather(
+                    *(m.close(timeout, f"model {name!r} is unloaded") for m in versions.values())
+                )
+            finally:
+                for model in versions.values():
+                    model.metrics.forget()
+                for version in known.refused:
+                    model_available(name, version)
+                known.versions, known.refused = {}, {}
+                known.state, known.reason, known.last_failure = UNAVAILABLE, "unloaded", ""
+                self.generation += 1
+        release_memory()
+        log.info("model %s: unloaded", name)
+
+    def known_files(self) -> dict[str, tuple[Files | None, bool]]:
+        """Per known model, its files when last loaded and whether it is loaded (poll mode:
+        ``app.engine.watch``)."""
+        return {
+            name: (known.files, known.state != UNAVAILABLE) for name, known in self._known.items()
+        }
 
     # -- state
 
     @property
     def ready(self) -> bool:
         served = self.loaded()
-        return self.loading_done and bool(served) and all(m.ready for m in served)
+        return (
+            self.loading_done and (bool(served) or self.controlled) and all(m.ready for m in served)
+        )
 
     @property
     def healthy(self) -> bool:
@@ -153,66 +414,114 @@ class Registry:
         return all(m.ready for m in self.loaded())
 
     def loaded(self) -> list[LoadedModel]:
-        return [m for versions in self._loaded.values() for m in versions.values()]
-
-    def entries(self) -> list[ModelEntry]:
-        return list(self._entries)
-
-    def entry(self, name: str) -> ModelEntry | None:
-        return next((e for e in self._entries if e.config.name == name), None)
+        """The versions that serve (not those of a model being unloaded)."""
+        return [
+            model
+            for known in self._known.values()
+            if known.state == READY
+            for model in known.versions.values()
+        ]
 
     def get(self, name: str, version: str | None = None) -> LoadedModel:
         """The loaded version; 404 for an unknown model or version, 503 with the reason for
-        one that is refused or still loading."""
-        entry = self.entry(name)
-        if entry is None:
+        one that is refused, loading, unloading or unloaded."""
+        known = self._known.get(name)
+        if known is None:
+            if self.controlled and model_folder(self.settings.models.repository, name):
+                raise Unavailable(f"model {name!r} is not loaded")
             raise NotFound(f"unknown model '{client_text(name)}'")
-        version = version or entry.config.default_precision
-        model = self._loaded.get(name, {}).get(version)
+        if known.state == LOADING:
+            raise Unavailable(f"model {name!r} is loading")
+        if known.state == UNLOADING:
+            raise Unavailable(f"model {name!r} is being unloaded")
+        if known.state == UNAVAILABLE or known.entry is None:
+            why = f" ({known.reason})" if known.reason not in ("", "not loaded") else ""
+            raise Unavailable(f"model {name!r} is not loaded{why}")
+        config = known.entry.config
+        version = version or config.default_precision
+        model = known.versions.get(version)
         if model is not None:
             return model
-        reason = self._unavailable.get(name, {}).get(version)
+        reason = known.refused.get(version)
         if reason is not None:
             raise Unavailable(f"model {name!r} version {version!r} is not served: {reason}")
-        if not self.loading_done and version in entry.config.precisions:
-            raise Unavailable(f"model {name!r} is loading")
         raise NotFound(
             f"model {name!r} has no version '{client_text(version)}'; versions: "
-            f"{', '.join(entry.config.precisions)}"
+            f"{', '.join(config.precisions)}"
         )
 
     def versions(self, name: str) -> list[str]:
         """The versions of a model that serve."""
-        return list(self._loaded.get(name, {}))
+        known = self._known.get(name)
+        return list(known.versions) if known is not None and known.state == READY else []
 
     def unavailable(self, name: str) -> dict[str, str]:
         """The versions of a model that are configured but not served, with the reason."""
-        return dict(self._unavailable.get(name, {}))
+        known = self._known.get(name)
+        return dict(known.refused) if known is not None and known.state == READY else {}
 
     def index(self) -> list[dict[str, str]]:
-        """Triton's repository index: every configured version with its state (READY,
-        LOADING, UNAVAILABLE) and, where it is not served, the reason."""
+        """Triton's repository index: every version of every known model with its state
+        (READY, LOADING, UNLOADING, UNAVAILABLE) and, where there is one, the reason; with
+        model control, the repository's other models too, UNAVAILABLE: not loaded."""
         index = []
-        for entry in self._entries:
-            name = entry.config.name
-            for version in entry.config.precisions:
-                item = {"name": name, "version": version}
-                reason = self._unavailable.get(name, {}).get(version)
-                if reason is not None:
-                    item |= {"state": "UNAVAILABLE", "reason": reason}
-                elif version in self._loaded.get(name, {}):
-                    item["state"] = "READY"
-                else:
-                    item["state"] = "LOADING"
-                index.append(item)
+        for name, known in self._known.items():
+            index.extend(self._items(name, known))
+        if self.controlled:
+            index.extend(self._not_loaded())
         return index
+
+    def _items(self, name: str, known: Known) -> list[dict[str, str]]:
+        entry = known.loading if known.state == LOADING else known.entry
+        precisions = entry.config.precisions if entry is not None else [""]
+        items = []
+        for version in precisions:
+            item = {"name": name, "version": version}
+            if known.state == READY:
+                reason = known.refused.get(version)
+                if reason is not None:
+                    item |= {"state": UNAVAILABLE, "reason": reason}
+                else:
+                    item["state"] = READY
+                    if known.reloading:
+                        item["reason"] = "reloading: this version serves until the new is warm"
+                    elif known.last_failure:
+                        item["reason"] = f"the last load failed: {known.last_failure}"
+            elif known.state == UNLOADING:
+                if version not in known.versions:
+                    continue
+                item["state"] = UNLOADING
+            elif known.state == LOADING:
+                item["state"] = LOADING
+            else:
+                item |= {"state": UNAVAILABLE, "reason": known.reason}
+            items.append(item)
+        return items
+
+    def _not_loaded(self) -> list[dict[str, str]]:
+        repository = self.settings.models.repository
+        items = []
+        for path in sorted(repository.glob("*/config.yaml")):
+            name = path.parent.name
+            if name in self._known or name.startswith("."):
+                continue
+            try:
+                versions = load_config(path.parent).config.precisions
+                reason = "not loaded"
+            except ConfigError as error:
+                versions, reason = [""], f"not loaded: {error}"
+            for version in versions:
+                items.append(
+                    {"name": name, "version": version, "state": UNAVAILABLE, "reason": reason}
+                )
+        return items
 
     def default(self, name: str | None) -> LoadedModel:
         """The model of the plain ``POST /infer``: ``name``, else the first model that
         serves; else the first, whose 503 then says why not."""
         if name is None:
-            if not self._entries:
-                raise Unavailable("no model is loaded yet")
-            served = [e.config.name for e in self._entries if self._loaded.get(e.config.name)]
-            name = served[0] if served else self._entries[0].config.name
+            if not self._known:
+                raise Unavailable("no model is loaded")
+            served = [n for n, k in self._known.items() if k.state == READY and k.versions]
+            name = served[0] if served else next(iter(self._known))
         return self.get(name)

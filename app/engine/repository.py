@@ -213,8 +213,14 @@ def load_config(folder: Path) -> ModelEntry:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from exc
+    return parse_config(folder, raw, str(path))
+
+
+def parse_config(folder: Path, raw: object, where: str) -> ModelEntry:
+    """A config (as config.yaml or a load request's override holds it) for the model in
+    ``folder``; ``where`` names it in errors. Its name, if given, must be the folder's."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level")
+        raise ConfigError(f"{where}: expected a mapping at the top level")
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as exc:
@@ -222,10 +228,43 @@ def load_config(folder: Path) -> ModelEntry:
             f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
             for err in exc.errors()
         )
-        raise ConfigError(f"{path}: {problems}") from exc
+        raise ConfigError(f"{where}: {problems}") from exc
     if not config.name:
         config = config.model_copy(update={"name": folder.name})
     return ModelEntry(folder=folder, config=config)
+
+
+def model_folder(repository: Path, name: str) -> Path | None:
+    """The folder of model ``name`` in the repository, if it has a config.yaml (a name
+    that is not one folder's is none)."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    folder = repository / name
+    return folder if (folder / "config.yaml").is_file() else None
+
+
+Files = tuple[tuple[str, int, int], ...]
+
+
+def fingerprint(folder: Path) -> Files:
+    """What poll mode compares: every file of a model folder with its modification time
+    and size (hidden ones, such as a generator's scratch folder, left out); empty once the
+    folder is gone."""
+    try:
+        paths = sorted(folder.iterdir())
+    except OSError:
+        return ()
+    files = []
+    for path in paths:
+        if path.name.startswith("."):
+            continue
+        try:
+            facts = path.stat()
+        except OSError:  # removed meanwhile: the next poll sees the folder as it is then
+            continue
+        if path.is_file():
+            files.append((path.name, facts.st_mtime_ns, facts.st_size))
+    return tuple(files)
 
 
 def discover(repository: Path, names: list[str]) -> list[ModelEntry]:

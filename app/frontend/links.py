@@ -31,6 +31,8 @@ class RemoteError(StokerError):
 
 
 Reply = asyncio.Future[tuple[wire.Reply, bytes]]
+Epoch = tuple[int, ...]
+"""Each engine's generation (``wire.EngineState.generation``), in the order of the links."""
 
 
 @dataclass(eq=False)
@@ -149,3 +151,32 @@ def connected(links: Sequence[EngineLink]) -> list[EngineLink]:
     if not found:
         raise Unavailable("no engine process is connected; retry")
     return found
+
+
+# How far from serving each state of the repository index is: of engines that disagree, the
+# index shows the furthest.
+DISTANCE = {"READY": 0, "UNLOADING": 1, "LOADING": 2, "UNAVAILABLE": 3}
+
+
+def merged_index(answers: Sequence[tuple[str, list[dict[str, str]]]]) -> list[dict[str, str]]:
+    """Several engines' repository indexes as one server's: an entry every engine reports
+    alike once; where they differ, the state furthest from serving, its reason prefixed with
+    the GPU of the engine that reported it."""
+    if len(answers) == 1:
+        return answers[0][1]
+    merged: dict[tuple[str, str], list[tuple[str, dict[str, str]]]] = {}
+    for label, entries in answers:
+        for entry in entries:
+            merged.setdefault((entry["name"], entry.get("version", "")), []).append((label, entry))
+    index = []
+    for reports in merged.values():
+        states = {entry.get("state", "") for _, entry in reports}
+        label, worst = max(reports, key=lambda r: DISTANCE.get(r[1].get("state", ""), 3))
+        if len(states) > 1 or len(reports) < len(answers):
+            reason = worst.get("reason", "")
+            worst = {**worst, "reason": f"GPU {label}: {reason}" if reason else f"GPU {label}"}
+            if len(reports) < len(answers):
+                missing = {lab for lab, _ in answers} - {lab for lab, _ in reports}
+                worst["reason"] += f" (unknown to GPU {', '.join(sorted(missing))})"
+        index.append(worst)
+    return index

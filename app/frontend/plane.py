@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -42,12 +42,13 @@ from app.contract import (
     draining,
 )
 from app.drain import Drain
-from app.errors import StokerError
+from app.errors import Reloaded, StokerError
 from app.frontend.client import EngineClient
 from app.protocol import RequestedOutput, encode_response
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -168,6 +169,18 @@ class DataPlane:
     async def repository_index(self) -> list[dict[str, str]]:
         return await self.client.repository_index()
 
+    async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Load or reload a model on every engine (``config``: in place of its config.yaml);
+        refused while draining, and where ``models.control`` does not take it."""
+        if self.draining:
+            raise draining()
+        await self.client.load(name, config)
+
+    async def unload_model(self, name: str) -> None:
+        if self.draining:
+            raise draining()
+        await self.client.unload(name)
+
     async def metrics_text(self) -> bytes:
         return await self.client.metrics_text()
 
@@ -199,7 +212,22 @@ class DataPlane:
     ) -> Answer:
         """Decode a V2 request, validate it against the model's contract, run it (gathered
         with others of this turn that may share its batch) and encode its answer. ``slot``:
-        the piece of the engine client's arena the body was read into, if any."""
+        the piece of the engine client's arena the body was read into, if any. A request
+        decoded against a contract that a reload replaced meanwhile is decoded again, once,
+        against the new one."""
+        return await again_if_reloaded(
+            partial(self._infer, name, version, body, header_length, slot, client)
+        )
+
+    async def _infer(
+        self,
+        name: str,
+        version: str | None,
+        body: bytes | bytearray | memoryview,
+        header_length: int | None,
+        slot: Slot | None,
+        client: str,
+    ) -> Answer:
         arrived = time.monotonic()
         contract = await self.client.contract(name, version)
         started = time.perf_counter()
@@ -240,8 +268,9 @@ class DataPlane:
             return Answer(ran.model, ran.version, headers, content)
 
     def _count(self, contract: Contract, error: StokerError, started: float) -> None:
-        """A request's failure that no engine counted (its own counts the rest)."""
-        if not error.counted:
+        """A request's failure that no engine counted (its own counts the rest); one to be
+        decoded again after a reload is no failure."""
+        if not error.counted and error.reason != Reloaded.reason:
             seconds = time.perf_counter() - started
             self.client.count_failures(contract.model, contract.version, error.reason, 1, seconds)
 
@@ -261,6 +290,7 @@ class DataPlane:
         key = (
             contract.model,
             contract.version,
+            contract.serial,
             timeout_us,
             priority,
             client,
@@ -312,6 +342,7 @@ class DataPlane:
             gathering.timeout_us,
             gathering.priority,
             gathering.client,
+            contract.serial,
         )
         gathering.task = asyncio.create_task(self._deliver(frame, gathering.answers))
 
@@ -395,7 +426,7 @@ class DataPlane:
         self, uploads: Uploads, answers: Sequence[asyncio.Future[Classified]]
     ) -> None:
         try:
-            classified = await self.client.classify(uploads)
+            classified = await again_if_reloaded(partial(self.client.classify, uploads))
         except asyncio.CancelledError:
             for answer in answers:
                 answer.cancel()
@@ -408,3 +439,14 @@ class DataPlane:
         for answer in answers:
             if not answer.done():
                 answer.set_result(classified)
+
+
+async def again_if_reloaded(attempt: Callable[[], Awaitable[T]]) -> T:
+    """``attempt()``, and once more if a reload switched the model's contract under it
+    (``app.errors.Reloaded``: nothing ran, the client's cached contract is dropped)."""
+    try:
+        return await attempt()
+    except StokerError as error:
+        if error.reason != Reloaded.reason:
+            raise
+    return await attempt()

@@ -31,9 +31,19 @@ import orjson
 from app import wire
 from app.channel import ChannelClosed, Sender, receive
 from app.contract import Answer, Classified, Contract, Frame, Part, Ran, Raw, Slot, Uploads
-from app.errors import StokerError, Unavailable
+from app.errors import Reloaded, StokerError, Unavailable
 from app.frontend.arena import Arena, place_inputs
-from app.frontend.links import EngineLink, R, RemoteError, Reply, answered, choose, connected
+from app.frontend.links import (
+    EngineLink,
+    Epoch,
+    R,
+    RemoteError,
+    Reply,
+    answered,
+    choose,
+    connected,
+    merged_index,
+)
 from app.frontend.poll import Poller
 from app.metrics import (
     http_refused,
@@ -67,9 +77,10 @@ class RemoteEngine:
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
         self._bypass_logged = False
         self._stopping = False
-        self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int]]] = {}
-        """Per model version asked for, its contract and the engines ready when it was
-        asked (by index): an engine ready since may take more rows."""
+        self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int], Epoch]] = {}
+        """Per model version asked for, its contract, the engines ready when it was asked
+        (by index: an engine ready since may take more rows) and each engine's generation
+        then (a load or unload since drops it)."""
         self.poller = Poller(self._links, self._engine_state)
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -279,8 +290,39 @@ class RemoteEngine:
         return list(merged_statistics([reply.value for _, reply, _ in answers]))
 
     async def repository_index(self) -> list[dict[str, str]]:
-        value: list[dict[str, str]] = await self._value(wire.RepositoryIndex())
-        return value
+        """Every engine's index as one: where they disagree (one is still loading), the
+        state of the engine furthest from serving, with its GPU named."""
+        answers = await self._ask_every(wire.RepositoryIndex(), wire.Value)
+        return merged_index([(link.label, reply.value) for link, reply, _ in answers])
+
+    async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
+        """Loaded (or reloaded) by every engine at once; see ``_on_every``."""
+        await self._on_every(wire.Load(name, config), "load")
+
+    async def unload(self, name: str) -> None:
+        await self._on_every(wire.Unload(name), "unload")
+
+    async def _on_every(self, call: wire.Load | wire.Unload, what: str) -> None:
+        """A load or unload sent to every connected engine at once; this front end's cached
+        contracts are dropped (the others' at their next poll, by the engines' generation).
+        Refused by every engine: that refusal; by some: 500 naming each engine's answer."""
+        links = self._connected()
+        outcomes = await asyncio.gather(
+            *(self._call(link, call, wire.Done) for link in links), return_exceptions=True
+        )
+        self._contracts.clear()
+        failed: list[tuple[EngineLink, StokerError]] = []
+        for link, outcome in zip(links, outcomes, strict=True):
+            if isinstance(outcome, StokerError):
+                failed.append((link, outcome))
+            elif isinstance(outcome, BaseException):
+                raise outcome
+        if not failed:
+            return
+        if len(failed) == len(links):
+            raise failed[0][1]
+        why = "; ".join(f"GPU {link.label}: {error.message}" for link, error in failed)
+        raise RemoteError(f"{what} of {call.name!r} failed on some engines: {why}", 500, "other")
 
     async def metrics_text(self) -> bytes:
         if len(self._links) == 1:
@@ -328,8 +370,9 @@ class RemoteEngine:
         tensors never change while the engine lives; refusals are not kept), and again when
         an engine has become ready since."""
         ready = frozenset(i for i, link in enumerate(self._links) if link.ready)
+        epoch = tuple(link.state.generation for link in self._links)
         cached = self._contracts.get((name, version))
-        if cached is not None and ready <= cached[1]:
+        if cached is not None and ready <= cached[1] and epoch == cached[2]:
             return cached[0]
         found = Contract.from_json(await self._value(wire.Describe(name, version), name, version))
         # Engines may have shrunk the version to different max batches: the contract is that
@@ -347,7 +390,7 @@ class RemoteEngine:
                 found = Contract.from_json(described.value)
             except StokerError:  # gone meanwhile: the first answer holds, not kept
                 return found
-        self._contracts[(name, version)] = (found, ready)
+        self._contracts[(name, version)] = (found, ready, epoch)
         return found
 
     @contextlib.asynccontextmanager
@@ -394,11 +437,15 @@ class RemoteEngine:
         for slot in slots:
             slot.engine_holds = True  # the engine may read them until the answer arrives
 
-        def released(_: Reply) -> None:
+        def released(answer: Reply) -> None:
             for slot in slots:
                 slot.engine_holds = False
                 if slot.abandoned:
                     self.arena.give_back(slot)
+            if not answer.cancelled() and answer.exception() is None:
+                reply = answer.result()[0]
+                if isinstance(reply, wire.Failure) and reply.reason == Reloaded.reason:
+                    self._contracts.clear()  # decoded again, against the new contract
 
         future.add_done_callback(released)
         try:

@@ -385,6 +385,18 @@ def repository_index(entries: Sequence[Mapping[str, str]]) -> pb.RepositoryIndex
     )
 
 
+def repository_parameters(
+    parameters: Mapping[str, pb.ModelRepositoryParameter],
+) -> dict[str, Any]:
+    """A load or unload request's parameters as HTTP's body has them: each one's value
+    (whichever of its fields is set)."""
+    values: dict[str, Any] = {}
+    for key, parameter in parameters.items():
+        which = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, which) if which else None
+    return values
+
+
 def shm_status(entries: Sequence[Mapping[str, Any]]) -> pb.SystemSharedMemoryStatusResponse:
     Status = pb.SystemSharedMemoryStatusResponse.RegionStatus
     return pb.SystemSharedMemoryStatusResponse(

@@ -27,7 +27,13 @@ from app.frontend.grpc import codec
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, peer_host
 from app.frontend.plane import DataPlane
-from app.frontend.routes import EXTENSIONS
+from app.frontend.routes import (
+    EXTENSIONS,
+    LOAD_PARAMETERS,
+    UNLOAD_PARAMETERS,
+    check_parameters,
+    config_override,
+)
 from app.metrics import http_refused
 
 log = logging.getLogger(__name__)
@@ -165,6 +171,25 @@ class InferenceService:
             entries = [e for e in entries if e.get("state") == "READY"]
         return codec.repository_index(entries)
 
+    # -- model control ------------------------------------------------------------------
+
+    @answered
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context
+    ) -> pb.RepositoryModelLoadResponse:
+        parameters = codec.repository_parameters(request.parameters)
+        check_parameters(parameters, LOAD_PARAMETERS)
+        await self.plane.load_model(request.model_name, config_override(parameters))
+        return pb.RepositoryModelLoadResponse()
+
+    @answered
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context
+    ) -> pb.RepositoryModelUnloadResponse:
+        check_parameters(codec.repository_parameters(request.parameters), UNLOAD_PARAMETERS)
+        await self.plane.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
     # -- system shared memory -----------------------------------------------------------
 
     @answered
@@ -203,16 +228,6 @@ class InferenceService:
         self, request: pb.CudaSharedMemoryStatusRequest, context: Context
     ) -> NoReturn:
         await unimplemented(context, "CUDA shared memory: use system shared memory")
-
-    async def RepositoryModelLoad(
-        self, request: pb.RepositoryModelLoadRequest, context: Context
-    ) -> NoReturn:
-        await unimplemented(context, "loading models over the API: models load at startup")
-
-    async def RepositoryModelUnload(
-        self, request: pb.RepositoryModelUnloadRequest, context: Context
-    ) -> NoReturn:
-        await unimplemented(context, "unloading models over the API: models load at startup")
 
     async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> NoReturn:
         await unimplemented(context, "tracing")

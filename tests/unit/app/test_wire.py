@@ -9,6 +9,7 @@ import pytest
 
 from app import wire
 
+V = wire.WIRE_VERSION
 TENSOR = wire.TensorRef("x", "FP32", (2, 4), 64, 32)
 SLOT = wire.SlotRef(4096, 8192)
 
@@ -29,6 +30,7 @@ CALLS: list[wire.Call] = [
         "127.0.0.1",
         (wire.RunItem((TENSOR,), 2, (wire.Wanted("y", 3),), SLOT), wire.RunItem((), 1, ())),
         150,
+        3,
     ),
     wire.Infer("m", "int8", 120, "c", SLOT, 300),
     wire.Classify(None, None, 5, (100, 200), "c"),
@@ -38,6 +40,9 @@ CALLS: list[wire.Call] = [
     wire.ModelConfig("m"),
     wire.Statistics(),
     wire.RepositoryIndex(),
+    wire.Load("m", {"max_batch_size": 4, "dynamic_batching": {"max_queue_delay_us": 0}}),
+    wire.Load("m"),
+    wire.Unload("m"),
     wire.ShmRegister("r", "/r", 0, 64),
     wire.ShmUnregister(None),
     wire.ShmStatus("r"),
@@ -61,7 +66,7 @@ def test_a_call_crosses_as_its_own_type(call: wire.Call) -> None:
         wire.Failure("queue full", 429, "rejected"),
         wire.Done(),
         wire.Value({"name": "m", "versions": ["fp32"]}),
-        wire.EngineState(True, False, 3, (wire.Serving("m", "fp32", 8),)),
+        wire.EngineState(True, False, 3, (wire.Serving("m", "fp32", 8),), 12),
         wire.Ran("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
         wire.Inferred("m", "fp32", {"Inference-Header-Content-Length": "12"}, 40),
         wire.Classified("m", "fp32"),
@@ -79,10 +84,10 @@ def test_a_reply_crosses_as_its_own_type(reply: wire.Reply) -> None:
         (b"not json", -1, "not a Stoker frame"),
         (b'{"op": "metrics"}', -1, "not a Stoker frame"),
         (b'[5, 99, {"op": "metrics"}]', 5, "wire version 99; this engine speaks"),
-        (b'[6, 1, {"op": "teleport"}]', 6, "does not know"),
-        (b'[7, 1, {"op": "describe", "name": "m", "colour": "red"}]', 7, "colour"),
-        (b'[8, 1, {"op": "describe", "name": 3}]', 8, "$.name"),
-        (b'[9, 1, {"op": "run", "name": "m"}]', 9, "missing required field"),
+        (f'[6, {V}, {{"op": "teleport"}}]'.encode(), 6, "does not know"),
+        (f'[7, {V}, {{"op": "describe", "name": "m", "colour": "red"}}]'.encode(), 7, "colour"),
+        (f'[8, {V}, {{"op": "describe", "name": 3}}]'.encode(), 8, "$.name"),
+        (f'[9, {V}, {{"op": "run", "name": "m"}}]'.encode(), 9, "missing required field"),
     ],
 )
 def test_a_foreign_frame_is_refused_with_the_reason(frame: bytes, number: int, why: str) -> None:

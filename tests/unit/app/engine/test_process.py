@@ -120,10 +120,10 @@ def test_errors_keep_their_status_and_foreign_frames_are_refused_with_why(
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         out.send(wire.encode_call(1, wire.Infer("nope", None, None, "")), b"{}")
-        out.send(b'[2,1,{"op":"teleport"}]')
+        out.send(f'[2,{wire.WIRE_VERSION},{{"op":"teleport"}}]'.encode())
         newer = f'[3,{wire.WIRE_VERSION + 1},{{"op":"metrics"}}]'.encode()
         out.send(newer)
-        out.send(b'[4,1,{"op":"describe","name":7}]')
+        out.send(f'[4,{wire.WIRE_VERSION},{{"op":"describe","name":7}}]'.encode())
         found = await replies(reader, 4)
         # Still serving after all of them.
         writer.write(lengths.pack(len(state := wire.encode_call(5, wire.State())), 0) + state)

@@ -1,0 +1,77 @@
+"""Poll mode (``models.control: poll``), Triton's ``--model-control-mode=poll``: every
+``models.poll_s`` the repository's folders are compared with what each model was loaded from
+(``app.engine.repository.fingerprint``: file names, sizes and modification times).
+
+A model whose files changed is reloaded (its old version serves until the new one is warm; a
+change that does not load leaves it serving and says why), a new folder is loaded when its
+config autoloads or ``models.models`` names it, and a model whose folder is gone is unloaded.
+A change is tried once: a load that failed is tried again when the files change again, not
+at every poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from app.engine.registry import Registry
+from app.engine.repository import ConfigError, Files, fingerprint, load_config
+from app.errors import StokerError
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def changes(
+    settings: Settings, known: dict[str, tuple[Files | None, bool]]
+) -> list[tuple[str, bool]]:
+    """What to do after a look at the repository, in order: (model, True) to load or
+    reload it, (model, False) to unload it. ``known``: per model the registry knows, the
+    files it was last loaded from and whether it is loaded."""
+    repository, named = settings.models.repository, settings.models.models
+    found: dict[str, Files] = {}
+    todo: list[tuple[str, bool]] = []
+    for path in sorted(repository.glob("*/config.yaml")):
+        folder = path.parent
+        if folder.name.startswith(".") or (named and folder.name not in named):
+            continue
+        files = found[folder.name] = fingerprint(folder)
+        if folder.name in known:
+            if files != known[folder.name][0]:
+                todo.append((folder.name, True))
+        elif named or autoloads(folder):
+            todo.append((folder.name, True))
+    todo.extend(
+        (name, False) for name, (_, loaded) in known.items() if loaded and name not in found
+    )
+    return todo
+
+
+def autoloads(folder: Path) -> bool:
+    """Whether a new folder's config asks to be loaded (one that does not parse is loaded,
+    so that its error is reported)."""
+    try:
+        return load_config(folder).config.autoload
+    except ConfigError:
+        return True
+
+
+async def watch(registry: Registry, every_s: float) -> None:
+    """Apply the repository's changes every ``every_s``, until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        todo = await asyncio.to_thread(changes, registry.settings, registry.known_files())
+        for name, load in todo:
+            log.info(
+                "poll: model %s %s", name, "changed: loading" if load else "removed: unloading"
+            )
+            try:
+                if load:
+                    await registry.load(name)
+                else:
+                    await registry.unload(name)
+            except StokerError as error:
+                log.warning("poll: model %s: %s", name, error.message)
+            except Exception as error:
+                log.error("poll: model %s: %r", name, error, exc_info=error)
