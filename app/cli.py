@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -41,6 +42,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         help="HTTP front-end processes before one engine process (default 1: one process)",
     )
+    serve.add_argument(
+        "--model-control-mode",
+        choices=["none", "explicit", "poll"],
+        help="none (default): the models are fixed at start; explicit: loaded and unloaded "
+        "over the API (stoker models --load/--unload); poll: reloaded when their files change",
+    )
+    serve.add_argument(
+        "--load-model",
+        action="append",
+        dest="startup",
+        help="explicit mode: a model loaded at start (repeatable; default: as the other modes)",
+    )
 
     prepare = commands.add_parser(
         "prepare", help="generate the missing ONNX files of the repository's models, offline"
@@ -63,8 +76,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         accuracy.add_arguments(report)
 
-    listing = commands.add_parser("models", help="list the repository's models")
+    listing = commands.add_parser(
+        "models",
+        help="list the repository's models; with --load, --unload or --index, ask a running "
+        "server (models.control explicit) instead",
+    )
     add_repository_options(listing)
+    listing.add_argument(
+        "--load", action="append", default=[], metavar="NAME", help="load or reload a model"
+    )
+    listing.add_argument("--unload", action="append", default=[], metavar="NAME")
+    listing.add_argument("--index", action="store_true", help="print the server's model index")
+    listing.add_argument(
+        "--config",
+        type=Path,
+        help="with one --load: a config file (YAML or JSON) used in place of its config.yaml",
+    )
+    listing.add_argument(
+        "--url", help="the server (default http://127.0.0.1:<server.port>, STOKER_SERVER__PORT)"
+    )
+    listing.add_argument(
+        "--api-key",
+        help="the key to send (default: STOKER_API_KEY, else the first of the server's "
+        "configured keys, STOKER_AUTH__API_KEYS or its file)",
+    )
+    listing.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds a load may take (default 600)"
+    )
     # Parsed by bench.cli (main hands it everything after "bench"); listed here for --help.
     commands.add_parser("bench", help="load-test V2 servers (stoker bench --help)")
     return parser.parse_args(argv)
@@ -85,6 +123,8 @@ def build_settings(args: argparse.Namespace) -> Settings:
             "repository": args.repository,
             "models": getattr(args, "models", None),
             "backend": getattr(args, "backend", None),
+            "control": getattr(args, "model_control_mode", None),
+            "startup": getattr(args, "startup", None),
         },
     }
     merged = settings.model_dump()
@@ -198,6 +238,38 @@ def list_models(settings: Settings) -> int:
     return 0
 
 
+def control_models(settings: Settings, args: argparse.Namespace) -> int:
+    """``stoker models --load/--unload/--index``: the model control endpoints of a running
+    server, called as a client would (``POST /v2/repository/...``), in the order given."""
+    from app import control
+
+    if args.config is not None and len(args.load) != 1:
+        print("stoker: --config goes with exactly one --load", file=sys.stderr)
+        return 2
+    url = args.url or f"http://127.0.0.1:{settings.server.port}"
+    key = args.api_key or os.environ.get("STOKER_API_KEY")
+    if key is None:
+        key = next(iter(settings.auth.keys()), None)
+    client = control.Client(url, key, args.timeout)
+    try:
+        for name in args.load:
+            client.load(name, control.read_config(args.config) if args.config else None)
+            print(f"{name}: loaded")
+        for name in args.unload:
+            client.unload(name)
+            print(f"{name}: unloaded")
+        if args.index:
+            for item in client.index():
+                reason = f"  ({item['reason']})" if item.get("reason") else ""
+                print(
+                    f"{item['name']:24} {item.get('version', ''):6} {item.get('state', '')}{reason}"
+                )
+    except control.ControlError as error:
+        print(f"stoker: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def tool(name: str) -> Any:
     """A tooling command's module, as the tooling registers it (the ``stoker.tools`` entry
     points: ``bench/`` is tooling, and the service never imports it by name); None where it
@@ -245,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "accuracy":
         report: int = tool_module("accuracy").run(args, settings)
         return report
+    if args.command == "models" and (args.load or args.unload or args.index):
+        return control_models(settings, args)
     commands = {
         "serve": serve,
         "prepare": prepare,
