@@ -25,7 +25,14 @@ import numpy as np
 
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching
-from app.errors import DeadlineExceeded, EngineError, QueueFull, StokerError, Unavailable
+from app.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    EngineError,
+    QueueFull,
+    StokerError,
+    Unavailable,
+)
 from app.metrics import BatchTimes, ModelMetrics
 from engines.base import BlockRunner, FatalEngineError, Runner, out_of_memory
 
@@ -228,6 +235,9 @@ class Batcher:
         ``client`` (an address) is whom it is fair to: a client with many requests waiting
         does not delay one with few by more than about one of its own requests per batch."""
         self.admit(requests)
+        if self._batched and rows > self._max_rows:
+            # No batch could ever take it: refused, never left queued until its deadline.
+            raise BadRequest(f"batch of {rows} rows; the model takes 1 to {self._max_rows}")
         blocks = (inputs,) if isinstance(inputs, Mapping) else tuple(inputs)
         pending = Pending(
             blocks=blocks,

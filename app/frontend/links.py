@@ -146,6 +146,25 @@ def choose(
     return connected(links)[0]
 
 
+def every_engine(
+    what: str, links: Sequence[EngineLink], outcomes: Sequence[object | BaseException]
+) -> None:
+    """What a call made of every engine comes to: done if every one did it; refused by
+    every one, that refusal (an unknown model is each one's 404, the client's too); by some,
+    500 naming each one's refusal (they now disagree, as the index shows)."""
+    failed: list[tuple[EngineLink, StokerError]] = []
+    for link, outcome in zip(links, outcomes, strict=True):
+        if isinstance(outcome, StokerError):
+            failed.append((link, outcome))
+        elif isinstance(outcome, BaseException):
+            raise outcome
+    if failed and len(failed) == len(links):
+        raise failed[0][1]
+    if failed:
+        why = "; ".join(f"GPU {link.label}: {error.message}" for link, error in failed)
+        raise RemoteError(f"{what} failed on some engines: {why}", 500, "other")
+
+
 def connected(links: Sequence[EngineLink]) -> list[EngineLink]:
     found = [link for link in links if link.connected]
     if not found:

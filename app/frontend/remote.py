@@ -37,11 +37,11 @@ from app.frontend.links import (
     EngineLink,
     Epoch,
     R,
-    RemoteError,
     Reply,
     answered,
     choose,
     connected,
+    every_engine,
     merged_index,
 )
 from app.frontend.poll import Poller
@@ -304,25 +304,13 @@ class RemoteEngine:
 
     async def _on_every(self, call: wire.Load | wire.Unload, what: str) -> None:
         """A load or unload sent to every connected engine at once; this front end's cached
-        contracts are dropped (the others' at their next poll, by the engines' generation).
-        Refused by every engine: that refusal; by some: 500 naming each engine's answer."""
+        contracts are dropped (the others' at their next poll, by the engines' generation)."""
         links = self._connected()
         outcomes = await asyncio.gather(
             *(self._call(link, call, wire.Done) for link in links), return_exceptions=True
         )
         self._contracts.clear()
-        failed: list[tuple[EngineLink, StokerError]] = []
-        for link, outcome in zip(links, outcomes, strict=True):
-            if isinstance(outcome, StokerError):
-                failed.append((link, outcome))
-            elif isinstance(outcome, BaseException):
-                raise outcome
-        if not failed:
-            return
-        if len(failed) == len(links):
-            raise failed[0][1]
-        why = "; ".join(f"GPU {link.label}: {error.message}" for link, error in failed)
-        raise RemoteError(f"{what} of {call.name!r} failed on some engines: {why}", 500, "other")
+        every_engine(f"{what} of {call.name!r}", links, outcomes)
 
     async def metrics_text(self) -> bytes:
         if len(self._links) == 1:
@@ -504,6 +492,7 @@ class RemoteEngine:
             frame.client,
             tuple(items),
             spent,
+            frame.serial,
         )
         number = link.request(call, b"".join(payloads))
         slots = [part.slot for part in parts if part.slot is not None]

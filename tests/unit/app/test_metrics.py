@@ -351,3 +351,33 @@ def test_engines_statistics_add_up_per_model_version() -> None:
     ]
     assert merged["int8"] == entry("int8", 1, 50, {1: 1})
     assert first[0]["inference_count"] == 3  # the engines' own answers are left as they were
+
+
+def test_an_unloaded_version_leaves_no_series_behind() -> None:
+    """Every series a version's metrics made (a failure reason first seen late, an image
+    decode, a refusal) is gone after ``forget``; another version of the model keeps its own."""
+    model = unique_model()
+    gone, kept = ModelMetrics(model, "fp32"), ModelMetrics(model, "int8")
+    gone.count_pending(lambda: 2)
+    gone.request_succeeded(0.01)
+    gone.request_failed("reloaded-late", 0.01)
+    gone.images_decoded("cpu", 3)
+    gone.batch_executed(BatchTimes(4, 2, 0.001, 0.002, 0.001))
+    model_unavailable(model, "fp32", "load")
+    assert any(key[-1] == "version=fp32" for key in series(model))
+    gone.forget()
+    left = series(model)
+    assert left and all("version=int8" in key for key in left), left
+    kept.forget()
+    assert series(model) == {}
+
+
+def test_the_pending_gauge_adds_up_the_batchers_of_a_reload_until_the_old_one_closes() -> None:
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp32")
+    old, new = (lambda: 3), (lambda: 2)
+    metrics.count_pending(old)
+    metrics.count_pending(new)
+    assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 5
+    metrics.stop_counting(old)
+    assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 2

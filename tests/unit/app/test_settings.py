@@ -63,6 +63,8 @@ def test_defaults_keep_a_laptop_server_private_and_bounded() -> None:
     assert models.default_model is None and models.backend is None
     assert models.image_decode == "auto" and models.decode_batch == 64
     assert models.prepare_missing is True and models.exit_on_error is False
+    # Model control is off: the set is fixed at start, as before there was any.
+    assert (models.control, models.startup, models.poll_s) == ("none", None, 5.0)
     limits = settings.limits
     assert limits.max_body_bytes == 64 * 1024 * 1024
     assert limits.max_image_pixels == 40_000_000
@@ -100,6 +102,9 @@ def test_the_store_defaults_to_the_users_cache(
         ("STOKER_MODELS__DECODE_BATCH", "8", "models.decode_batch", 8),
         ("STOKER_MODELS__PREPARE_MISSING", "false", "models.prepare_missing", False),
         ("STOKER_MODELS__EXIT_ON_ERROR", "1", "models.exit_on_error", True),
+        ("STOKER_MODELS__CONTROL", "explicit", "models.control", "explicit"),
+        ("STOKER_MODELS__STARTUP", "[]", "models.startup", []),
+        ("STOKER_MODELS__POLL_S", "0.5", "models.poll_s", 0.5),
         ("STOKER_STORE__PATH", "/var/cache/e", "store.path", Path("/var/cache/e")),
         ("STOKER_LIMITS__MAX_BODY_BYTES", "1024", "limits.max_body_bytes", 1024),
         ("STOKER_LIMITS__MAX_IMAGE_PIXELS", "100", "limits.max_image_pixels", 100),

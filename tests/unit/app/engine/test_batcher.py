@@ -14,7 +14,7 @@ import pytest
 from app.engine.batcher import Batcher
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching
-from app.errors import DeadlineExceeded, EngineError, QueueFull, Unavailable
+from app.errors import BadRequest, DeadlineExceeded, EngineError, QueueFull, Unavailable
 from app.metrics import ModelMetrics
 from engines.spec import ModelSpec, TensorSpec
 
@@ -146,6 +146,17 @@ def test_batch_never_exceeds_max_rows_and_keeps_queue_order() -> None:
     engine = run(scenario, max_queue_delay_us=0)
     assert batch_sizes(engine) == [1, 6, 6]
     assert engine.batches[1][0, 0] == 0 and engine.batches[2][0, 0] == 20
+
+
+def test_a_request_larger_than_any_batch_is_refused_not_left_queued() -> None:
+    """Only a stale contract (the model was reloaded smaller) can send one: 400 at once."""
+
+    async def scenario(batcher: Batcher, engine: FakeEngine) -> None:
+        with pytest.raises(BadRequest, match="batch of 9 rows; the model takes 1 to 8"):
+            await infer(batcher, rows(9))
+        assert batcher.pending == 0
+
+    assert batch_sizes(run(scenario)) == []
 
 
 def test_delay_is_measured_from_the_oldest_request() -> None:

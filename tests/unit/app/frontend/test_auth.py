@@ -58,6 +58,8 @@ PROTECTED = [
     ("GET", "/v2/models/tiny/config"),
     ("GET", "/v2/models/stats"),
     ("POST", "/v2/repository/index"),
+    ("POST", "/v2/repository/models/tiny/load"),
+    ("POST", "/v2/repository/models/tiny/unload"),
     ("POST", "/infer"),
     ("GET", "/v2"),
     ("GET", "/openapi.json"),

@@ -238,6 +238,48 @@ def test_a_request_is_written_into_the_slot_the_engine_client_lends(slot_bytes: 
         assert slot is None and isinstance(body, bytes)
 
 
+class ControlledPlane:
+    """A data plane that remembers the loads and unloads it is handed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
+        self.calls.append(("load", name, config))
+
+    async def unload_model(self, name: str) -> None:
+        self.calls.append(("unload", name, None))
+
+
+def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() -> None:
+    """Triton's parameters: the config as JSON text, ``unload_dependents`` accepted; model
+    files in the request are refused with INVALID_ARGUMENT, as an unknown parameter is."""
+    plane = ControlledPlane()
+    service = InferenceService(cast(DataPlane, plane), LIMIT)
+    context = cast(Any, Context())
+    Parameter = pb.ModelRepositoryParameter
+    load = pb.RepositoryModelLoadRequest(
+        model_name="tiny", parameters={"config": Parameter(string_param='{"max_batch_size": 4}')}
+    )
+    unload = pb.RepositoryModelUnloadRequest(
+        model_name="tiny", parameters={"unload_dependents": Parameter(bool_param=True)}
+    )
+    asyncio.run(service.RepositoryModelLoad(load, context))
+    asyncio.run(service.RepositoryModelUnload(unload, context))
+    assert plane.calls == [("load", "tiny", {"max_batch_size": 4}), ("unload", "tiny", None)]
+    for parameters, why in (
+        ({"file:1/model.onnx": Parameter(bytes_param=b"onnx")}, "not supported"),
+        ({"colour": Parameter(string_param="red")}, "unknown parameter 'colour'"),
+        ({"config": Parameter(string_param="{not json")}, "not JSON"),
+    ):
+        bad = pb.RepositoryModelLoadRequest(model_name="tiny", parameters=parameters)
+        with pytest.raises(Aborted) as refused:
+            asyncio.run(service.RepositoryModelLoad(bad, context))
+        assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert why in refused.value.details
+    assert len(plane.calls) == 2
+
+
 class ReadyPlane:
     def __init__(self) -> None:
         self.is_ready = True

@@ -16,9 +16,9 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.contract import batch_key, validate_inputs
-from app.errors import BadRequest, DeadlineExceeded, NotFound, Unavailable
-from app.frontend.plane import DataPlane
+from app.contract import Frame, Part, batch_key, validate_inputs
+from app.errors import BadRequest, DeadlineExceeded, NotFound, Reloaded, Unavailable
+from app.frontend.plane import DataPlane, again_if_reloaded
 from app.frontend.server import embedded
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
@@ -40,10 +40,15 @@ def write_model(folder: Path, model: onnx.ModelProto, **config: Any) -> None:
     (folder / "config.yaml").write_text(yaml.safe_dump({"max_batch_size": 8, **config}))
 
 
-def with_plane(tmp_path: Path, scenario: Callable[[DataPlane], Awaitable[T]], **limits: Any) -> T:
+def with_plane(
+    tmp_path: Path,
+    scenario: Callable[[DataPlane], Awaitable[T]],
+    control: str = "none",
+    **limits: Any,
+) -> T:
     """Run ``scenario`` against a started data plane over ``tmp_path/repo``, then stop it."""
     settings = Settings(
-        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        models={"repository": tmp_path / "repo", "control": control},  # type: ignore[arg-type]
         store={"path": tmp_path / "store"},  # type: ignore[arg-type]
         limits=limits,  # type: ignore[arg-type]
     )
@@ -128,6 +133,66 @@ def test_a_draining_plane_refuses_new_requests_and_is_not_ready(tiny_repo: Path)
         return plane.is_ready, plane.alive
 
     assert with_plane(tiny_repo, scenario) == (False, True)
+
+
+@pytest.mark.parametrize(
+    ("control", "refusal"),
+    [("none", "model control is off"), ("poll", "not allowed in poll mode")],
+)
+def test_loads_and_unloads_are_refused_where_the_mode_does_not_take_them(
+    tiny_repo: Path, control: str, refusal: str
+) -> None:
+    async def scenario(plane: DataPlane) -> None:
+        for call in (plane.load_model("tiny"), plane.unload_model("tiny")):
+            with pytest.raises(BadRequest, match=refusal):
+                await call
+        assert plane.is_ready
+
+    with_plane(tiny_repo, scenario, control)
+
+
+def test_loads_and_unloads_are_refused_while_draining(tiny_repo: Path) -> None:
+    async def scenario(plane: DataPlane) -> None:
+        await plane.unload_model("tiny")
+        await plane.load_model("tiny")
+        plane.begin_drain()
+        for call in (plane.load_model("tiny"), plane.unload_model("tiny")):
+            with pytest.raises(Unavailable, match="shutting down"):
+                await call
+        # The engine refuses too, on its own drain (an engine process drains on SIGTERM).
+        plane.client.begin_drain()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await plane.client.load("tiny")
+
+    with_plane(tiny_repo, scenario, "explicit")
+
+
+def test_a_request_decoded_against_a_replaced_contract_is_decoded_again(tiny_repo: Path) -> None:
+    """A frame decoded against the contract of a version a reload replaced (max batch 8,
+    then 4) is refused before it runs; the plane then decodes the request again, once."""
+    x = np.ones((2, 4), np.float32)
+
+    async def scenario(plane: DataPlane) -> tuple[int, int, list[str]]:
+        before = await plane.client.contract("tiny")
+        await plane.load_model("tiny", {"max_batch_size": 4})
+        after = await plane.client.contract("tiny")
+        stale = Frame("tiny", "fp32", [Part({"x": x}, 2, [])], None, 0, "", before.serial)
+        with pytest.raises(Reloaded):
+            await plane.client.run(stale)
+        attempts: list[str] = []
+
+        async def attempt() -> str:
+            attempts.append("sent")
+            if len(attempts) == 1:
+                raise Reloaded("reloaded")
+            return "answered"
+
+        assert await again_if_reloaded(attempt) == "answered"
+        answer = await plane.infer("tiny", None, v2_body(x), None)
+        assert orjson.loads(answer.content)["outputs"][0]["shape"] == [2, 3]
+        return before.spec.max_batch_size, after.spec.max_batch_size, attempts
+
+    assert with_plane(tiny_repo, scenario, "explicit") == (8, 4, ["sent", "sent"])
 
 
 def test_metadata_and_config_describe_the_served_model(tiny_repo: Path) -> None:

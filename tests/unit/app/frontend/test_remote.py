@@ -22,7 +22,7 @@ from app import wire
 from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode_infer
 from app.engine.local import LocalEngine
 from app.engine.process import EngineServer
-from app.errors import Unavailable
+from app.errors import BadRequest, Unavailable
 from app.frontend.arena import PAGE, Arena, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
@@ -622,3 +622,57 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
         assert {link for link, _ in sent} == {small}
     finally:
         front.arena.close()
+
+
+def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path) -> None:
+    """Two front ends' engine clients before one real engine: one reloads the tiny model with
+    a smaller max batch and drops its cached contract at once; the other, which cached the
+    old contract, drops it when a poll brings the engine's new generation; a request it
+    decoded against the old one meanwhile is refused before it runs and decoded again. An
+    unload reaches the engine the same way, and the index is the engine's."""
+    settings = tiny_repository(tmp_path, 8, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
+    settings = settings.model_copy(
+        update={"models": settings.models.model_copy(update={"control": "explicit"})}
+    )
+    control = tmp_path / "engine.sock"
+    x = np.ones((6, 4), np.float32)
+    body = orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [6, 4], "data": x.tolist()}]}
+    )
+
+    async def main() -> tuple[int, int, int, list[str]]:
+        engine = LocalEngine(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        one = RemoteEngine(settings, [("", control)], "stoker-test-one")
+        other = RemoteEngine(settings, [("", control)], "stoker-test-other")
+        planes = [DataPlane(settings, one), DataPlane(settings, other)]
+        try:
+            for plane in planes:
+                await plane.start()
+            for _ in range(400):  # their first polls
+                if one.ready and other.ready:
+                    break
+                await asyncio.sleep(0.01)
+            cached = (await other.contract("tiny")).spec.max_batch_size
+            await planes[0].load_model("tiny", {"max_batch_size": 4, "runners": 1})
+            mine = (await one.contract("tiny")).spec.max_batch_size
+            # Six rows fit the contract the other front end cached, not the served one: it
+            # is refused as the new contract refuses it, not run on the old terms.
+            with pytest.raises(BadRequest, match="1 to 4"):
+                await planes[1].infer("tiny", None, body, None)
+            for _ in range(400):  # the other front end's next polls: generation moved
+                if (await other.contract("tiny")).spec.max_batch_size == 4:
+                    break
+                await asyncio.sleep(0.01)
+            learned = (await other.contract("tiny")).spec.max_batch_size
+            await planes[1].unload_model("tiny")
+            states = [item["state"] for item in await other.repository_index()]
+            return cached, mine, learned, states
+        finally:
+            for plane in planes:
+                await plane.stop()
+            server.close()
+            await engine.stop()
+
+    assert asyncio.run(main()) == (8, 4, 4, ["UNAVAILABLE"])
