@@ -344,10 +344,12 @@ class LoadedModel:
 
 
 def release_memory() -> None:
-    """Give what freed models held back to the system: collect the cycles that keep an
-    engine alive, then ask glibc to return its free heap pages (without it, RSS stays at
-    its peak after an unload, although the memory is free for the next load)."""
+    """Give what closed versions held back to the system once nothing refers to them: collect
+    the cycles that keep an engine alive, return the GPU memory torch keeps cached, and ask
+    glibc to return its free heap pages (without it RSS can stay at its peak after an unload,
+    although the memory is free for the next load)."""
     gc.collect()
+    backends.release_device_memory()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 

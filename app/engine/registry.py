@@ -303,23 +303,20 @@ class Registry:
                 known.reloading = False
             default = entry.config.default_precision
             if default not in versions:
-                for model in versions.values():
-                    await model.close()
+                await self._close(versions)
                 if not first:  # the old versions' series serve on; the new refusals' go
                     for version in refused:
                         if version not in known.refused:
                             model_available(name, version)
                 why = refused.get(default, "it did not load")
                 self._failed(name, known, first, files, f"version {default!r}: {why}", entry)
-                release_memory()
                 on = "" if first else "; the versions loaded before serve on"
                 raise BadRequest(f"model {name!r} did not load: version {default!r}: {why}{on}")
-            old = self._settle(known, entry, versions, refused)
+            # No local keeps the versions it replaces: once retired they can be freed.
+            await self._retire(name, self._settle(known, entry, versions, refused), versions)
             known.files = files
             if generated:
                 known.files = await asyncio.to_thread(fingerprint, entry.folder)
-            if old:
-                await self._retire(name, old, versions)
         log.info("model %s: serving %s", name, ", ".join(sorted(versions)))
 
     def _failed(
@@ -343,12 +340,20 @@ class Registry:
         self.generation += 1
         log.error("model %s did not load: %s", name, why)
 
+    async def _close(self, versions: dict[str, LoadedModel]) -> None:
+        """Close versions that never served (a load that failed) and free their memory."""
+        await asyncio.gather(*(model.close() for model in versions.values()))
+        versions.clear()
+        await asyncio.to_thread(release_memory)
+
     async def _retire(
         self, name: str, old: dict[str, LoadedModel], new: dict[str, LoadedModel]
     ) -> None:
         """The versions a reload replaced: what they queued runs to its answer (within the
-        drain timeout), then they are freed; a version the new config dropped loses its
-        metrics."""
+        drain timeout), then they are freed and their memory handed back; a version the new
+        config dropped loses its metrics."""
+        if not old:
+            return
         timeout = self.settings.server.drain_timeout_s
         await asyncio.gather(
             *(
@@ -356,15 +361,17 @@ class Registry:
                 for version, model in old.items()
             )
         )
-        for version, model in old.items():
+        for version in old:
             if version not in new:
-                model.metrics.forget()
-        release_memory()
+                old[version].metrics.forget()
+        old.clear()
+        await asyncio.to_thread(release_memory)
 
     async def unload(self, name: str) -> None:
         """Unload model ``name``: new requests get 503 at once, the requests it queued run to
         their answer (those left after the drain timeout get 503), then its runners, engines
-        and metrics go. Unloading a model that is not loaded does nothing."""
+        and metrics go, and their memory back to the system. Unloading a model that is not
+        loaded does nothing."""
         known = self._known.get(name)
         if known is None:
             self._config_of(name)  # raises 404 for a model the repository does not have
@@ -372,24 +379,27 @@ class Registry:
         async with known.lock:
             if known.state in (UNAVAILABLE, UNLOADING):
                 return
-            versions = known.versions
             known.state = UNLOADING
             self.generation += 1
-            log.info("model %s: unloading %s", name, ", ".join(sorted(versions)) or "nothing")
-            timeout = self.settings.server.drain_timeout_s
+            log.info("model %s: unloading %s", name, ", ".join(sorted(known.versions)))
             try:
                 await asyncio.gather(
-                    *(m.close(timeout, f"model {name!r} is unloaded") for m in versions.values())
+                    *(
+                        model.close(
+                            self.settings.server.drain_timeout_s, f"model {name!r} is unloaded"
+                        )
+                        for model in known.versions.values()
+                    )
                 )
             finally:
-                for model in versions.values():
-                    model.metrics.forget()
+                for version in known.versions:
+                    known.versions[version].metrics.forget()
                 for version in known.refused:
                     model_available(name, version)
-                known.versions, known.refused = {}, {}
+                known.versions, known.refused = {}, {}  # the last references to them
                 known.state, known.reason, known.last_failure = UNAVAILABLE, "unloaded", ""
                 self.generation += 1
-        release_memory()
+            await asyncio.to_thread(release_memory)
         log.info("model %s: unloaded", name)
 
     def known_files(self) -> dict[str, tuple[Files | None, bool]]:

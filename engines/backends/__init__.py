@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 from pathlib import Path
 
 from engines.backends import onnxruntime
@@ -42,6 +43,15 @@ def cuda_available() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def release_device_memory() -> None:
+    """Give the GPU memory freed engines left in torch's caching allocator back to the
+    driver (what ``nvidia-smi`` and the NVML gauges show), where torch is in use; never
+    imports it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def gpu_image_decode_available() -> bool:
