@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 from app.engine.registry import Registry
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 
 
 def changes(
-    settings: Settings, known: dict[str, tuple[Files | None, bool]]
+    settings: Settings, known: Mapping[str, tuple[Files | None, bool]]
 ) -> list[tuple[str, bool]]:
     """What to do after a look at the repository, in order: (model, True) to load or
     reload it, (model, False) to unload it. ``known``: per model the registry knows, the
