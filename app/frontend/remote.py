@@ -37,6 +37,7 @@ from app.frontend.links import (
     EngineLink,
     Epoch,
     R,
+    RemoteError,
     Reply,
     answered,
     choose,
