@@ -8,6 +8,8 @@ reach the engine; the engine keys its batches with the same ``batch_key``. Light
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +55,9 @@ class Contract:
     pixels: str | None
     priority_levels: int
     serial: int = 0
-    """Which load of the version it describes: the engine refuses a request decoded
-    against an older contract than the served one's (``app.errors.Reloaded``), which the data
-    plane then decodes again. 0: any."""
+    """Names the contract's terms (``serial_of``: equal terms, equal serial, in every engine
+    process): an engine serving other terms since a reload checks a request decoded against
+    these before it runs it (``app.errors.Reloaded`` if it does not fit). 0: unnamed."""
 
     def as_json(self) -> dict[str, Any]:
         def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
@@ -95,6 +97,18 @@ class Contract:
         )
 
 
+def serial_of(spec: ModelSpec, pixels: str | None, priority_levels: int) -> int:
+    """The ``Contract.serial`` of these terms: a digest of them, so that every engine
+    process, and a reload that keeps them, names them alike (never 0)."""
+
+    def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
+        return [[t.name, t.datatype, list(t.shape)] for t in specs]
+
+    terms = [tensors(spec.inputs), tensors(spec.outputs), spec.max_batch_size, pixels]
+    digest = hashlib.blake2b(json.dumps([*terms, priority_levels]).encode(), digest_size=8)
+    return (int.from_bytes(digest.digest(), "big") >> 1) or 1
+
+
 @dataclass(frozen=True)
 class Decoded:
     """A V2 request decoded and validated against its model's ``Contract``."""
@@ -113,8 +127,14 @@ def decode_infer(
 ) -> Decoded:
     """Decode a V2 request and check it against the model: inputs, rows, outputs,
     priority. Every refusal is a ``BadRequest``."""
+    request = decode_request(body, header_length, contract.spec, max_json_depth, regions)
+    return checked(contract, request)
+
+
+def checked(contract: Contract, request: InferRequest) -> Decoded:
+    """A decoded request checked against the model's contract (``decode_infer``'s checks;
+    again against a new contract after a reload)."""
     spec = contract.spec
-    request = decode_request(body, header_length, spec, max_json_depth, regions)
     rows = validate_inputs(spec, request.inputs, contract.pixels)
     wanted = requested_outputs(spec, request)
     if request.priority > contract.priority_levels:

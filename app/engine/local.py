@@ -336,8 +336,9 @@ class LocalEngine:
         data plane's (``request_timed``), from its body to its encoded answer, in every
         process model."""
         model = self.models.get(frame.model, frame.version)
-        if frame.serial and frame.serial != model.serial:
-            # Decoded against the contract of a version a reload replaced: decoded again.
+        if frame.serial and frame.serial != model.serial and not model.fits(frame.parts):
+            # Decoded against the contract of a version a reload replaced, and not what this
+            # one takes: the data plane checks them against the new contract.
             raise Reloaded(f"model {model.name!r} version {model.version!r} was reloaded; retry")
         parts = frame.parts
 

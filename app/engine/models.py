@@ -15,11 +15,13 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import numpy as np
 
 import zoo
+from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.handlers import Handler, HandlerContext, handler_for
@@ -297,9 +300,6 @@ class LoadedModel:
     inputs: InputPolicy
     handler: Handler | None = None
     """What ``POST /infer`` does with uploads; None: the model takes V2 tensors only."""
-    serial: int = 0
-    """Which contract requests for it are decoded against (``app.contract.Contract.serial``):
-    a reload that keeps the tensors, the max batch and the priority levels keeps it."""
     replaced_by: LoadedModel | None = None
     """The version that serves in its place since a reload switched to it."""
 
@@ -311,11 +311,24 @@ class LoadedModel:
     def ready(self) -> bool:
         return self.batcher.failed is None
 
-    @property
-    def terms(self) -> tuple[ModelSpec, str | None, int]:
-        """What a request decoded for it relies on: a reload that changes any of it gives
-        the new version another ``serial``."""
-        return self.spec, self.inputs.pixels, self.entry.config.dynamic_batching.priority_levels
+    @functools.cached_property
+    def serial(self) -> int:
+        """Names what a request decoded for it relies on (``app.contract.serial_of``): its
+        tensors, max batch, pixel input and priority levels."""
+        levels = self.entry.config.dynamic_batching.priority_levels
+        return serial_of(self.spec, self.inputs.pixels, levels)
+
+    def fits(self, parts: Sequence[Part]) -> bool:
+        """Whether requests decoded against another contract (of a version a reload
+        replaced) are requests this version takes as they are."""
+        try:
+            for part in parts:
+                validate_inputs(self.spec, part.inputs, self.inputs.pixels)
+                if any(self.spec.output(out.name) is None for out in part.wanted):
+                    return False
+        except BadRequest:
+            return False
+        return not self.spec.batched or sum(p.rows for p in parts) <= self.spec.max_batch_size
 
     def current(self) -> LoadedModel:
         """The version serving in its place now: itself, or the one a reload switched to

@@ -13,7 +13,6 @@ engines and removes its metrics. A load that fails leaves what served serving an
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -88,7 +87,6 @@ class Registry:
         self.one_device = one_device
         self.store = EngineStore(settings.store.path)
         self._known: dict[str, Known] = {}
-        self._serials = itertools.count(1)
         self.loading_done = False
         self.generation = 0
         """Counts changes of the served set: front ends drop what they cached from it when
@@ -221,10 +219,7 @@ class Registry:
         """Switch ``known`` to the versions of ``entry`` in one step; the versions it served
         before are returned, each pointing at the one that replaces it."""
         old = known.versions
-        for version, model in versions.items():
-            before = old.get(version)
-            keep = before is not None and before.terms == model.terms
-            model.serial = before.serial if before is not None and keep else next(self._serials)
+        for version in versions:
             model_available(entry.config.name, version)
         for version, before in old.items():
             before.replaced_by = versions.get(version)

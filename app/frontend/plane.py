@@ -38,6 +38,7 @@ from app.contract import (
     Uploads,
     batch_key,
     check_window,
+    checked,
     decode_infer,
     draining,
 )
@@ -213,21 +214,8 @@ class DataPlane:
         """Decode a V2 request, validate it against the model's contract, run it (gathered
         with others of this turn that may share its batch) and encode its answer. ``slot``:
         the piece of the engine client's arena the body was read into, if any. A request
-        decoded against a contract that a reload replaced meanwhile is decoded again, once,
-        against the new one."""
-        return await again_if_reloaded(
-            partial(self._infer, name, version, body, header_length, slot, client)
-        )
-
-    async def _infer(
-        self,
-        name: str,
-        version: str | None,
-        body: bytes | bytearray | memoryview,
-        header_length: int | None,
-        slot: Slot | None,
-        client: str,
-    ) -> Answer:
+        decoded against a contract that a reload replaced meanwhile is checked against the
+        new one and sent again, once."""
         arrived = time.monotonic()
         contract = await self.client.contract(name, version)
         started = time.perf_counter()
@@ -248,16 +236,25 @@ class DataPlane:
             except ForwardToEngine:
                 # It names shared-memory regions, which the engine holds: the body as it came.
                 raw = Raw(name, version, body, header_length, client, slot)
-                return await self.client.infer_raw(raw)
+                return await again_if_reloaded(partial(self.client.infer_raw, raw))
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
             request = decoded.request
             part = Part(request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived)
+            schedule = (request.timeout_us, request.priority, client)
             try:
-                ran, shaped = await self._gathered(
-                    contract, part, request.timeout_us, request.priority, client
-                )
+                try:
+                    ran, shaped = await self._gathered(contract, part, *schedule)
+                except StokerError as error:
+                    if error.reason != Reloaded.reason:
+                        raise
+                    # Nothing ran. Checked again from what was decoded, not from the body: a
+                    # remote client may have copied its tensors over it in its slot.
+                    contract = await self.client.contract(name, version)
+                    again = checked(contract, request)
+                    part = Part(request.inputs, again.rows, again.wanted, slot, len(body), arrived)
+                    ran, shaped = await self._gathered(contract, part, *schedule)
             except StokerError as error:
                 self._count(contract, error, started)
                 raise

@@ -20,6 +20,7 @@ from app.contract import Frame, Part, batch_key, validate_inputs
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Reloaded, Unavailable
 from app.frontend.plane import DataPlane, again_if_reloaded
 from app.frontend.server import embedded
+from app.protocol import RequestedOutput
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, slow_onnx, tiny_onnx
@@ -167,18 +168,27 @@ def test_loads_and_unloads_are_refused_while_draining(tiny_repo: Path) -> None:
     with_plane(tiny_repo, scenario, "explicit")
 
 
-def test_a_request_decoded_against_a_replaced_contract_is_decoded_again(tiny_repo: Path) -> None:
-    """A frame decoded against the contract of a version a reload replaced (max batch 8,
-    then 4) is refused before it runs; the plane then decodes the request again, once."""
-    x = np.ones((2, 4), np.float32)
+def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_checked_again(
+    tiny_repo: Path,
+) -> None:
+    """Frames decoded against the contract of a version a reload replaced (max batch 8, then
+    4): one the new version takes runs; one it does not (6 rows) is refused before it runs,
+    and the plane checks such a request against the new contract (400), once."""
+    two, six = np.ones((2, 4), np.float32), np.ones((6, 4), np.float32)
 
     async def scenario(plane: DataPlane) -> tuple[int, int, list[str]]:
         before = await plane.client.contract("tiny")
         await plane.load_model("tiny", {"max_batch_size": 4})
         after = await plane.client.contract("tiny")
-        stale = Frame("tiny", "fp32", [Part({"x": x}, 2, [])], None, 0, "", before.serial)
+        wanted = [RequestedOutput("y", True)]
+        fits = Frame("tiny", "fp32", [Part({"x": two}, 2, wanted)], None, 0, "", before.serial)
+        ran = await plane.client.run(fits)
+        np.testing.assert_allclose(ran.outputs[0][0][1], two @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+        stale = Frame("tiny", "fp32", [Part({"x": six}, 6, wanted)], None, 0, "", before.serial)
         with pytest.raises(Reloaded):
             await plane.client.run(stale)
+        with pytest.raises(BadRequest, match="the model takes 1 to 4"):
+            await plane.infer("tiny", None, v2_body(six), None)
         attempts: list[str] = []
 
         async def attempt() -> str:
@@ -188,8 +198,6 @@ def test_a_request_decoded_against_a_replaced_contract_is_decoded_again(tiny_rep
             return "answered"
 
         assert await again_if_reloaded(attempt) == "answered"
-        answer = await plane.infer("tiny", None, v2_body(x), None)
-        assert orjson.loads(answer.content)["outputs"][0]["shape"] == [2, 3]
         return before.spec.max_batch_size, after.spec.max_batch_size, attempts
 
     assert with_plane(tiny_repo, scenario, "explicit") == (8, 4, ["sent", "sent"])
