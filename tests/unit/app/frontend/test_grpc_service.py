@@ -255,7 +255,7 @@ def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() ->
     """Triton's parameters: the config as JSON text, ``unload_dependents`` accepted; model
     files in the request are refused with INVALID_ARGUMENT, as an unknown parameter is."""
     plane = ControlledPlane()
-    service = InferenceService(cast(DataPlane, plane), LIMIT)
+    service = InferenceService(cast(DataPlane, plane), LIMIT, CallLimits(LimitSettings()))
     context = cast(Any, Context())
     Parameter = pb.ModelRepositoryParameter
     load = pb.RepositoryModelLoadRequest(
