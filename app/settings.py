@@ -120,6 +120,20 @@ class ServerSettings(BaseModel):
     arena_wait_s: float = Field(default=5.0, gt=0)
     """How long a body waits for room in a full arena before its 503 (counted as
     ``stoker_http_refusals_total{reason="arena_full"}``)."""
+    allowed_hosts: list[str] = Field(default_factory=list)
+    """``Host`` names HTTP requests may carry (without the port; ``*`` allows any), against
+    DNS rebinding: a web page whose name a browser resolves to this server would otherwise
+    read and drive it as its own origin. Empty: with no API keys and a loopback ``host``
+    (127.0.0.1, the default), only ``localhost``, ``*.localhost`` and loopback addresses;
+    any other ``host`` (0.0.0.0 in containers, where probes and Services use pod IPs and DNS
+    names) allows any name, so list yours where a browser can reach it. Health probes are
+    never refused for their ``Host``."""
+    allowed_origins: list[str] = Field(default_factory=list)
+    """Browser origins (``https://app.example.com``; ``*``: any) that may POST to the server
+    when no API keys are set, beside the server's own (an ``Origin`` naming the request's
+    ``Host``). Another origin's POST, and a POST of a form or text content type to a route
+    that takes JSON or octet-stream, is refused with 403: without keys, any web page a
+    browser opens could otherwise register shared memory or run inferences here."""
 
 
 class ModelRepositorySettings(BaseModel):
@@ -229,6 +243,16 @@ class LimitSettings(BaseModel):
     one client address may hold, so one address can never lock every other out: the rest
     stays for the others. Lower it where many clients share the server evenly; 1 turns it
     off (behind a proxy every client has the proxy's address)."""
+    saturated_after_s: float = Field(default=5.0, ge=0)
+    """Once ``max_connections`` or ``max_inflight_body_bytes`` has been full this long,
+    ``/v2/health/ready`` answers 503 with the reason, so an orchestrator routes elsewhere
+    until it frees (liveness stays 200). Full: no connection left, or no room for a body of
+    ``max_body_bytes``. Shorter reacts sooner to a burst that would have passed."""
+    max_json_decodes: int = Field(default=1, gt=0)
+    """Most JSON request parts over 256 KiB decoded at once per process (more wait their
+    turn). A JSON value costs 8 to 80 bytes of Python objects while decoded, so this bounds
+    their peak: a 64 MiB document costs up to ~1.7 GB. The parser holds the GIL, so more at
+    once buys no speed on the same cores."""
     max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole

@@ -16,14 +16,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
 from prometheus_client import generate_latest
 
 from app.contract import (
-    THREADED_DECODE_BYTES,
     Answer,
     Classified,
     Contract,
@@ -32,7 +30,7 @@ from app.contract import (
     Raw,
     Uploads,
     batch_key,
-    decode_infer,
+    decode_infer_async,
     draining,
 )
 from app.drain import Drain
@@ -383,12 +381,15 @@ class LocalEngine:
             arrived = time.monotonic()
             # Under overload most requests are refused: refuse before decoding, not after.
             model.batcher.admit()
-            depth = self.settings.limits.max_json_depth
-            decode = partial(decode_infer, contract, body, header_length, depth, self.regions)
-            if len(body) > THREADED_DECODE_BYTES:
-                decoded = await asyncio.to_thread(decode)
-            else:
-                decoded = decode()
+            limits = self.settings.limits
+            decoded = await decode_infer_async(
+                contract,
+                body,
+                header_length,
+                limits.max_json_depth,
+                self.regions,
+                limits.max_json_decodes,
+            )
             request = decoded.request
             shaped = await self._batched(
                 model,

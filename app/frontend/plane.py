@@ -25,7 +25,6 @@ import numpy as np
 
 from app.contract import (
     ENGINE_REGIONS,
-    THREADED_DECODE_BYTES,
     Answer,
     Classified,
     Contract,
@@ -39,7 +38,7 @@ from app.contract import (
     batch_key,
     check_window,
     checked,
-    decode_infer,
+    decode_infer_async,
     draining,
 )
 from app.drain import Drain
@@ -225,12 +224,15 @@ class DataPlane:
                     raise draining()
                 # Under overload most requests are refused: refuse before decoding, not after.
                 self.client.admit(contract)
-                depth = self.settings.limits.max_json_depth
-                decode = partial(decode_infer, contract, body, header_length, depth, ENGINE_REGIONS)
-                if len(body) > THREADED_DECODE_BYTES:
-                    decoded = await asyncio.to_thread(decode)
-                else:
-                    decoded = decode()
+                limits = self.settings.limits
+                decoded = await decode_infer_async(
+                    contract,
+                    body,
+                    header_length,
+                    limits.max_json_depth,
+                    ENGINE_REGIONS,
+                    limits.max_json_decodes,
+                )
                 if any(out.shared is not None for out in decoded.wanted):
                     raise ForwardToEngine
             except ForwardToEngine:
