@@ -116,7 +116,7 @@ def run_server(
         timeout_keep_alive=settings.server.keep_alive_s,
         timeout_graceful_shutdown=int(settings.server.drain_timeout_s) or None,
         limit_concurrency=None,
-        http=guarded(settings.limits),
+        http=guarded(settings.limits, app.state.saturation),
     )
     server = Server(config)
     server.run(sockets=sockets)

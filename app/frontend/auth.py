@@ -9,15 +9,20 @@ gRPC asks for the same keys in the same two headers, as call metadata (``KeyRing
 
 Keys are compared as SHA-256 digests with ``hmac.compare_digest`` against every configured
 key, so neither the time taken nor an early exit tells a caller how much of a key matched,
-which key it was close to, or how long the keys are. Keys are never logged.
+which key it was close to, or how long the keys are. Keys are never logged. Refusals are,
+at most one line a second per client address (``RefusalLog``): a client guessing keys
+cannot fill the disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -54,6 +59,62 @@ class KeyRing:
         return matched
 
 
+@dataclass
+class Refusals:
+    """One address's refusals in its current second: when it ends, how many went unlogged."""
+
+    ends: float
+    unlogged: int = 0
+    timer: asyncio.TimerHandle | None = None
+
+
+class RefusalLog:
+    """401s as log lines, at most one per ``interval_s`` per client address: the first is
+    logged at once, the others of that interval are counted and logged as one line when it
+    ends, which starts the next interval. Addresses whose interval is over are forgotten
+    once more than ``MAX_ADDRESSES`` are remembered."""
+
+    MAX_ADDRESSES = 4096
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._by_address: dict[str, Refusals] = {}
+
+    def refused(self, address: str, problem: str, path: str) -> None:
+        now = time.monotonic()
+        current = self._by_address.get(address)
+        if current is not None and current.timer is not None and now >= current.ends:
+            current.timer.cancel()  # due, not yet run (a busy loop): its line comes first
+            self._report(address, current)
+            current = self._by_address[address]
+        if current is None or now >= current.ends:
+            if len(self._by_address) >= self.MAX_ADDRESSES:
+                self._forget(now)
+            log.warning("401 %s for %s from %s", problem, client_text(path), address)
+            self._by_address[address] = Refusals(now + self.interval_s)
+            return
+        current.unlogged += 1
+        if current.timer is None:
+            loop = asyncio.get_running_loop()
+            current.timer = loop.call_later(current.ends - now, self._report, address, current)
+
+    def _report(self, address: str, current: Refusals) -> None:
+        if self._by_address.get(address) is not current:
+            return
+        log.warning(
+            "401 for %d more request(s) from %s in the last %g s (one line per second)",
+            current.unlogged,
+            address,
+            self.interval_s,
+        )
+        self._by_address[address] = Refusals(time.monotonic() + self.interval_s)
+
+    def _forget(self, now: float) -> None:
+        for address, refusals in list(self._by_address.items()):
+            if now >= refusals.ends and refusals.timer is None:
+                del self._by_address[address]
+
+
 class ApiKeys:
     """ASGI middleware; with no keys it passes everything through untouched."""
 
@@ -61,6 +122,7 @@ class ApiKeys:
         self.app = app
         self.ring = KeyRing(keys)
         self._open = PROBES if protect_metrics else PROBES | {METRICS}
+        self.refusals = RefusalLog()
 
     def accepts(self, key: bytes) -> bool:
         return self.ring.accepts(key)
@@ -75,9 +137,7 @@ class ApiKeys:
             return
         problem = "invalid API key" if key is not None else "missing API key"
         client = scope.get("client")
-        log.warning(
-            "401 %s for %s from %s", problem, client_text(scope["path"]), client and client[0]
-        )
+        self.refusals.refused(str(client[0]) if client else "?", problem, scope["path"])
         await refuse(send, f"{problem}: send Authorization: Bearer <key> or X-API-Key: <key>")
 
 

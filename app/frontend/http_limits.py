@@ -12,7 +12,12 @@ sends a request open forever. This subclass answers, like nginx and Envoy:
 - **503** once this process holds ``max_connections`` connections, or the client's address
   holds its share of them (``max_share_per_address``), for every route but ``/v2/health/*``,
   so probes keep answering while the server is full. A connection over either cap is not
-  counted against them: one address's idle connections never crowd the others out.
+  counted against them: one address's idle connections never crowd the others out. The
+  probes of those have their own budget, ``HEALTH_CONNECTIONS`` at once, and their
+  connection closes after the answer, so they cannot pile up past the cap either.
+
+A cap that stays full turns readiness off (``Saturation``): the orchestrator stops routing
+to a process that would refuse what it gets.
 
 Idle kept-alive connections close after ``server.keep_alive_s`` (uvicorn's own timer).
 """
@@ -20,6 +25,7 @@ Idle kept-alive connections close after ``server.keep_alive_s`` (uvicorn's own t
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import orjson
@@ -35,15 +41,44 @@ _REASONS = {
 }
 HEALTH_PREFIX = b"/v2/health/"
 REFUSAL_LINGER_S = 1.0
+HEALTH_CONNECTIONS = 64
+"""Connections over the caps open at once (each may ask ``/v2/health/*`` once); more are
+closed as they come, so a client cannot hold sockets past the caps by never sending."""
+
+
+class Saturation:
+    """Which of this process's caps are full and since when (one per application: the
+    connection cap of its server and the body-bytes cap of its ``BodyLimit`` report here).
+    Readiness reads ``reason``: a cap full for ``after_s`` or longer."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self._since: dict[str, float] = {}
+
+    def note(self, cap: str, full: bool) -> None:
+        if full:
+            self._since.setdefault(cap, time.monotonic())
+        else:
+            self._since.pop(cap, None)
+
+    def reason(self) -> str | None:
+        """Why this process should get no new requests now, or None."""
+        now = time.monotonic()
+        for cap, since in self._since.items():
+            if now - since >= self.after_s:
+                return f"the {cap} cap has been full for {now - since:.1f} s; retry another replica"
+        return None
 
 
 class Admitted:
-    """The connections counted against the caps, in all and per client address (one
-    per protocol class: per server)."""
+    """The connections counted against the caps, in all and per client address, and those
+    over them (one per protocol class: per server)."""
 
-    def __init__(self) -> None:
+    def __init__(self, saturation: Saturation | None = None) -> None:
         self.total = 0
         self.by_address: dict[str, int] = {}
+        self.over = 0
+        self.saturation = saturation
 
     def admit(self, address: str, limits: LimitSettings) -> bool:
         share = max(1, int(limits.max_connections * limits.max_share_per_address))
@@ -52,15 +87,21 @@ class Admitted:
             return False
         self.total += 1
         self.by_address[address] = held + 1
+        self._note(limits)
         return True
 
-    def release(self, address: str) -> None:
+    def release(self, address: str, limits: LimitSettings) -> None:
         self.total -= 1
         left = self.by_address[address] - 1
         if left:
             self.by_address[address] = left
         else:
             del self.by_address[address]
+        self._note(limits)
+
+    def _note(self, limits: LimitSettings) -> None:
+        if self.saturation is not None:
+            self.saturation.note("connection", self.total >= limits.max_connections)
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -79,6 +120,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._headers_done = True
         self._address: str | None = None
         """The client's address while this connection counts against the caps."""
+        self._over_counted = False
+        """Whether this connection counts among those over the caps (``HEALTH_CONNECTIONS``)."""
 
     # -- the header timer
 
@@ -124,13 +167,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._over_capacity = not self.admitted.admit(address, self.limits)
         if not self._over_capacity:
             self._address = address
+        elif self.admitted.over >= HEALTH_CONNECTIONS:
+            http_refused(503, "connections")
+            transport.close()
+            return
+        else:
+            self.admitted.over += 1
+            self._over_counted = True
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         if self._address is not None:
-            self.admitted.release(self._address)
+            self.admitted.release(self._address, self.limits)
             self._address = None
+        if self._over_counted:
+            self.admitted.over -= 1
+            self._over_counted = False
         super().connection_lost(exc)
 
     def _check_size(self) -> None:
@@ -202,6 +255,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             )
             return
         super().on_headers_complete()
+        if self._over_capacity and self.cycle is not None:
+            self.cycle.keep_alive = False  # a probe over the caps: answered, then closed
 
     def on_body(self, body: bytes) -> None:
         if not self._refused:
@@ -212,6 +267,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             super().on_message_complete()
 
 
-def guarded(limits: LimitSettings) -> type[GuardedHttpTools]:
-    """The protocol class for uvicorn's ``http=``, with these limits."""
-    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": Admitted()})
+def guarded(limits: LimitSettings, saturation: Saturation | None = None) -> type[GuardedHttpTools]:
+    """The protocol class for uvicorn's ``http=``, with these limits; a full connection cap
+    is noted in ``saturation``."""
+    admitted = Admitted(saturation)
+    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": admitted})

@@ -19,15 +19,16 @@ from starlette.datastructures import UploadFile
 
 from app import __version__
 from app.errors import BadRequest, client_text
+from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
 from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
 ERROR_RESPONSE: dict[str, Any] = {
-    "description": "400 bad input, 401 no or wrong API key, 404 unknown model, version or "
-    "route, 413 too large, 429 queue full, 503 not ready or draining, 504 deadline, 500 "
-    "engine failure",
+    "description": "400 bad input, 401 no or wrong API key, 403 a browser's cross-origin "
+    "request or an unknown Host, 404 unknown model, version or route, 413 too large, 429 "
+    "queue full, 503 not ready or draining, 504 deadline, 500 engine failure",
     "content": {
         "application/json": {
             "schema": {
@@ -156,11 +157,18 @@ async def live(request: Request) -> Response:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> Response:
+    """Ready: the engine is (every runner warm, no drain) and neither of this process's
+    caps, connections and body bytes in flight, has been full for ``saturated_after_s``;
+    else 503, with the ``reason`` when it is a cap."""
     plane = plane_of(request)
     is_ready = plane.is_ready
     engines = plane.engines()  # one engine process per GPU: which of them are ready
     body: dict[str, object] = {"ready": is_ready} | ({"engines": engines} if engines else {})
-    return json_response(body, 200 if is_ready else 503)
+    saturation: Saturation = request.app.state.saturation
+    saturated = saturation.reason()
+    if saturated is not None:
+        body |= {"ready": False, "reason": saturated}
+    return json_response(body, 200 if body["ready"] else 503)
 
 
 @router.get("/v2/models/stats")

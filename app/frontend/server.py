@@ -27,6 +27,8 @@ from app.errors import (
     client_text,
 )
 from app.frontend.auth import ApiKeys
+from app.frontend.browser import BrowserGuard, HostPolicy
+from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
 from app.frontend.routes import infer_response, json_response, router
 from app.metrics import http_refused
@@ -48,6 +50,8 @@ class BodyLimit:
       chunked body counted as its bytes arrive), so one address never takes the whole;
     - 408 when it has not arrived whole within ``timeout_s`` of the request's start, however
       slowly it trickles (the connection and its reservation are freed then).
+
+    It is full, in ``saturation``, while a body of ``max_bytes`` would not fit.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class BodyLimit:
         max_inflight_bytes: int,
         timeout_s: float,
         share: float = 1.0,
+        saturation: Saturation | None = None,
     ) -> None:
         self.app = app
         self.max_bytes = max_bytes
@@ -65,6 +70,7 @@ class BodyLimit:
         self.timeout_s = timeout_s
         self.inflight = 0
         self.by_address: dict[str, int] = {}
+        self.saturation = saturation
 
     def _full(self, more: int, address: str) -> str | None:
         if not more:
@@ -89,6 +95,9 @@ class BodyLimit:
             self.by_address[address] = held
         else:
             self.by_address.pop(address, None)
+        if self.saturation is not None:
+            room = self.max_inflight_bytes - self.inflight
+            self.saturation.note("body-bytes", room < min(self.max_bytes, self.max_inflight_bytes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -291,6 +300,9 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    # The caps' fullness, for readiness: the server's connection cap and BodyLimit note here.
+    saturation = Saturation(settings.limits.saturated_after_s)
+    app.state.saturation = saturation
     app.add_exception_handler(StokerError, stoker_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(RequestValidationError, validation_error)
@@ -303,10 +315,15 @@ def create_app(
         max_inflight_bytes=settings.limits.max_inflight_body_bytes,
         timeout_s=settings.limits.body_timeout_s,
         share=settings.limits.max_share_per_address,
+        saturation=saturation,
     )
-    # Added last, so it runs first: an unauthenticated request is refused before its body.
+    # Added late, so it runs early: an unauthenticated request is refused before its body.
     keys = settings.auth.keys()
     app.add_middleware(ApiKeys, keys=keys, protect_metrics=settings.auth.protect_metrics)
+    # Added last, so it runs first: a browser's cross-site request never reaches the rest.
+    server = settings.server
+    hosts = HostPolicy.of(server.allowed_hosts, server.host, bool(keys))
+    app.add_middleware(BrowserGuard, hosts=hosts, origins=None if keys else server.allowed_origins)
     if keys:
         log.info(
             "API keys required (%d configured); open: health%s",
