@@ -178,11 +178,12 @@ def check_json_size(contract: Contract, document: memoryview) -> None:
     """Refuse (413), before parsing, JSON that holds more values than any valid request for
     this model can: a JSON value costs 8 to 80 bytes as a Python object, so a 64 MiB body of
     22 M ``{}`` would cost 1.7 GB and seconds of the GIL to be refused after parsing. Commas
-    bound the values (every value but a container's first follows one), braces the objects.
-    A valid request has a few objects (the document, its inputs and outputs, their
-    parameters) and, when every input's shape is fixed, at most the model's rows times each
-    input's elements. Strings may hold either character: a model with a BYTES input is
-    counted by neither."""
+    bound the values (every value but a container's first follows one), braces the objects,
+    brackets the lists. A valid request has a few objects (the document, its inputs and
+    outputs, their parameters); as many lists as data nested along its inputs' shapes has
+    when only their last dimension may vary (``nested_lists``); when every input's shape is
+    fixed, at most the model's rows times each input's elements. Strings may hold any of
+    these characters: a model with a BYTES input is not counted."""
     if len(document) < COUNTED_JSON_BYTES:
         return
     spec = contract.spec
@@ -196,6 +197,15 @@ def check_json_size(contract: Contract, document: memoryview) -> None:
             f"request JSON holds {objects} objects; a request for this model holds at most "
             f"{most_objects}: tensor data are numbers"
         )
+    most_lists = nested_lists(spec)
+    if most_lists is not None:
+        lists = count_byte(document, b"[")
+        most_lists += STRUCTURE_PER_TENSOR * tensors
+        if lists > most_lists:
+            raise PayloadTooLarge(
+                f"request JSON holds {lists} lists; data nested along this model's shapes "
+                f"hold at most {most_lists}"
+            )
     if not all(tensor.is_static for tensor in spec.inputs):
         return  # any number of elements may be valid: max_body_bytes bounds them
     rows = max(spec.max_batch_size, 1)
@@ -207,6 +217,24 @@ def check_json_size(contract: Contract, document: memoryview) -> None:
             f"request JSON holds at least {values} values; this model takes at most "
             f"{elements} elements per request ({rows} rows)"
         )
+
+
+def nested_lists(spec: ModelSpec) -> int | None:
+    """The most lists the ``data`` of a valid request's inputs hold, nested along their
+    shapes at the model's most rows: for a shape (d0, ..., dk), 1 + d0 + d0 d1 + ... +
+    d0...d(k-1). None when a dimension before the last is dynamic: any number may be valid."""
+    rows = max(spec.max_batch_size, 1)
+    total = 0
+    for tensor in spec.inputs:
+        dims = (rows, *tensor.shape) if spec.batched else tensor.shape
+        lists = running = 1
+        for dim in dims[:-1]:
+            if dim == -1:
+                return None
+            running *= dim
+            lists += running
+        total += lists
+    return total
 
 
 class LargeDecodes:

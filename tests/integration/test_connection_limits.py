@@ -74,7 +74,7 @@ def live(server: Server) -> float:
 def test_a_huge_header_is_refused_as_it_arrives(server: Server) -> None:
     """256 KiB of one header, never finished: the 431 comes while the head is incomplete."""
     sock = connect(server)
-    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: ")
     for _ in range(4):
         sock.sendall(b"a" * 65536)
     answer = response_of(sock)
@@ -86,14 +86,14 @@ def test_a_huge_header_is_refused_as_it_arrives(server: Server) -> None:
 def test_too_many_headers_are_refused(server: Server) -> None:
     sock = connect(server)
     fields = b"".join(b"X-%d: 1\r\n" % i for i in range(150))
-    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n" + fields + b"\r\n")
     answer = response_of(sock)
     assert answer.startswith(b"HTTP/1.1 431 ") and b"more than 100 request headers" in answer
 
 
 def test_silent_and_slow_loris_connections_are_closed(server: Server) -> None:
     silent, slow = connect(server), connect(server)
-    slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+    slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the blank line
     started = time.monotonic()
     assert response_of(silent) == b""  # closed, nothing said
     slow_answer = response_of(slow)
@@ -105,7 +105,8 @@ def test_silent_and_slow_loris_connections_are_closed(server: Server) -> None:
 def test_a_trickled_body_gets_408(server: Server) -> None:
     sock = connect(server)
     sock.sendall(
-        b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        b"Content-Type: application/json\r\n"
         b'Content-Length: 1000\r\n\r\n{"inputs":'
     )
     answer = response_of(sock)
@@ -116,7 +117,7 @@ def test_a_trickled_body_gets_408(server: Server) -> None:
 def test_bodies_in_flight_are_bounded_together(server: Server) -> None:
     """Two clients that each declare 3 MiB and send one byte: the second is refused at once
     (4 MiB in flight at most), and the first's share is freed when it goes."""
-    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n{"
     first = connect(server)
     first.sendall(head % (3 * 1024 * 1024))
     time.sleep(0.2)
@@ -142,7 +143,8 @@ def test_a_full_server_refuses_requests_but_answers_probes(server: Server) -> No
         for _ in range(MAX_CONNECTIONS + 2):
             sock = connect(server)
             sock.sendall(
-                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n"
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Length: 50\r\n\r\n"
             )
             held.append(sock)
         time.sleep(0.2)
@@ -181,7 +183,8 @@ def test_one_address_cannot_take_every_connection(server: Server) -> None:
         for _ in range(MAX_CONNECTIONS + 4):
             sock = connect(server)
             sock.sendall(
-                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n"
+                b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                b"Content-Length: 50\r\n\r\n"
             )
             held.append(sock)
         time.sleep(0.2)
@@ -198,7 +201,7 @@ def test_one_address_cannot_take_every_connection(server: Server) -> None:
 def test_one_address_cannot_take_every_body_byte(server: Server) -> None:
     """One address that declared its share of the in-flight body bytes (3 of 4 MiB) is
     refused more; another address's body is still admitted."""
-    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{"
+    head = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n{"
     holder = connect(server)
     holder.sendall(head % (3 * 1024 * 1024))
     try:
@@ -249,14 +252,14 @@ def test_the_queue_is_bounded_by_rows(tmp_path: Path) -> None:
 def test_a_big_head_in_one_read_is_refused_too(server: Server) -> None:
     sock = connect(server)
     big = b"X-Big: " + b"a" * 100_000 + b"\r\n"
-    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n" + big + b"\r\n")
     answer = response_of(sock)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
 
 
 def test_bytes_between_requests_do_not_hold_a_connection_forever(server: Server) -> None:
     sock = connect(server)
-    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     first = b""
     while not first.endswith(b'{"live":true}'):
         first += sock.recv(65536)
@@ -270,7 +273,7 @@ def test_bytes_between_requests_do_not_hold_a_connection_forever(server: Server)
 def test_an_upload_that_never_comes_gets_408(server: Server) -> None:
     sock = connect(server)
     sock.sendall(
-        b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+        b"POST /infer HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: image/jpeg\r\n"
         b"Content-Length: 100000\r\n\r\n\xff\xd8"
     )
     answer = response_of(sock)

@@ -93,7 +93,7 @@ def test_an_unrecoverable_fault_turns_readiness_and_liveness_off(settings: Setti
         transport = httpx.ASGITransport(app=app)
         async with (
             app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=transport, base_url="http://stoker") as client,
+            httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client,
         ):
             deadline = time.monotonic() + 30
             while (await client.get("/v2/health/ready")).status_code != 200:
