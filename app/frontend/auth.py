@@ -102,7 +102,7 @@ class RefusalLog:
         if self._by_address.get(address) is not current:
             return
         log.warning(
-            "401 for %d more request(s) from %s in the last %g s (one line per second)",
+            "401 for %d more request(s) from %s in the last %g s (one line per interval)",
             current.unlogged,
             address,
             self.interval_s,

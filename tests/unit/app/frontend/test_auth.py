@@ -7,6 +7,7 @@ import asyncio
 import hmac
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import pytest
 from pydantic import ValidationError
 from starlette.types import Receive, Scope, Send
 
-from app.frontend.auth import ApiKeys
+from app.frontend.auth import ApiKeys, RefusalLog
 from app.settings import Settings
 
 KEYS = ["k-alpha-0123456789", "k-beta-9876543210"]
@@ -240,3 +241,29 @@ def test_refusal_does_not_read_the_body() -> None:
     sent = asyncio.run(go())
     assert sent[0]["status"] == 401
     assert received == []
+
+
+def test_refusals_are_logged_at_most_once_an_interval_per_address(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """500 refusals from one address in a burst: one line at once, one line with the count
+    of the rest when the interval ends; another address gets its own line."""
+    log = RefusalLog(interval_s=0.2)
+
+    async def burst() -> None:
+        for _ in range(500):
+            log.refused("10.0.0.1", "invalid API key", "/v2/models/tiny")
+        log.refused("10.0.0.2", "missing API key", "/v2/models/tiny")
+        deadline = time.monotonic() + 10
+        while len(caplog.records) < 3:  # the count's line comes on a timer as the interval ends
+            assert time.monotonic() < deadline, caplog.text
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.WARNING, logger="app.frontend.auth"):
+        asyncio.run(burst())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "401 invalid API key for /v2/models/tiny from 10.0.0.1",
+        "401 missing API key for /v2/models/tiny from 10.0.0.2",
+        "401 for 499 more request(s) from 10.0.0.1 in the last 0.2 s (one line per interval)",
+    ]
