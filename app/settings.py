@@ -251,8 +251,9 @@ class LimitSettings(BaseModel):
     max_json_decodes: int = Field(default=1, gt=0)
     """Most JSON request parts over 256 KiB decoded at once per process (more wait their
     turn). A JSON value costs 8 to 80 bytes of Python objects while decoded, so this bounds
-    their peak: a 64 MiB document costs up to ~1.7 GB. The parser holds the GIL, so more at
-    once buys no speed on the same cores."""
+    their peak: 64 MiB of floats costs ~0.85 GB, of one-element lists (valid for a model with
+    a dynamic dimension before the last) ~2 GB. The parser holds the GIL, so more at once
+    buys no speed on the same cores."""
     max_json_depth: int = Field(default=MAX_JSON_DEPTH, gt=0, le=1024)
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole

@@ -39,7 +39,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_CONNECTIONS = 50
 SATURATED_AFTER_S = 2.0
 MAX_BODY = 64 * 1024 * 1024  # the default max_body_bytes, and its 1 GiB in flight
-PROBE_TIMEOUT_S = 3.0  # Kubernetes' liveness timeoutSeconds in k8s/ (and a common default)
+PROBE_TIMEOUT_S = 3.0  # the liveness probe's timeoutSeconds in k8s/base/deployment.yaml
 ADDRESSES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
 FRONT_ENDS: dict[str, int] = {}
 """Each server's front-end processes (by URL), each with caps of its own; 1: one process."""
