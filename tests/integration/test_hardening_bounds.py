@@ -149,21 +149,22 @@ BODIES = {
 
 def test_json_bodies_are_bounded_and_their_memory_comes_back(server: Server) -> None:
     url = f"{server.url}/v2/models"
-    figures = {}
+    figures: dict[str, tuple[float, list[int]]] = {}
     with httpx.Client(headers=AUTH, timeout=120) as client, Liveness(server) as probes:
         for kind, (element, size, model, status, error) in BODIES.items():
             body = json_body(element, (size - 100) // len(element), "[1,4]")
             assert len(body) <= size
-            after, took = [], []
+            after: list[int] = []
+            times: list[float] = []
             for _ in range(5):
                 started = time.perf_counter()
                 answer = client.post(f"{url}/{model}/infer", content=body)
-                took.append(time.perf_counter() - started)
+                times.append(time.perf_counter() - started)
                 assert answer.status_code == status, answer.text[:300]
                 assert error in answer.json()["error"]
                 assert len(answer.content) < 300
                 after.append(memory(server))
-            figures[kind] = (max(took), after)
+            figures[kind] = (max(times), after)
         valid = json_body(b"1.5,", 4, "[1,4]")
         assert client.post(f"{url}/ragged/infer", content=valid).json()["outputs"][0]["data"] == [
             6.0
