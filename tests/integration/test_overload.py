@@ -217,7 +217,9 @@ def calibrate_m(url: str) -> int:
             timings = []
             for _ in range(5):
                 started = time.perf_counter()
-                async with session.post(url + URL, data=data) as response:
+                # A str body is text/plain to aiohttp, which a server without keys refuses.
+                headers = {"Content-Type": "application/json"}
+                async with session.post(url + URL, data=data, headers=headers) as response:
                     assert response.status == 200
                     await response.read()
                 timings.append(time.perf_counter() - started)
