@@ -270,6 +270,9 @@ class LocalEngine:
         allocates): there is no arena to lend from."""
         return contextlib.nullcontext(None)
 
+    def arena_full_since(self) -> float | None:
+        return None  # no arena
+
     # -- what the data plane measured ---------------------------------------------------
 
     def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None:

@@ -11,6 +11,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 
 import numpy as np
 
@@ -66,6 +67,10 @@ class Arena:
             os.close(descriptor)
         # Free runs of pages, (first page, count), sorted and never adjacent.
         self._free: list[tuple[int, int]] = [(0, pages)] if pages else []
+        self._free_pages = pages
+        self.full_since: float | None = None
+        """Since when less than a slot's bytes have been free (no room for a largest body,
+        and little for others), or None: readiness reads it."""
         # Bodies waiting for pages, in arrival order: (size, future of their slot).
         self._waiting: list[tuple[int, asyncio.Future[Slot]]] = []
 
@@ -90,8 +95,16 @@ class Arena:
                 else:
                     self._free[i] = (first + need, count - need)
                 start, length = first * PAGE, need * PAGE
+                self._count_free(-need)
                 return Slot(start, memoryview(self.memory)[start : start + length])
         return None
+
+    def _count_free(self, pages: int) -> None:
+        self._free_pages += pages
+        if self._free_pages * PAGE >= self.slot_bytes:
+            self.full_since = None
+        elif self.full_since is None:
+            self.full_since = time.monotonic()
 
     async def lend_within(self, size: int, wait_s: float) -> Slot | None:
         """Room for ``size`` bytes, waiting up to ``wait_s`` for pages to come back when the
@@ -151,6 +164,7 @@ class Arena:
         slot.returned = True
         first, count = slot.offset // PAGE, len(slot.view) // PAGE
         slot.view.release()
+        self._count_free(count)
         at = bisect.bisect(self._free, (first, 0))
         if at < len(self._free) and self._free[at][0] == first + count:  # joins the next run
             count += self._free.pop(at)[1]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -61,11 +62,12 @@ class Saturation:
         else:
             self._since.pop(cap, None)
 
-    def reason(self) -> str | None:
-        """Why this process should get no new requests now, or None."""
+    def reason(self, others: Mapping[str, float | None] | None = None) -> str | None:
+        """Why this process should get no new requests now, or None; ``others``: since when
+        other caps have been full (None: not full), by name."""
         now = time.monotonic()
-        for cap, since in self._since.items():
-            if now - since >= self.after_s:
+        for cap, since in {**self._since, **(others or {})}.items():
+            if since is not None and now - since >= self.after_s:
                 return f"the {cap} cap has been full for {now - since:.1f} s; retry another replica"
         return None
 

@@ -199,6 +199,12 @@ class DataPlane:
         client's arena, or None (``read_body`` allocates)."""
         return self.client.body_buffer(declared)
 
+    def arena_full_since(self) -> float | None:
+        """Since when the engine client's shared-memory arena has had no room for a largest
+        body (None: room, or no arena): with front ends, what bodies in flight may hold
+        before ``max_inflight_body_bytes`` is reached."""
+        return self.client.arena_full_since()
+
     # -- inference ----------------------------------------------------------------------
 
     async def infer(

@@ -382,6 +382,10 @@ class RemoteEngine:
         self._contracts[(name, version)] = (found, ready, epoch)
         return found
 
+    def arena_full_since(self) -> float | None:
+        """Since when the arena has had no room for a largest body (readiness)."""
+        return self.arena.full_since
+
     @contextlib.asynccontextmanager
     async def body_buffer(self, declared: int | None) -> AsyncIterator[Slot | None]:
         """A slot of the arena for a body of ``declared`` bytes, waiting (bounded by

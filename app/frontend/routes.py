@@ -157,15 +157,15 @@ async def live(request: Request) -> Response:
 
 @router.get("/v2/health/ready")
 async def ready(request: Request) -> Response:
-    """Ready: the engine is (every runner warm, no drain) and neither of this process's
-    caps, connections and body bytes in flight, has been full for ``saturated_after_s``;
-    else 503, with the ``reason`` when it is a cap."""
+    """Ready: the engine is (every runner warm, no drain) and none of this process's caps
+    (connections, body bytes in flight, a front end's shared-memory arena) has been full for
+    ``saturated_after_s``; else 503, with the ``reason`` when it is a cap."""
     plane = plane_of(request)
     is_ready = plane.is_ready
     engines = plane.engines()  # one engine process per GPU: which of them are ready
     body: dict[str, object] = {"ready": is_ready} | ({"engines": engines} if engines else {})
     saturation: Saturation = request.app.state.saturation
-    saturated = saturation.reason()
+    saturated = saturation.reason({"shared-memory arena": plane.arena_full_since()})
     if saturated is not None:
         body |= {"ready": False, "reason": saturated}
     return json_response(body, 200 if body["ready"] else 503)

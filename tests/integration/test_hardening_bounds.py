@@ -41,6 +41,8 @@ SATURATED_AFTER_S = 2.0
 MAX_BODY = 64 * 1024 * 1024  # the default max_body_bytes, and its 1 GiB in flight
 PROBE_TIMEOUT_S = 3.0  # the liveness probe's timeoutSeconds in k8s/base/deployment.yaml
 ADDRESSES = ["127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"]
+ARENA_SLOTS = 2
+SLOT_BYTES = 8 * 1024 * 1024
 FRONT_ENDS: dict[str, int] = {}
 """Each server's front-end processes (by URL), each with caps of its own; 1: one process."""
 
@@ -76,6 +78,11 @@ def server(
     }
     if request.param == "front ends":
         env["STOKER_SERVER__FRONT_ENDS"] = "2"
+        # Slots smaller than the largest body, so 64 MiB bodies fill max_inflight_body_bytes
+        # (they skip the arena) and 8 MiB ones the arena; a body waits 1 s for room, not 5.
+        env["STOKER_SERVER__SHM_SLOTS"] = str(ARENA_SLOTS)
+        env["STOKER_SERVER__SHM_SLOT_BYTES"] = str(SLOT_BYTES)
+        env["STOKER_SERVER__ARENA_WAIT_S"] = "1"
     running = start_server(repo, repo.parent / "server.log", env)
     FRONT_ENDS[running.url] = 2 if request.param == "front ends" else 1
     yield running
@@ -219,22 +226,20 @@ def wait_ready(server: Server, status: int, limit_s: float) -> tuple[float, dict
         time.sleep(0.05)
 
 
-def test_readiness_is_off_while_the_body_bytes_cap_stays_full(server: Server) -> None:
-    """Holders of a declared 64 MiB body (one byte sent) from four addresses fill each
-    process's 1 GiB (16 each; the 0.75 share is 12 per address): readiness says so after
-    ``saturated_after_s`` and is back once they go. ``Expect: 100-continue`` tells an
-    admitted holder (the server asks for its body) from a refused one (503) at once."""
-    wanted = 16 * FRONT_ENDS[server.url]
+def hold_bodies(server: Server, declared: int, wanted: int) -> list[socket.socket]:
+    """``wanted`` connections that each declared a body of ``declared`` bytes and sent one,
+    from four addresses (the 0.75 share is 12 of 16 each). ``Expect: 100-continue`` tells a
+    holder the server takes (it asks for the body) from one it refuses (503) at once."""
     head = (
         b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         b"Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
-        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), MAX_BODY)
+        b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), declared)
     )
     held: list[socket.socket] = []
     try:
         for attempt in range(40 * wanted):
             if len(held) == wanted:
-                break
+                return held
             sock = connect_from(server, ADDRESSES[attempt % len(ADDRESSES)])
             sock.sendall(head)
             answer = head_of(sock)
@@ -244,19 +249,42 @@ def test_readiness_is_off_while_the_body_bytes_cap_stays_full(server: Server) ->
             else:
                 assert b" 503 " in answer.split(b"\r\n")[0], answer[:300]
                 sock.close()
-        assert len(held) == wanted
+        raise AssertionError(f"{len(held)} of {wanted} bodies held")
+    except BaseException:
+        for sock in held:
+            sock.close()
+        raise
+
+
+def readiness_while_held(server: Server, held: list[socket.socket], reason: str) -> None:
+    try:
         full_for, body = wait_ready(server, 503, SATURATED_AFTER_S + 20)
-        assert "body-bytes cap has been full" in str(body["reason"]), body
+        assert reason in str(body["reason"]), body
         assert httpx.get(f"{server.url}/v2/health/live", timeout=10).status_code == 200
     finally:
         for sock in held:
             sock.close()
     back_in, _ = wait_ready(server, 200, 20)
-    print(
-        f"\nreadiness 503 {full_for:.1f} s after the cap filled, 200 {back_in:.2f} s after it freed"
-    )
+    print(f"\n{reason}: readiness 503 {full_for:.1f} s after, 200 {back_in:.2f} s after freed")
     # 503 no sooner than the setting allows (the probe may start a moment after the last fill).
     assert full_for > SATURATED_AFTER_S - 0.5
+
+
+def test_readiness_is_off_while_the_body_bytes_cap_stays_full(server: Server) -> None:
+    """16 holders of a declared 64 MiB body per process fill its 1 GiB (with front ends,
+    bodies larger than a slot of the arena: they cross over the control socket)."""
+    held = hold_bodies(server, MAX_BODY, 16 * FRONT_ENDS[server.url])
+    readiness_while_held(server, held, "body-bytes cap has been full")
+
+
+def test_readiness_is_off_while_a_front_ends_arena_stays_full(server: Server) -> None:
+    """With front ends, bodies that fit a slot are read into the front end's shared-memory
+    arena, lent as they are declared: holders that fill it (2 slots of 8 MiB per front end
+    here; 4 of 64 MiB by default) leave others' bodies waiting, then 503."""
+    if FRONT_ENDS[server.url] == 1:
+        pytest.skip("one process reads bodies into memory of their own: no arena")
+    held = hold_bodies(server, SLOT_BYTES, ARENA_SLOTS * FRONT_ENDS[server.url])
+    readiness_while_held(server, held, "shared-memory arena cap has been full")
 
 
 def test_readiness_is_off_while_idle_connections_fill_the_cap(server: Server) -> None:

@@ -676,3 +676,22 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
             await engine.stop()
 
     assert asyncio.run(main()) == (8, 4, 4, ["UNAVAILABLE"])
+
+
+def test_the_arena_is_full_while_less_than_a_slot_is_free(arena: Arena) -> None:
+    """Readiness reads ``full_since``: set once fewer than a largest body's pages are free,
+    kept while they stay so, cleared when a slot's worth is back."""
+    first = arena.lend(4 * PAGE)
+    second = arena.lend(4 * PAGE)
+    third = arena.lend(4 * PAGE)
+    assert first and second and third and arena.full_since is None  # 4 pages still free
+    fourth = arena.lend(PAGE)
+    assert fourth is not None and arena.full_since is not None
+    since = arena.full_since
+    arena.give_back(fourth)
+    assert arena.full_since is None  # 4 free again
+    fourth = arena.lend(2 * PAGE)
+    assert fourth is not None and arena.full_since is not None and arena.full_since >= since
+    for slot in (first, second, third, fourth):
+        arena.give_back(slot)
+    assert arena.full_since is None and arena.free_bytes == 16 * PAGE
