@@ -265,7 +265,9 @@ class LocalEngine:
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return self.regions.status(name)
 
-    def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[None]:
+    def body_buffer(
+        self, declared: int | None, client: str = ""
+    ) -> AbstractAsyncContextManager[None]:
         """In one process a body is read into memory of its own (None: ``read_body``
         allocates): there is no arena to lend from."""
         return contextlib.nullcontext(None)

@@ -24,6 +24,10 @@ log = logging.getLogger(__name__)
 PAGE = 4096
 
 
+class ArenaShare(Unavailable):
+    """A body that would take its address past its share of an arena (503 at once)."""
+
+
 class Arena:
     """Shared memory this front end lends to request bodies: ``slots x slot_bytes`` bytes in
     4 KiB pages; a body takes the pages it needs (at most ``slot_bytes``), so many small
@@ -71,6 +75,9 @@ class Arena:
         self.full_since: float | None = None
         """Since when less than a slot's bytes have been free (no room for a largest body,
         and little for others), or None: readiness reads it."""
+        # Pages lent per client (address), and the client of each lent slot by its offset.
+        self._by_client: dict[str, int] = {}
+        self._owners: dict[int, str] = {}
         # Bodies waiting for pages, in arrival order: (size, future of their slot).
         self._waiting: list[tuple[int, asyncio.Future[Slot]]] = []
 
@@ -106,15 +113,28 @@ class Arena:
         elif self.full_since is None:
             self.full_since = time.monotonic()
 
-    async def lend_within(self, size: int, wait_s: float) -> Slot | None:
+    async def lend_within(
+        self, size: int, wait_s: float, client: str = "", share: float = 1.0
+    ) -> Slot | None:
         """Room for ``size`` bytes, waiting up to ``wait_s`` for pages to come back when the
         arena is full (back-pressure: a body never takes the slower road because others hold
-        the pages); None only for a body larger than a slot. Past the wait: 503."""
+        the pages); None only for a body larger than a slot. Past the wait: 503. One
+        ``client`` (an address) holds at most ``share`` of the arena's pages: a body that
+        would take it past that is 503 at once, so one address cannot fill the arena with
+        declared bodies and lock every other client out."""
         if size > self.slot_bytes:
             return None
+        need = max(1, -(-size // PAGE))
+        pages = len(self.memory) // PAGE
+        if client and share < 1.0 and self._by_client.get(client, 0) + need > share * pages:
+            raise ArenaShare(
+                f"this address holds {self._by_client.get(client, 0) * PAGE} bytes of this "
+                f"front end's {len(self.memory)}-byte shared-memory arena, and a {size}-byte "
+                f"body would take it past its share ({share:g}); retry later"
+            )
         slot = self.lend(size) if not self._waiting else None  # no overtaking those waiting
         if slot is not None:
-            return slot
+            return self._held_by(slot, client)
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
         entry = (size, future)
         self._waiting.append(entry)
@@ -123,7 +143,7 @@ class Arena:
         try:
             slot = await asyncio.wait_for(asyncio.shield(future), wait_s)
             claimed = True
-            return slot
+            return self._held_by(slot, client)
         except TimeoutError:
             raise Unavailable(
                 f"this front end's shared-memory arena ({self.size_bytes} bytes) had no room "
@@ -157,12 +177,25 @@ class Arena:
     def size_bytes(self) -> int:
         return len(self.memory)
 
+    def _held_by(self, slot: Slot, client: str) -> Slot:
+        if client:
+            self._owners[slot.offset] = client
+            self._by_client[client] = self._by_client.get(client, 0) + len(slot.view) // PAGE
+        return slot
+
     def give_back(self, slot: Slot) -> None:
         """Make a slot's pages lendable again (once: a second call is a no-op)."""
         if slot.returned:
             return
         slot.returned = True
         first, count = slot.offset // PAGE, len(slot.view) // PAGE
+        owner = self._owners.pop(slot.offset, None)
+        if owner is not None:
+            left = self._by_client[owner] - count
+            if left > 0:
+                self._by_client[owner] = left
+            else:
+                del self._by_client[owner]
         slot.view.release()
         self._count_free(count)
         at = bisect.bisect(self._free, (first, 0))

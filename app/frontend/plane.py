@@ -194,10 +194,12 @@ class DataPlane:
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return await self.client.shm_status(name)
 
-    def body_buffer(self, declared: int | None) -> AbstractAsyncContextManager[Slot | None]:
+    def body_buffer(
+        self, declared: int | None, client: str = ""
+    ) -> AbstractAsyncContextManager[Slot | None]:
         """Where a request body of ``declared`` bytes is read into: a slot of a remote
         client's arena, or None (``read_body`` allocates)."""
-        return self.client.body_buffer(declared)
+        return self.client.body_buffer(declared, client)
 
     def arena_full_since(self) -> float | None:
         """Since when the engine client's shared-memory arena has had no room for a largest

@@ -32,7 +32,7 @@ from app import wire
 from app.channel import ChannelClosed, Sender, receive
 from app.contract import Answer, Classified, Contract, Frame, Part, Ran, Raw, Slot, Uploads
 from app.errors import Reloaded, StokerError, Unavailable
-from app.frontend.arena import Arena, place_inputs
+from app.frontend.arena import Arena, ArenaShare, place_inputs
 from app.frontend.links import (
     EngineLink,
     Epoch,
@@ -387,16 +387,23 @@ class RemoteEngine:
         return self.arena.full_since
 
     @contextlib.asynccontextmanager
-    async def body_buffer(self, declared: int | None) -> AsyncIterator[Slot | None]:
+    async def body_buffer(
+        self, declared: int | None, client: str = ""
+    ) -> AsyncIterator[Slot | None]:
         """A slot of the arena for a body of ``declared`` bytes, waiting (bounded by
         ``server.arena_wait_s``, then 503) while the arena is full; None for a body of no
         declared length or larger than a slot (it crosses over the control socket)."""
         slot = None
         if declared is not None:
             try:
-                slot = await self.arena.lend_within(declared, self.settings.server.arena_wait_s)
-            except StokerError:
-                http_refused(503, "arena_full")
+                slot = await self.arena.lend_within(
+                    declared,
+                    self.settings.server.arena_wait_s,
+                    client,
+                    self.settings.limits.max_share_per_address,
+                )
+            except StokerError as error:
+                http_refused(503, "arena_share" if isinstance(error, ArenaShare) else "arena_full")
                 raise
             if slot is None and not self._bypass_logged:
                 self._bypass_logged = True
@@ -552,7 +559,7 @@ class RemoteEngine:
         engine's handler; the answers come back as JSON in the payload, per request its
         answers or its failure (counted by the engine)."""
         sizes = tuple(len(image) for image in uploads.images)
-        async with self.body_buffer(sum(sizes) if sizes else None) as slot:
+        async with self.body_buffer(sum(sizes) if sizes else None, uploads.client) as slot:
             payload, place = b"", None
             if slot is not None:
                 at = 0

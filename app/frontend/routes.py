@@ -387,7 +387,7 @@ async def infer_response(request: Request, name: str, version: str | None) -> Re
     length = header_length(request)
     declared = request.headers.get("content-length")
     async with plane.body_buffer(
-        int(declared) if declared and declared.isdigit() else None
+        int(declared) if declared and declared.isdigit() else None, client_of(request)
     ) as slot:
         body = await read_body(request, slot.view if slot is not None else None)
         work = plane.infer(name, version, body, length, slot, client_of(request))

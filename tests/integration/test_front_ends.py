@@ -471,3 +471,38 @@ def test_front_ends_that_cannot_start_stop_the_server(tmp_path: Path) -> None:
                 server.process.wait()
     finally:
         holder.close()
+
+
+def test_one_address_holding_declared_bodies_leaves_the_arena_to_others(
+    front_ends: Server,
+) -> None:
+    """Twelve connections from 127.0.0.1 declare a slot-sized body and send one byte: each
+    front end lends one address at most its share of its arena (0.75 of two slots), so its
+    holders past the first are refused at once, and requests from 127.0.0.2 are served on
+    whichever front end they reach (before, a front end's arena filled and they waited for
+    arena_wait_s, then 503)."""
+    import socket
+
+    holders = []
+    head = (
+        "POST /v2/models/tiny/infer HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+        "Content-Type: application/octet-stream\r\nInference-Header-Content-Length: 10\r\n"
+        f"Content-Length: {SLOT_BYTES}\r\n\r\n{{"
+    ).encode()
+    try:
+        for _ in range(12):
+            host, port = front_ends.address.split(":")
+            holder = socket.create_connection((host, int(port)), timeout=10)
+            holder.sendall(head)
+            holders.append(holder)
+        transport = httpx.HTTPTransport(local_address="127.0.0.2")
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": ONES}]}
+        for _ in range(10):  # new connections: both front ends
+            with httpx.Client(transport=transport, timeout=30) as client:
+                started = time.monotonic()
+                answer = client.post(f"{front_ends.url}/v2/models/tiny/infer", json=body)
+                assert answer.status_code == 200, answer.text
+                assert time.monotonic() - started < 4.0  # not after a wait for pages
+    finally:
+        for holder in holders:
+            holder.close()

@@ -307,7 +307,7 @@ class InferenceService:
         if total > limit:  # typed contents take more bytes as tensors than in the message
             raise PayloadTooLarge(f"request of {total} bytes as tensors exceeds {limit}")
         request = call.request
-        async with self.plane.body_buffer(total) as slot:
+        async with self.plane.body_buffer(total, peer_host(context)) as slot:
             body: bytes | memoryview
             if slot is not None and len(slot.view) >= total:
                 view = slot.view

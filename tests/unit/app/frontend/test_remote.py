@@ -23,7 +23,7 @@ from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode
 from app.engine.local import LocalEngine
 from app.engine.process import EngineServer
 from app.errors import BadRequest, Unavailable
-from app.frontend.arena import PAGE, Arena, place_inputs
+from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
 from app.frontend.remote import RemoteEngine
@@ -114,6 +114,30 @@ def test_a_waiting_body_does_not_let_later_ones_overtake_it(arena: Arena) -> Non
         arena.give_back(first)
         lent = await small
         assert lent is not None and len(lent.view) == PAGE
+
+    asyncio.run(scenario())
+
+
+def test_one_address_holds_at_most_its_share_of_the_arena(arena: Arena) -> None:
+    """With a share of 0.5, an address holding 8 of the 16 pages is refused its next body at
+    once (503, not a wait that would hold up the others); another address is lent pages;
+    what the first gives back it may take again."""
+
+    async def scenario() -> None:
+        first = [await arena.lend_within(4 * PAGE, 30, "10.0.0.1", 0.5) for _ in range(2)]
+        with pytest.raises(ArenaShare, match=r"past its share \(0\.5\)"):
+            await arena.lend_within(PAGE, 30, "10.0.0.1", 0.5)
+        other = await arena.lend_within(4 * PAGE, 30, "10.0.0.2", 0.5)
+        assert other is not None
+        assert first[0] is not None
+        arena.give_back(first[0])
+        again = await arena.lend_within(4 * PAGE, 30, "10.0.0.1", 0.5)
+        assert again is not None
+        for slot in (first[1], other, again):
+            assert slot is not None
+            arena.give_back(slot)
+        assert arena.free_bytes == 16 * PAGE
+        assert arena._by_client == {} and arena._owners == {}  # nothing left counted
 
     asyncio.run(scenario())
 
