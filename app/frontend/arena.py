@@ -12,6 +12,7 @@ import mmap
 import os
 import secrets
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,6 +23,16 @@ from app.wire import TensorRef
 
 log = logging.getLogger(__name__)
 PAGE = 4096
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A body waiting for pages: its size, its client's address and share, its slot."""
+
+    size: int
+    client: str
+    share: float
+    future: asyncio.Future[Slot]
 
 
 class ArenaShare(Unavailable):
@@ -78,8 +89,8 @@ class Arena:
         # Pages lent per client (address), and the client of each lent slot by its offset.
         self._by_client: dict[str, int] = {}
         self._owners: dict[int, str] = {}
-        # Bodies waiting for pages, in arrival order: (size, future of their slot).
-        self._waiting: list[tuple[int, asyncio.Future[Slot]]] = []
+        # Bodies waiting for pages, in arrival order.
+        self._waiting: list[Waiting] = []
 
     @property
     def name(self) -> str:
@@ -119,32 +130,32 @@ class Arena:
         """Room for ``size`` bytes, waiting up to ``wait_s`` for pages to come back when the
         arena is full (back-pressure: a body never takes the slower road because others hold
         the pages); None only for a body larger than a slot. Past the wait: 503. One
-        ``client`` (an address) holds at most ``share`` of the arena's pages: a body that
-        would take it past that is 503 at once, so one address cannot fill the arena with
-        declared bodies and lock every other client out."""
+        ``client`` (an address) holds at most ``share`` of the arena's pages: its body past
+        that waits for its own pages to come back and holds up no one else's, so one address
+        cannot fill the arena with declared bodies and lock every other client out."""
         if size > self.slot_bytes:
             return None
-        need = max(1, -(-size // PAGE))
-        pages = len(self.memory) // PAGE
-        if client and share < 1.0 and self._by_client.get(client, 0) + need > share * pages:
-            raise ArenaShare(
-                f"this address holds {self._by_client.get(client, 0) * PAGE} bytes of this "
-                f"front end's {len(self.memory)}-byte shared-memory arena, and a {size}-byte "
-                f"body would take it past its share ({share:g}); retry later"
-            )
-        slot = self.lend(size) if not self._waiting else None  # no overtaking those waiting
-        if slot is not None:
-            return self._held_by(slot, client)
-        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        entry = (size, future)
+        entry = Waiting(size, client, share, asyncio.get_running_loop().create_future())
+        if not self._waiting and self._may_take(entry):  # no overtaking those waiting
+            slot = self.lend(size)
+            if slot is not None:
+                return self._held_by(slot, client)
         self._waiting.append(entry)
         self._serve_waiting()
+        future = entry.future
         claimed = False
         try:
             slot = await asyncio.wait_for(asyncio.shield(future), wait_s)
             claimed = True
-            return self._held_by(slot, client)
+            return slot
         except TimeoutError:
+            if not self._may_take(entry):
+                held = self._by_client.get(client, 0) * PAGE
+                raise ArenaShare(
+                    f"this address holds {held} bytes of this front end's "
+                    f"{self.size_bytes}-byte shared-memory arena, and a {size}-byte body "
+                    f"would take it past its share ({share:g}) for {wait_s:g} s; retry later"
+                ) from None
             raise Unavailable(
                 f"this front end's shared-memory arena ({self.size_bytes} bytes) had no room "
                 f"for a {size}-byte body for {wait_s:g} s; retry later"
@@ -158,20 +169,30 @@ class Arena:
                 self._waiting.remove(entry)
                 self._serve_waiting()  # those it held up may fit now
 
+    def _may_take(self, entry: Waiting) -> bool:
+        """Whether the body's pages keep its address within its share."""
+        if not entry.client or entry.share >= 1.0:
+            return True
+        need = max(1, -(-entry.size // PAGE))
+        held = self._by_client.get(entry.client, 0)
+        return held + need <= entry.share * (self.size_bytes // PAGE)
+
     def _serve_waiting(self) -> None:
         """Lend freed pages to the bodies waiting, in order of arrival; the first that does
         not fit yet stops the others behind it (no stream of small bodies starves a large
-        one; each waits at most its bound)."""
-        while self._waiting:
-            size, future = self._waiting[0]
-            if future.done():
-                self._waiting.pop(0)
+        one; each waits at most its bound). A body whose address is at its share is passed
+        over: it waits for its own address's pages, not the others'."""
+        for entry in list(self._waiting):
+            if entry.future.done():
+                self._waiting.remove(entry)
                 continue
-            slot = self.lend(size)
+            if not self._may_take(entry):
+                continue
+            slot = self.lend(entry.size)
             if slot is None:
                 return
-            self._waiting.pop(0)
-            future.set_result(slot)
+            self._waiting.remove(entry)
+            entry.future.set_result(self._held_by(slot, entry.client))
 
     @property
     def size_bytes(self) -> int:

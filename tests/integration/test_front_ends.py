@@ -478,9 +478,9 @@ def test_one_address_holding_declared_bodies_leaves_the_arena_to_others(
 ) -> None:
     """Twelve connections from 127.0.0.1 declare a slot-sized body and send one byte: each
     front end lends one address at most its share of its arena (0.75 of two slots), so its
-    holders past the first are refused at once, and requests from 127.0.0.2 are served on
-    whichever front end they reach (before, a front end's arena filled and they waited for
-    arena_wait_s, then 503)."""
+    holders past the first wait for that address's own pages, and requests from 127.0.0.2
+    are served at once on whichever front end they reach (before, a front end's arena
+    filled and they waited for arena_wait_s, then 503)."""
     import socket
 
     holders = []
