@@ -198,9 +198,11 @@ class LendingPlane:
     def __init__(self, slot_bytes: int) -> None:
         self.arena = bytearray(slot_bytes)
         self.seen: list[tuple[Any, int | None, Slot | None, str]] = []
+        self.clients: list[str] = []  # whom each slot was lent to
 
     @contextlib.asynccontextmanager
-    async def body_buffer(self, declared: int | None) -> AsyncIterator[Slot]:
+    async def body_buffer(self, declared: int | None, client: str = "") -> AsyncIterator[Slot]:
+        self.clients.append(client)
         yield Slot(0, memoryview(self.arena))
 
     async def infer(
@@ -230,7 +232,7 @@ def test_a_request_is_written_into_the_slot_the_engine_client_lends(slot_bytes: 
     )
     ((body, header_length, slot, client),) = plane.seen
     assert header_length is not None and bytes(body[header_length:]) == x.tobytes()
-    assert client == "10.0.0.7"
+    assert client == "10.0.0.7" and plane.clients == ["10.0.0.7"]  # the arena's share too
     assert int(np.frombuffer(response.raw_output_contents[0], np.int64)[0]) == len(body)
     if slot_bytes >= len(body):  # it fits: the body is the slot's memory, the one copy made
         assert slot is not None and isinstance(body, memoryview) and body.obj is plane.arena
