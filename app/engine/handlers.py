@@ -118,7 +118,7 @@ class ImageClassifier:
     async def decode(self, uploads: Sequence[bytes]) -> dict[str, Any]:
         context, limits = self._context, self._context.limits
         # Headers first, whoever decodes: a bomb or an unread format is refused before any
-        # pixel is decoded (a front end read them too; this costs microseconds).
+        # pixel is decoded (in plain Python: microseconds an image).
         headers = [
             read_header(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
             for data in uploads
