@@ -305,7 +305,10 @@ def start(
         return stack.enter_context(made)
 
     if url is None:
-        tensors = cache.get("tensors", in_process_inputs(args.repository, args.model))
+        inputs = in_process_inputs(args.repository, args.model)
+        # Uploads are decoded in process by the model's handler; anything else goes in as
+        # the tensors the engine takes.
+        tensors = cache.get("jpeg" if args.payload == "jpeg" else "tensors", inputs)
         raw = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
         return [(plan.name, plan.description, workers(raw, tensors, 1))]
     model: ModelInputs | None = None

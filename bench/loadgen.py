@@ -237,7 +237,9 @@ class HttpClient:
 
 class InProcessClient:
     """Requests go straight into Stoker's batcher: what the service costs on top of this is
-    HTTP and the codec."""
+    HTTP and the codec. Uploads are decoded by the model's own handler first (its device
+    decoder gathers concurrent ones, as in the engine), so for JPEG this is the in-process
+    decode, resize and infer pipeline."""
 
     def __init__(
         self,
@@ -245,8 +247,8 @@ class InProcessClient:
         timeout_s: float | None,
         keys: dict[int, tuple[Any, dict[str, np.ndarray]]],
     ) -> None:
-        """``keys``: per payload (by id), its batch key and its tensors as the engine takes
-        them."""
+        """``keys``: per tensor payload (by id), its batch key and its tensors as the engine
+        takes them; uploads are not in it."""
         self._model = model
         self._timeout_s = timeout_s
         self._keys = keys
@@ -270,8 +272,12 @@ class InProcessClient:
         loaded = await models.load(model, precision, backend, store, settings)
         keys = {}
         for payload in payloads:
+            if payload.images:
+                if loaded.handler is None:
+                    raise ValueError(f"model {target.model!r} does not take image uploads")
+                continue
             if payload.tensors is None:
-                raise ValueError("in-process payloads are tensors, not HTTP bodies")
+                raise ValueError("in-process payloads are tensors or images, not HTTP bodies")
             validate_inputs(model.spec, payload.tensors, loaded.inputs.pixels)
             # What the service does to UINT8 pixels before batching, done once up front.
             tensors = loaded.inputs.for_engine(payload.tensors)
@@ -280,11 +286,19 @@ class InProcessClient:
         return cls(loaded, timeout_us / 1e6 if timeout_us else None, keys)
 
     async def send(self, payload: Payload) -> int:
+        from app.contract import batch_key
         from app.errors import StokerError
 
-        key, tensors = self._keys[id(payload)]
+        model = self._model
         try:
-            await self._model.batcher.infer(tensors, payload.rows, key, self._timeout_s)
+            if payload.images and model.handler is not None:
+                inputs = await model.handler.decode(payload.images)
+                key = batch_key(model.spec, inputs)
+                out = await model.batcher.infer(inputs, payload.rows, key, self._timeout_s)
+                model.handler.encode(out, 5)
+            else:
+                key, tensors = self._keys[id(payload)]
+                await model.batcher.infer(tensors, payload.rows, key, self._timeout_s)
         except StokerError as exc:
             return exc.status
         return 200

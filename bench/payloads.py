@@ -61,6 +61,8 @@ class Payload:
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] | None = None
+    images: tuple[bytes, ...] = ()
+    """For an upload: its images, which the in-process target decodes as the engine does."""
 
 
 def synthetic_images(count: int, width: int, height: int, seed: int = 0) -> list[bytes]:
@@ -213,7 +215,7 @@ def grpc_request(
 def jpeg_upload(images: list[bytes]) -> Payload:
     """One image as a raw ``image/jpeg`` body; several as a multipart form (``curl -F``)."""
     if len(images) == 1:
-        return Payload(1, images[0], {"Content-Type": "image/jpeg"})
+        return Payload(1, images[0], {"Content-Type": "image/jpeg"}, images=tuple(images))
     boundary = uuid.uuid4().hex
     parts = []
     for i, data in enumerate(images):
@@ -225,7 +227,10 @@ def jpeg_upload(images: list[bytes]) -> Payload:
         parts.append(b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return Payload(
-        len(images), b"".join(parts), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        len(images),
+        b"".join(parts),
+        {"Content-Type": f"multipart/form-data; boundary={boundary}"},
+        images=tuple(images),
     )
 
 

@@ -22,6 +22,11 @@
 # profile_summary.txt), COMPILE (the served model's gpu.compile: default, none, max-autotune),
 # RUNNERS (the served model's runners; unset: the GPU default),
 # ENGINE_GPUS (server.engine_gpus, e.g. [0,1]: one engine process per GPU; set TESTS_BESIDE=0);
+# PROTOCOL (http, or http,grpc: the UINT8 and batch-1 runs over both, against one server);
+# RATE_FRACTION (0.5: the open-loop rate as a fraction of the best closed-loop one);
+# JPEG_IN_PROCESS (1: the JPEG runs also measure the in-process decode, resize and infer
+# pipeline); UNLOAD (1: models.control explicit, and after the runs GPU memory before and
+# after unloading the model, then loading it again, in unload.txt);
 # SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
@@ -140,7 +145,10 @@ if has service; then
         mkdir -p "$OUT/profile"
         export STOKER_PROFILE_DIR=$OUT/profile
     fi
-    STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 400 python3 -m app serve \
+    if [ "${UNLOAD:-0}" = 1 ]; then
+        export STOKER_MODELS__CONTROL=explicit STOKER_MODELS__STARTUP='["resnet50"]'
+    fi
+    STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 580 python3 -m app serve \
         --repository "$repo" --model resnet50 --port $port --front-ends "${FRONT_ENDS:-1}" \
         >"$OUT/service_server.log" 2>&1 &
     server=$!
@@ -152,21 +160,25 @@ if has service; then
     echo "server ready: $(curl -s "$url/v2/health/ready")"
     [ "${SKIP_U8:-0}" = 1 ] || bench "${U8_LIMIT:-120}" service_u8_rows32 --url "$url" --in-process --model resnet50 \
         --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
-        --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480
-    bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" --model resnet50 \
+        --rows "${ROWS:-32}" --concurrency "${U8_CONCURRENCY:-8,16,32}" --image-size 640x480 \
+        --protocol "${PROTOCOL:-http}"
+    inproc=""
+    [ "${JPEG_IN_PROCESS:-0}" = 1 ] && inproc=--in-process
+    bench "${JPEG_LIMIT:-45}" service_jpeg_rows1 --url "$url" $inproc --model resnet50 \
         --repository "$repo" --payload jpeg --rows 1 --concurrency "${JPEG_CONCURRENCY:-64,256}" \
         ${JPEG_IMAGES:+--images "$JPEG_IMAGES" --distinct 48}
     [ "${JPEG16_CONCURRENCY:-}" = none ] || bench "${JPEG_LIMIT:-45}" service_jpeg_rows16 \
-        --url "$url" --model resnet50 --repository "$repo" --payload jpeg --rows 16 \
-        --concurrency "${JPEG16_CONCURRENCY:-8,32}"
-    rate=$(python3 - "$OUT/service_u8_rows32.json" 2>/dev/null <<'PY'
+        --url "$url" $inproc --model resnet50 --repository "$repo" --payload jpeg --rows 16 \
+        --concurrency "${JPEG16_CONCURRENCY:-8,32}" \
+        ${JPEG_IMAGES:+--images "$JPEG_IMAGES" --distinct 16}
+    rate=$(python3 - "$OUT/service_u8_rows32.json" "${RATE_FRACTION:-0.5}" 2>/dev/null <<'PY'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 steps = doc["targets"][0]["steps"]
-print(f"{0.5 * max(s['throughput'] for s in steps):.1f}")
+print(f"{float(sys.argv[2]) * max(s['throughput'] for s in steps):.1f}")
 PY
 )
-    echo "open-loop rate (half the best closed-loop req/s): $rate"
+    echo "open-loop rate (${RATE_FRACTION:-0.5} of the best closed-loop req/s): $rate"
     if [ -n "$rate" ]; then
         bench 30 service_u8_rate50 --url "$url" --model resnet50 --repository "$repo" \
             --model-version fp16 --uint8 --payload v2-binary --rows "${ROWS:-32}" \
@@ -175,9 +187,13 @@ PY
     # Batch-1 UINT8 at c=256 against the naive per-request server (the bench starts it).
     [ "${BATCH1:-1}" = 1 ] && bench "${BATCH1_LIMIT:-60}" service_u8_rows1 --url "$url" --naive \
         --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
-        --rows 1 --concurrency 256 --duration 5 --warmup 2
-    curl -s "$url/metrics" | grep -E "^stoker_gpu_|^stoker_inference_batch_size_(sum|count)" \
+        --rows 1 --concurrency 256 --duration 5 --warmup 2 --protocol "${PROTOCOL:-http}"
+    curl -s "$url/metrics" | grep -E "^stoker_gpu_|^stoker_inference_batch_size_(sum|count)|^stoker_image_decode" \
         >"$OUT/service_metrics.txt"
+    if [ "${UNLOAD:-0}" = 1 ]; then
+        python3 scripts/gpu_unload.py "$url" --pid "$server" >"$OUT/unload.txt" 2>&1
+        echo "unload exit $?"
+    fi
     kill -TERM $server 2>/dev/null
     wait $server
     echo "server exit $?"
@@ -217,5 +233,6 @@ for log in "$OUT"/http_*.log "$OUT"/service_*.log; do
     grep -v -E "^\s*$" "$log"
 done
 [ -f "$OUT/service_metrics.txt" ] && cat "$OUT/service_metrics.txt"
+[ -f "$OUT/unload.txt" ] && tail -12 "$OUT/unload.txt"
 [ -f "$OUT/profile_summary.txt" ] && head -8 "$OUT/profile_summary.txt"
 [ -f "$OUT/service_server.log" ] && grep -E "loaded and warmed|ERROR|Traceback" "$OUT/service_server.log" | head -5
