@@ -117,6 +117,12 @@ class ServerSettings(BaseModel):
     """The largest body (and answer) that travels in shared memory (the largest body by
     default: ``limits.max_body_bytes``); a larger one crosses over the control socket, and
     the front end logs it once. 32 UINT8 images of 224x224 take 4.8 MB."""
+    pin_arena: bool = True
+    """The engine process registers each front end's arena with CUDA (``cudaHostRegister``)
+    where it sees a GPU, so a runner copies request tensors from it to the GPU by DMA,
+    without a host copy into its own pinned buffer first. It locks the arena's pages in
+    RAM (a container's ``ulimit -l`` must allow ``shm_slots x shm_slot_bytes`` per front
+    end; where it does not, the arena stays pageable and the log says so). Off: pageable."""
     arena_wait_s: float = Field(default=5.0, gt=0)
     """How long a body waits for room in a full arena before its 503 (counted as
     ``stoker_http_refusals_total{reason="arena_full"}``)."""

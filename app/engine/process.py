@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -50,6 +51,8 @@ class Connection:
         self.inode = (0, 0)
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self.answered: set[int] = set()
+        self.pinned = 0
+        """The arena's address where it is registered with CUDA (``pin``), else 0."""
 
     def attach(self, name: str, slot_bytes: int) -> None:
         """Map the front end's arena (``/dev/shm/<name>``) without owning it: the front end
@@ -62,6 +65,21 @@ class Connection:
             facts = os.fstat(file.fileno())
         self.inode = (facts.st_dev, facts.st_ino)
         self.slot_bytes = slot_bytes
+
+    def pin(self) -> bool:
+        """Register the arena with CUDA (``server.pin_arena``), so runners copy request
+        tensors from it by DMA; False where there is no GPU or the driver refuses."""
+        from engines.devices import cuda
+
+        if self.arena is None or self.pinned:
+            return bool(self.pinned)
+        holder = ctypes.c_char.from_buffer(self.arena)
+        start = ctypes.addressof(holder)
+        del holder  # an exported buffer would keep the mapping from closing
+        if not cuda.register_host(start, len(self.arena)):
+            return False
+        self.pinned = start
+        return True
 
     def slot(self, place: wire.SlotRef, length: int | None = None) -> memoryview:
         """The piece of the arena a front end lent a request, or its first ``length``
@@ -83,6 +101,11 @@ class Connection:
             self.writer.send(wire.encode_answer(number, reply), data)
 
     def close(self) -> None:
+        if self.pinned:
+            from engines.devices import cuda
+
+            cuda.unregister_host(self.pinned)  # before the pages are unmapped
+            self.pinned = 0
         if self.arena is not None:
             # A view still held (a request being torn down) keeps the mapping until it goes.
             with contextlib.suppress(BufferError):
@@ -188,6 +211,12 @@ class EngineServer:
 
     async def _hello(self, connection: Connection, call: wire.Hello, _: bytes) -> Handled:
         connection.attach(call.arena, call.slot_bytes)
+        if self.engine.settings.server.pin_arena and await asyncio.to_thread(connection.pin):
+            log.info(
+                "front end arena %s (%d MiB) registered with CUDA",
+                call.arena,
+                len(connection.arena or b"") >> 20,
+            )
         # A client may never register a front end's arena as its region (a hard link to it
         # has another name, not another inode).
         self.engine.regions.private.add(connection.inode)

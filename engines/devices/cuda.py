@@ -18,8 +18,11 @@ runs them on a ``Stream`` from here.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import ctypes
+import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
 from typing import Any
@@ -27,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from engines.base import FatalEngineError
+
+log = logging.getLogger(__name__)
 
 try:
     from cuda.bindings import driver, runtime
@@ -266,6 +271,72 @@ class HostBuffer:
         if self.ptr:
             call(runtime.cudaFreeHost, self.ptr)
             self.ptr = 0
+
+
+class HostRanges:
+    """Address ranges of host memory, looked up by a block's start and length."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def add(self, start: int, nbytes: int) -> None:
+        with self._lock:
+            at = bisect.bisect(self._starts, start)
+            if (at and self._ends[at - 1] > start) or (
+                at < len(self._starts) and self._starts[at] < start + nbytes
+            ):
+                raise ValueError(f"range at {start:#x} overlaps one already held")
+            self._starts.insert(at, start)
+            self._ends.insert(at, start + nbytes)
+
+    def remove(self, start: int) -> bool:
+        with self._lock:
+            at = bisect.bisect_left(self._starts, start)
+            if at == len(self._starts) or self._starts[at] != start:
+                return False
+            del self._starts[at], self._ends[at]
+            return True
+
+    def covers(self, start: int, nbytes: int) -> bool:
+        """Whether ``nbytes`` from ``start`` lie inside one range."""
+        with self._lock:
+            at = bisect.bisect(self._starts, start) - 1
+            return at >= 0 and start + nbytes <= self._ends[at]
+
+
+_registered = HostRanges()
+"""Host memory this process registered with CUDA (``register_host``)."""
+
+
+def register_host(start: int, nbytes: int) -> bool:
+    """Page-lock host memory this process did not allocate (a front end's shared-memory
+    arena) with ``cudaHostRegister``, so a copy from it to a GPU is DMA and asynchronous,
+    as from a ``HostBuffer``. False, with the reason logged, where it cannot be: no CUDA
+    device, or the driver refuses (a container's locked-memory limit, ``ulimit -l``)."""
+    try:
+        _, rt = _bindings()
+        if device_count() == 0:
+            return False
+        call(rt.cudaHostRegister, start, nbytes, rt.cudaHostRegisterPortable)
+    except (CudaUnavailable, CudaError) as error:
+        log.warning("%d bytes at %#x stay pageable: %s", nbytes, start, error)
+        return False
+    _registered.add(start, nbytes)
+    return True
+
+
+def unregister_host(start: int) -> None:
+    """Undo ``register_host`` (before the memory is unmapped)."""
+    if _registered.remove(start):
+        with contextlib.suppress(CudaError):
+            call(runtime.cudaHostUnregister, start)
+
+
+def host_registered(start: int, nbytes: int) -> bool:
+    """Whether a block lies in memory ``register_host`` page-locked."""
+    return _registered.covers(start, nbytes)
 
 
 class DeviceBuffer:

@@ -146,6 +146,58 @@ def test_device_rows_feed_the_runner_as_host_rows_do(efficientnet_dir: Path) -> 
         engine.close()
 
 
+def test_rows_in_registered_memory_are_read_by_dma_with_the_same_answers(
+    efficientnet_dir: Path,
+) -> None:
+    """Rows in host memory registered with CUDA (as the engine registers a front end's
+    shared-memory arena) are copied from there straight to the GPU; alone, and beside
+    pageable and device rows in one batch, they give the answers of the same pixels sent
+    through the runner's pinned buffer."""
+    import mmap
+
+    from engines.backends.onnxruntime import read_spec
+    from engines.backends.torch.engine import load
+    from engines.backends.torch.images import DeviceRows
+    from engines.backends.torch.runner import pinned
+    from engines.base import EngineOptions
+    from engines.devices import cuda
+
+    path = efficientnet_dir / "model.onnx"
+    spec = read_spec(path, "efficientnet_lite0", 8)
+    options = EngineOptions(runners=1, image=ImagePreprocess(), gpu=GpuOptions(compile="none"))
+    engine = load(path, spec, options)
+    runner = engine.new_runner()
+    arena = mmap.mmap(-1, 8 << 20)  # shared-memory arenas are mmaps too
+    address = np.frombuffer(arena, dtype=np.uint8).ctypes.data
+    try:
+        pixels = np.random.default_rng(4).integers(0, 256, (6, 3, 224, 224), dtype=np.uint8)
+        assert cuda.register_host(address, len(arena))
+        region = np.frombuffer(arena, dtype=np.uint8, count=pixels.nbytes).reshape(pixels.shape)
+        region[:] = pixels
+        assert pinned(region) and not pinned(pixels)
+        on_device: Any = DeviceRows(torch.from_numpy(pixels).cuda())
+        want = runner.run_blocks([{"input": pixels}])["logits"]
+        alone = runner.run_blocks([{"input": region}])["logits"]
+        mixed = runner.run_blocks(
+            [
+                {"input": region[:2]},
+                {"input": pixels[2:3]},
+                {"input": pixels[3:4]},
+                {"input": on_device[4:5]},
+                {"input": region[5:]},
+            ]
+        )["logits"]
+        np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(mixed, want, rtol=1e-5, atol=1e-5)
+        del region
+    finally:
+        cuda.unregister_host(address)
+        runner.close()
+        engine.close()
+    assert not cuda.host_registered(address, 1)
+    arena.close()
+
+
 @pytest.fixture(scope="module")
 def gpu_server(
     efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -71,3 +71,35 @@ def test_an_error_that_breaks_the_context_is_fatal_for_every_gpu_runner() -> Non
     with pytest.raises(cuda.CudaError) as ordinary, cuda.sticky_errors_are_fatal("m"):
         raise cuda.CudaError("cudaMalloc", Code("cudaErrorMemoryAllocation"))
     assert not isinstance(ordinary.value, FatalEngineError)
+
+
+def test_host_ranges_find_a_block_only_inside_one_range() -> None:
+    ranges = cuda.HostRanges()
+    ranges.add(0x1000, 0x1000)
+    ranges.add(0x4000, 0x2000)
+    assert ranges.covers(0x1000, 0x1000)
+    assert ranges.covers(0x4800, 0x100)
+    assert not ranges.covers(0x1800, 0x1000)  # runs past the first range's end
+    assert not ranges.covers(0x2000, 0x10)  # between the two
+    assert not ranges.covers(0x0800, 0x10)  # before both
+    with pytest.raises(ValueError, match="overlaps"):
+        ranges.add(0x5000, 0x100)
+    with pytest.raises(ValueError, match="overlaps"):
+        ranges.add(0x3F00, 0x200)
+    assert ranges.remove(0x4000)
+    assert not ranges.remove(0x4000)
+    assert not ranges.covers(0x4800, 0x100)
+    ranges.add(0x3F00, 0x200)  # the room it left is free again
+    assert ranges.covers(0x3F00, 0x200)
+
+
+def test_without_a_gpu_nothing_is_registered() -> None:
+    if cuda.device_count():
+        pytest.skip("a CUDA device is visible: tests/gpu registers memory for real")
+    buffer = bytearray(4096)
+    import ctypes
+
+    start = ctypes.addressof((ctypes.c_char * len(buffer)).from_buffer(buffer))
+    assert not cuda.register_host(start, len(buffer))
+    assert not cuda.host_registered(start, len(buffer))
+    cuda.unregister_host(start)  # nothing registered: nothing to undo, and no error
