@@ -234,3 +234,34 @@ def test_uint8_pixels_reach_the_naive_server_and_the_batcher(
     for target in orjson.loads(out.read_bytes())["targets"]:
         (step,) = target["steps"]
         assert step["errors"] == 0 and step["requests"] > 0
+
+
+def test_jpeg_uploads_run_in_process_through_the_models_handler(
+    efficientnet_dir: Path, tmp_path: Path
+) -> None:
+    """``--in-process --payload jpeg``: the uploads are decoded by the model's own handler
+    and run through its batcher (the in-process decode, resize and infer pipeline the
+    service's JPEG route is compared with); every request is answered with its rows."""
+    import shutil
+
+    from tests.conftest import configure
+
+    repository = tmp_path / "repo"
+    shutil.copytree(efficientnet_dir, repository / "efficientnet_lite0")
+    configure(repository / "efficientnet_lite0", {"precisions": ["fp32"]})
+    out = tmp_path / "bench.json"
+    argv = [
+        *("--in-process", "--repository", str(repository), "--payload", "jpeg"),
+        *("--model", "efficientnet_lite0", "--rows", "3", "--image-size", "320x240"),
+        *("--concurrency", "2", "--duration", "1", "--warmup", "0.3", "--distinct", "2"),
+        *("--json", str(out)),
+    ]
+    sent = cli.PayloadCache(cli.parse_args(argv)).get("jpeg", None)
+    assert all(len(p.images) == 3 and p.images[0][:2] == b"\xff\xd8" for p in sent)
+    assert cli.main(argv) == 0
+    (target,) = orjson.loads(out.read_bytes())["targets"]
+    (step,) = target["steps"]
+    assert target["name"] == "in-process"
+    assert step["errors"] == 0 and step["requests"] > 0
+    assert step["rows"] == 3 * step["requests"]
+    assert step["server"]["mean_batch_size"] >= 3  # the three images of a request together
