@@ -8,17 +8,16 @@ Every malformed request becomes a ``BadRequest`` with a short message that names
 but never echoes the payload. Checking an input against the model (names, datatypes, shapes)
 is the data plane's job; only Triton's raw binary form needs the model spec to be read at all.
 
-One module of ~700 lines on purpose: the decoder and the encoder mirror each other (JSON and
-binary, every datatype, the schemas the OpenAPI document shows) and are fuzzed together
-(``tests/unit/app/test_protocol_properties.py``); split, a change to one would miss the other.
+The request and response documents are read and written here (fields, parameters, shared
+memory); each tensor's data, JSON or binary, is converted by ``app.tensor_data``, and the
+documents' JSON Schemas for the OpenAPI description are ``app.protocol_schema``. Decoder and
+encoder are fuzzed together (``tests/unit/app/test_protocol_properties.py``).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain
 from math import prod
 from typing import Any, Protocol
 
@@ -26,110 +25,33 @@ import numpy as np
 import orjson
 from numpy.typing import NDArray
 
-from app.errors import BadRequest, EngineError
-from engines.spec import V2_TO_NUMPY, ModelSpec, v2_datatype
+from app.errors import BadRequest
+from app.tensor_data import (
+    binary_chunk,
+    fixed_from_binary,
+    from_binary,
+    from_json,
+    json_data,
+    output_datatype,
+    quote,
+)
+from engines.spec import V2_TO_NUMPY, ModelSpec
 
 Array = NDArray[Any]
 
 # numpy cannot hold more dimensions than this, and refusing longer shapes early keeps the
 # element-count product cheap to compute.
-_MAX_DIMS = 64
+MAX_DIMS = 64
 _MAX_ELEMENTS = int(np.iinfo(np.intp).max)
-_BYTES_LENGTH = struct.Struct("<I")
-# Nesting deeper than this in a tensor's JSON "data" is refused; a shape has at most _MAX_DIMS
+# Nesting deeper than this in a tensor's JSON "data" is refused; a shape has at most MAX_DIMS
 # dimensions, so data nested along its shape always fits. (orjson itself refuses documents
 # nested past 1024 levels, before any of this runs.)
-MAX_JSON_DEPTH = _MAX_DIMS
+MAX_JSON_DEPTH = MAX_DIMS
 
-# The Python types orjson produces that each datatype accepts in JSON "data".
-_INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
-_FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
-# Numeric JSON data numpy converts exactly as the element-wise path does (BF16 is left out:
-# ml_dtypes rounds a float64 through float32, Python floats directly).
-_FAST_TYPES = (_INTEGERS | _FLOATS) - {"BF16"}
 _FAST_JSON_BYTES = 64 * 1024
 _NUMBER_CHARACTERS = b"0123456789.eE-+,[] \n\r\t"
 _KNOWN = ", ".join(V2_TO_NUMPY)
 _SHARED_MEMORY = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
-
-
-def _object(properties: dict[str, Any], required: Sequence[str] = ()) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "object", "properties": properties}
-    if required:
-        schema["required"] = list(required)
-    return schema
-
-
-_PARAMETERS = {"type": "object"}
-# JSON Schemas of the V2 request and response documents, for the OpenAPI description (so that
-# clients and schema-driven fuzzers know the shape); the decoder below is what enforces them.
-INFER_REQUEST_SCHEMA = _object(
-    {
-        "id": {"type": "string"},
-        "parameters": _object(
-            {
-                "binary_data_output": {"type": "boolean"},
-                "timeout": {"type": "integer", "minimum": 0, "description": "microseconds"},
-                "priority": {"type": "integer", "minimum": 0},
-            }
-        ),
-        "inputs": {
-            "type": "array",
-            "minItems": 1,
-            "items": _object(
-                {
-                    "name": {"type": "string", "minLength": 1},
-                    "datatype": {"enum": list(V2_TO_NUMPY)},
-                    "shape": {
-                        "type": "array",
-                        "maxItems": _MAX_DIMS,
-                        "items": {"type": "integer", "minimum": 0},
-                    },
-                    "data": {"type": "array"},
-                    "parameters": _object({"binary_data_size": {"type": "integer", "minimum": 0}}),
-                },
-                required=("name", "datatype", "shape"),
-            ),
-        },
-        "outputs": {
-            "type": "array",
-            "items": _object(
-                {
-                    "name": {"type": "string", "minLength": 1},
-                    "parameters": _object(
-                        {
-                            "binary_data": {"type": "boolean"},
-                            "classification": {"type": "integer", "minimum": 1},
-                        }
-                    ),
-                },
-                required=("name",),
-            ),
-        },
-    },
-    required=("inputs",),
-)
-INFER_RESPONSE_SCHEMA = _object(
-    {
-        "model_name": {"type": "string"},
-        "model_version": {"type": "string"},
-        "id": {"type": "string"},
-        "outputs": {
-            "type": "array",
-            "items": _object(
-                {
-                    "name": {"type": "string"},
-                    "datatype": {"enum": list(V2_TO_NUMPY)},
-                    "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                    "data": {"type": "array"},
-                    "parameters": _PARAMETERS,
-                },
-                required=("name", "datatype", "shape"),
-            ),
-        },
-    },
-    required=("model_name", "model_version", "outputs"),
-)
 
 
 @dataclass(frozen=True)
@@ -271,7 +193,7 @@ def encode_response(
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
     for requested, array in outputs:
-        datatype = _output_datatype(requested.name, array)
+        datatype = output_datatype(requested.name, array)
         tensor: dict[str, Any] = {
             "name": requested.name,
             "datatype": datatype,
@@ -279,24 +201,24 @@ def encode_response(
         }
         if requested.shared is not None and regions is not None:
             region, at, size = requested.shared
-            chunk = _binary_chunk(requested.name, array, datatype)
+            chunk = binary_chunk(requested.name, array, datatype)
             if len(chunk) > size:
                 raise BadRequest(
-                    f"output {_quote(requested.name)} takes {len(chunk)} bytes; its shared "
+                    f"output {quote(requested.name)} takes {len(chunk)} bytes; its shared "
                     f"memory byte size is {size}"
                 )
-            regions.write(region, at, chunk, f"output {_quote(requested.name)}")
+            regions.write(region, at, chunk, f"output {quote(requested.name)}")
             tensor["parameters"] = {
                 "shared_memory_region": region,
                 "shared_memory_byte_size": len(chunk),
                 **({"shared_memory_offset": at} if at else {}),
             }
         elif requested.binary:
-            chunk = _binary_chunk(requested.name, array, datatype)
+            chunk = binary_chunk(requested.name, array, datatype)
             tensor["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
-            tensor["data"] = _json_data(requested.name, array, datatype)
+            tensor["data"] = json_data(requested.name, array, datatype)
         tensors.append(tensor)
 
     document: dict[str, Any] = {"model_name": model_name, "model_version": model_version}
@@ -311,22 +233,6 @@ def encode_response(
         "Inference-Header-Content-Length": str(len(header)),
     }
     return b"".join([header, *chunks]), headers
-
-
-def pack_tensor(name: str, array: Array) -> tuple[str, bytes | memoryview]:
-    """An array's V2 datatype and its bytes as V2 binary data (little-endian; BYTES elements
-    length-prefixed): zero-copy for a contiguous little-endian array. ``unpack_tensor``
-    reverses it. How tensors cross between processes (``app.engine.process``)."""
-    datatype = _output_datatype(name, array)
-    return datatype, _binary_chunk(name, array, datatype)
-
-
-def unpack_tensor(name: str, datatype: str, shape: Sequence[int], chunk: memoryview) -> Array:
-    """The array ``pack_tensor`` packed: a read-only view of ``chunk`` for fixed-size types."""
-    if datatype not in V2_TO_NUMPY:
-        raise BadRequest(f"tensor {_quote(name)}: unknown datatype {datatype!r}")
-    dims = tuple(int(d) for d in shape)
-    return _from_binary(name, chunk, datatype, prod(dims)).reshape(dims)
 
 
 def classify(scores: Array, k: int, labels: Sequence[str] | None) -> Array:
@@ -369,17 +275,17 @@ def _decode_raw(body: bytes | bytearray | memoryview, spec: ModelSpec) -> InferR
         if not body or len(body) % row_bytes:
             raise BadRequest(
                 f"raw binary body of {len(body)} bytes is not a whole number of "
-                f"{row_bytes}-byte rows of input {_quote(tensor.name)}"
+                f"{row_bytes}-byte rows of input {quote(tensor.name)}"
             )
         shape = (len(body) // row_bytes, *tensor.shape)
     elif len(body) != row_bytes:
         raise BadRequest(
             f"raw binary body of {len(body)} bytes does not match the {row_bytes} bytes of "
-            f"input {_quote(tensor.name)}"
+            f"input {quote(tensor.name)}"
         )
     else:
         shape = tensor.shape
-    array = _fixed_from_binary(memoryview(body), tensor.datatype, prod(shape)).reshape(shape)
+    array = fixed_from_binary(memoryview(body), tensor.datatype, prod(shape)).reshape(shape)
     return InferRequest(
         id=None,
         inputs={tensor.name: array},
@@ -429,18 +335,18 @@ def _decode_inputs(
         if type(name) is not str or not name:
             raise BadRequest('each input needs a non-empty string "name"')
         if name in inputs:
-            raise BadRequest(f"input {_quote(name)} appears more than once")
+            raise BadRequest(f"input {quote(name)} appears more than once")
         datatype = entry.get("datatype")
         if type(datatype) is not str:
-            raise BadRequest(f'input {_quote(name)} needs a string "datatype"')
+            raise BadRequest(f'input {quote(name)} needs a string "datatype"')
         if datatype not in V2_TO_NUMPY:
-            raise BadRequest(f"input {_quote(name)}: unknown datatype, expected one of {_KNOWN}")
+            raise BadRequest(f"input {quote(name)}: unknown datatype, expected one of {_KNOWN}")
         shape = _shape(name, entry.get("shape"))
         count = prod(shape)
         if count > _MAX_ELEMENTS:
-            raise BadRequest(f"input {_quote(name)} has a shape too large to hold")
+            raise BadRequest(f"input {quote(name)} has a shape too large to hold")
 
-        where = f"input {_quote(name)}"
+        where = f"input {quote(name)}"
         parameters = _parameters(entry, where, regions)
         size = parameters.get("binary_data_size")
         has_data = "data" in entry
@@ -448,24 +354,24 @@ def _decode_inputs(
         if shared is not None and regions is not None:
             region, at, length = shared
             chunk = regions.view(region, at, length, where)
-            inputs[name] = _from_binary(name, chunk, datatype, count).reshape(shape)
+            inputs[name] = from_binary(name, chunk, datatype, count).reshape(shape)
             continue
         if size is not None and has_data:
-            raise BadRequest(f'input {_quote(name)} has both "data" and "binary_data_size"')
+            raise BadRequest(f'input {quote(name)} has both "data" and "binary_data_size"')
         if size is None and not has_data:
-            raise BadRequest(f'input {_quote(name)} has neither "data" nor "binary_data_size"')
+            raise BadRequest(f'input {quote(name)} has neither "data" nor "binary_data_size"')
         if size is None:
-            array = _from_json(name, entry["data"], datatype, count, max_depth, plain)
+            array = from_json(name, entry["data"], datatype, count, max_depth, plain)
         else:
             if not _is_count(size):
                 raise BadRequest(
-                    f'input {_quote(name)}: "binary_data_size" must be a non-negative integer'
+                    f'input {quote(name)}: "binary_data_size" must be a non-negative integer'
                 )
             if size > len(binary) - offset:
-                raise BadRequest(f"binary data of input {_quote(name)} runs past the body")
+                raise BadRequest(f"binary data of input {quote(name)} runs past the body")
             chunk = binary[offset : offset + size]
             offset += size
-            array = _from_binary(name, chunk, datatype, count)
+            array = from_binary(name, chunk, datatype, count)
         inputs[name] = array.reshape(shape)
     if offset != len(binary):
         raise BadRequest(f"{len(binary) - offset} bytes of binary data follow the last input")
@@ -487,16 +393,16 @@ def _decode_outputs(
         if type(name) is not str or not name:
             raise BadRequest('each output needs a non-empty string "name"')
         if name in outputs:
-            raise BadRequest(f"output {_quote(name)} is requested more than once")
-        where = f"output {_quote(name)}"
+            raise BadRequest(f"output {quote(name)} is requested more than once")
+        where = f"output {quote(name)}"
         parameters = _parameters(entry, where, regions)
         shared = _shared(parameters, where, False)  # binary_data is moot with a region
         binary = parameters.get("binary_data", binary_default)
         if type(binary) is not bool:
-            raise BadRequest(f'output {_quote(name)}: "binary_data" must be a boolean')
+            raise BadRequest(f'output {quote(name)}: "binary_data" must be a boolean')
         classification = parameters.get("classification", 0)
         if "classification" in parameters and (not _is_count(classification) or not classification):
-            raise BadRequest(f'output {_quote(name)}: "classification" must be a positive integer')
+            raise BadRequest(f'output {quote(name)}: "classification" must be a positive integer')
         outputs[name] = RequestedOutput(name, binary and shared is None, classification, shared)
     return tuple(outputs.values())
 
@@ -514,195 +420,12 @@ def _parameters(
 
 def _shape(name: str, shape: Any) -> tuple[int, ...]:
     if type(shape) is not list or not all(_is_count(d) for d in shape):
-        raise BadRequest(f'input {_quote(name)}: "shape" must be a list of non-negative integers')
-    if len(shape) > _MAX_DIMS:
-        raise BadRequest(f"input {_quote(name)}: more than {_MAX_DIMS} dimensions")
+        raise BadRequest(f'input {quote(name)}: "shape" must be a list of non-negative integers')
+    if len(shape) > MAX_DIMS:
+        raise BadRequest(f"input {quote(name)}: more than {MAX_DIMS} dimensions")
     return tuple(shape)
-
-
-def _from_json(
-    name: str, data: Any, datatype: str, count: int, max_depth: int, plain: bool = False
-) -> Array:
-    if type(data) is not list:
-        raise BadRequest(f'input {_quote(name)}: "data" must be a list')
-    if plain:
-        fast = _numbers(data, datatype, count, max_depth)
-        if fast is not None:
-            return fast
-    values = _flatten(name, data, max_depth)
-    kinds = set(map(type, values))
-    if len(values) != count:
-        raise BadRequest(
-            f"input {_quote(name)}: data holds {len(values)} elements, the shape {count}"
-        )
-    if datatype == "BYTES":
-        if not kinds <= {str}:
-            raise BadRequest(f"input {_quote(name)}: BYTES data must be strings")
-        array = np.empty(count, dtype=np.object_)
-        array[:] = [value.encode("utf-8") for value in values]
-        return array
-    if datatype == "BOOL":
-        allowed: set[type] = {bool}
-    elif datatype in _INTEGERS:
-        allowed = {int}
-    else:
-        allowed = {int, float}
-    if not kinds <= allowed:
-        raise BadRequest(f"input {_quote(name)}: data are not all {datatype} values")
-    try:
-        # A float too large for FP16 or BF16 rounds to infinity, as IEEE conversion does.
-        with np.errstate(over="ignore"):
-            return np.array(values, dtype=V2_TO_NUMPY[datatype])
-    except OverflowError:
-        raise BadRequest(f"input {_quote(name)}: a value is out of range for {datatype}") from None
-
-
-def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Array | None:
-    """Regular nested numeric ``data`` converted by numpy in one C call, or None for anything
-    else (ragged, strings, nulls, too deep, out of range, floats for an integer type), which
-    the element-wise path then decodes or refuses with its own message. Only for data known
-    to hold no boolean (numpy would read ``true`` as 1). Three to four times faster on an
-    image's 150,528 numbers; the property tests check it against the element-wise path."""
-    if datatype not in _FAST_TYPES:
-        return None
-    try:
-        array = np.array(data)
-    except (ValueError, OverflowError, RecursionError):
-        return None
-    if array.size != count or array.ndim > max_depth:
-        return None
-    target = V2_TO_NUMPY[datatype]
-    if datatype in _FLOATS:
-        if array.dtype.kind not in "if":
-            return None
-        with np.errstate(over="ignore"):
-            return array.astype(target).reshape(-1)
-    if array.dtype.kind != "i":
-        return None
-    limits = np.iinfo(target.type)  # type: ignore[type-var]
-    if array.size and (array.min() < limits.min or array.max() > limits.max):
-        return None
-    return array.astype(target).reshape(-1)
-
-
-def _flatten(name: str, data: list[Any], max_depth: int) -> list[Any]:
-    """Row-major elements of nested lists, in time linear in the number of JSON values
-    whatever the nesting: levels made only of lists are joined at C speed, and lists mixed
-    with values at one level (ragged data) are walked once. Re-scanning a long level once per
-    level of a deep sibling would let a small body cost minutes of CPU."""
-    depth = 1
-    kinds = set(map(type, data))
-    while kinds == {list}:
-        depth += 1
-        if depth > max_depth:
-            raise BadRequest(f'input {_quote(name)}: "data" nests deeper than {max_depth} levels')
-        data = list(chain.from_iterable(data))
-        kinds = set(map(type, data))
-    if list not in kinds:
-        return data
-    values: list[Any] = []
-    stack = [iter(data)]
-    while stack:
-        for item in stack[-1]:
-            if type(item) is list:
-                if depth + len(stack) > max_depth:
-                    raise BadRequest(
-                        f'input {_quote(name)}: "data" nests deeper than {max_depth} levels'
-                    )
-                stack.append(iter(item))
-                break
-            values.append(item)
-        else:
-            stack.pop()
-    return values
-
-
-def _from_binary(name: str, chunk: memoryview, datatype: str, count: int) -> Array:
-    if datatype == "BYTES":
-        return _bytes_from_binary(name, chunk, count)
-    expected = count * V2_TO_NUMPY[datatype].itemsize
-    if len(chunk) != expected:
-        raise BadRequest(
-            f"input {_quote(name)}: binary_data_size is {len(chunk)}, "
-            f"the shape and datatype need {expected}"
-        )
-    return _fixed_from_binary(chunk, datatype, count)
-
-
-def _fixed_from_binary(chunk: memoryview, datatype: str, count: int) -> Array:
-    if datatype == "BOOL":
-        # Any non-zero byte is true; normalise so that no bool holds a value other than 0 or 1.
-        return np.frombuffer(chunk, dtype=np.uint8, count=count).astype(np.bool_)
-    # V2 binary tensors are little-endian whatever the host.
-    return np.frombuffer(chunk, dtype=V2_TO_NUMPY[datatype].newbyteorder("<"), count=count)
-
-
-def _bytes_from_binary(name: str, chunk: memoryview, count: int) -> Array:
-    # Each element takes at least its 4-byte length, which bounds the count before any loop.
-    if count * _BYTES_LENGTH.size > len(chunk):
-        raise BadRequest(f"input {_quote(name)}: binary BYTES data is shorter than its shape")
-    array = np.empty(count, dtype=np.object_)
-    offset = 0
-    for i in range(count):
-        if offset + _BYTES_LENGTH.size > len(chunk):
-            raise BadRequest(f"input {_quote(name)}: binary BYTES data is shorter than its shape")
-        (length,) = _BYTES_LENGTH.unpack_from(chunk, offset)
-        offset += _BYTES_LENGTH.size
-        if length > len(chunk) - offset:
-            raise BadRequest(f"input {_quote(name)}: a BYTES element runs past binary_data_size")
-        array[i] = bytes(chunk[offset : offset + length])
-        offset += length
-    if offset != len(chunk):
-        raise BadRequest(
-            f"input {_quote(name)}: binary BYTES data has {len(chunk) - offset} bytes "
-            "beyond its elements"
-        )
-    return array
-
-
-def _output_datatype(name: str, array: Array) -> str:
-    try:
-        # The V2 maps hold native-order dtypes; the byte order is fixed when encoding.
-        return v2_datatype(array.dtype.newbyteorder("="))
-    except KeyError:
-        raise EngineError(f"output {_quote(name)} has unsupported dtype {array.dtype}") from None
-
-
-def _byte_elements(name: str, array: Array) -> list[bytes]:
-    elements: list[bytes] = []
-    for element in array.reshape(-1).tolist():
-        if isinstance(element, bytes):
-            elements.append(element)
-        elif isinstance(element, str):
-            elements.append(element.encode("utf-8"))
-        else:
-            raise EngineError(f"output {_quote(name)}: BYTES elements must be bytes or str")
-    return elements
-
-
-def _binary_chunk(name: str, array: Array, datatype: str) -> bytes | memoryview:
-    if datatype == "BYTES":
-        return b"".join(
-            _BYTES_LENGTH.pack(len(element)) + element for element in _byte_elements(name, array)
-        )
-    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
-    return little.reshape(-1).view(np.uint8).data
-
-
-def _json_data(name: str, array: Array, datatype: str) -> Any:
-    if datatype == "BYTES":
-        return [e.decode("utf-8", errors="replace") for e in _byte_elements(name, array)]
-    # orjson serialises contiguous native-order arrays; it has no bfloat16, and float32 holds
-    # every bfloat16 value exactly.
-    dtype = np.dtype(np.float32) if datatype == "BF16" else array.dtype.newbyteorder("=")
-    return np.ascontiguousarray(array, dtype=dtype).reshape(-1)
 
 
 def _is_count(value: Any) -> bool:
     """A non-negative JSON integer (JSON booleans are not integers)."""
     return type(value) is int and value >= 0
-
-
-def _quote(text: str) -> str:
-    """A client-supplied name for an error message, cut short so a message stays small."""
-    return repr(text) if len(text) <= 64 else repr(text[:64]) + "..."

@@ -35,8 +35,9 @@ from app.engine.local import LocalEngine
 from app.engine.shared_memory import SHM_ROOT
 from app.errors import StokerError
 from app.metrics import http_refused
-from app.protocol import RequestedOutput, pack_tensor, unpack_tensor
+from app.protocol import RequestedOutput
 from app.settings import Settings
+from app.tensor_data import pack_tensor, unpack_tensor
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from app.contract import Slot
 from app.errors import Unavailable
-from app.protocol import pack_tensor
+from app.tensor_data import pack_tensor
 from app.wire import TensorRef
 
 log = logging.getLogger(__name__)

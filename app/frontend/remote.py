@@ -51,8 +51,9 @@ from app.metrics import (
     labelled_metrics,
     merged_statistics,
 )
-from app.protocol import RequestedOutput, unpack_tensor
+from app.protocol import RequestedOutput
 from app.settings import Settings
+from app.tensor_data import unpack_tensor
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 600.0

@@ -21,7 +21,7 @@ from app import __version__
 from app.errors import BadRequest, client_text
 from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
-from app.protocol import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
+from app.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.

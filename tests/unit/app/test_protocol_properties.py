@@ -425,10 +425,10 @@ def regular(leaves: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 def decoded_or_refused(
     data: Any, datatype: str, count: int, plain: bool
 ) -> tuple[str, np.ndarray | None]:
-    from app.protocol import _from_json
+    from app.tensor_data import from_json
 
     try:
-        return "ok", _from_json("x", data, datatype, count, 8, plain)
+        return "ok", from_json("x", data, datatype, count, 8, plain)
     except BadRequest:
         return "refused", None
 
@@ -454,7 +454,7 @@ def test_numeric_json_fast_path_decodes_as_the_element_wise_path(data: Any, data
 
 
 def test_the_fast_path_is_taken_for_regular_numbers_and_declines_the_rest() -> None:
-    from app.protocol import _numbers
+    from app.tensor_data import _numbers
 
     got = _numbers([[1.5, 2], [3, 4]], "FP32", 4, 8)
     assert got is not None and got.dtype == np.float32

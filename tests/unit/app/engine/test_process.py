@@ -22,8 +22,8 @@ from app import wire
 from app.channel import Sender, receive
 from app.engine.local import LocalEngine
 from app.engine.process import EngineServer, visible_device
-from app.protocol import unpack_tensor
 from app.settings import Settings
+from app.tensor_data import unpack_tensor
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
 T = TypeVar("T")

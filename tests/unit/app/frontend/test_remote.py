@@ -27,8 +27,9 @@ from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
 from app.frontend.remote import RemoteEngine
-from app.protocol import RequestedOutput, unpack_tensor
+from app.protocol import RequestedOutput
 from app.settings import Settings
+from app.tensor_data import unpack_tensor
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
