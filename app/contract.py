@@ -9,18 +9,16 @@ reach the engine; the engine keys its batches with the same ``batch_key``. Light
 from __future__ import annotations
 
 import asyncio
-import gc
 import hashlib
 import json
-import threading
-import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, PayloadTooLarge, StokerError, Unavailable, client_text
+from app.errors import BadRequest, StokerError, Unavailable, client_text
+from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
@@ -132,7 +130,7 @@ def decode_infer(
     """Decode a V2 request and check it against the model: inputs, rows, outputs,
     priority. Every refusal is a ``BadRequest`` (``PayloadTooLarge`` for JSON that holds
     more than the model can take, before it is parsed)."""
-    check_json_size(contract, json_part(body, header_length))
+    check_json_size(contract.spec, json_part(body, header_length))
     request = decode_request(body, header_length, contract.spec, max_json_depth, regions)
     return checked(contract, request)
 
@@ -148,137 +146,6 @@ def checked(contract: Contract, request: InferRequest) -> Decoded:
             f"priority {request.priority} exceeds the model's {contract.priority_levels} level(s)"
         )
     return Decoded(request, rows, wanted)
-
-
-# JSON smaller than this is parsed without being counted first: it cannot cost much.
-COUNTED_JSON_BYTES = 64 * 1024
-# Commas and objects a valid request has beside its tensors' elements: per input or output
-# (its name, datatype, shape and parameters) and in all (an id, request parameters).
-STRUCTURE_PER_TENSOR = 64
-STRUCTURE = 1024
-
-
-def json_part(body: bytes | bytearray | memoryview, header_length: int | None) -> memoryview:
-    """The JSON of a V2 body: all of it, or its first ``header_length`` bytes (none for a
-    raw binary body, ``header_length`` 0; a length past the body is the decoder's 400)."""
-    view = memoryview(body)
-    if header_length is None:
-        return view
-    return view[: min(header_length, len(view))]
-
-
-def count_byte(data: memoryview, byte: bytes) -> int:
-    """How often ``byte`` occurs in ``data``, at C speed (about 1 GB/s here) and without
-    copying more than a 4 MiB piece at a time."""
-    step = 4 * 1024 * 1024
-    return sum(bytes(data[at : at + step]).count(byte) for at in range(0, len(data), step))
-
-
-def check_json_size(contract: Contract, document: memoryview) -> None:
-    """Refuse (413), before parsing, JSON that holds more values than any valid request for
-    this model can: a JSON value costs 8 to 80 bytes as a Python object, so a 64 MiB body of
-    22 M ``{}`` would cost 1.7 GB and seconds of the GIL to be refused after parsing. Commas
-    bound the values (every value but a container's first follows one), braces the objects,
-    brackets the lists. A valid request has a few objects (the document, its inputs and
-    outputs, their parameters); as many lists as data nested along its inputs' shapes has
-    when only their last dimension may vary (``nested_lists``); when every input's shape is
-    fixed, at most the model's rows times each input's elements. Strings may hold any of
-    these characters: a model with a BYTES input is not counted."""
-    if len(document) < COUNTED_JSON_BYTES:
-        return
-    spec = contract.spec
-    if any(tensor.datatype == "BYTES" for tensor in spec.inputs):
-        return
-    tensors = len(spec.inputs) + len(spec.outputs)
-    objects = count_byte(document, b"{")
-    most_objects = 2 * tensors + STRUCTURE_PER_TENSOR
-    if objects > most_objects:
-        raise PayloadTooLarge(
-            f"request JSON holds {objects} objects; a request for this model holds at most "
-            f"{most_objects}: tensor data are numbers"
-        )
-    most_lists = nested_lists(spec)
-    if most_lists is not None:
-        lists = count_byte(document, b"[")
-        most_lists += STRUCTURE_PER_TENSOR * tensors
-        if lists > most_lists:
-            raise PayloadTooLarge(
-                f"request JSON holds {lists} lists; data nested along this model's shapes "
-                f"hold at most {most_lists}"
-            )
-    if not all(tensor.is_static for tensor in spec.inputs):
-        return  # any number of elements may be valid: max_body_bytes bounds them
-    rows = max(spec.max_batch_size, 1)
-    elements = sum(rows * int(np.prod(tensor.shape)) for tensor in spec.inputs)
-    most_values = elements + STRUCTURE_PER_TENSOR * tensors + STRUCTURE
-    values = count_byte(document, b",")
-    if values > most_values:
-        raise PayloadTooLarge(
-            f"request JSON holds at least {values} values; this model takes at most "
-            f"{elements} elements per request ({rows} rows)"
-        )
-
-
-def nested_lists(spec: ModelSpec) -> int | None:
-    """The most lists the ``data`` of a valid request's inputs hold, nested along their
-    shapes at the model's most rows: for a shape (d0, ..., dk), 1 + d0 + d0 d1 + ... +
-    d0...d(k-1). None when a dimension before the last is dynamic: any number may be valid."""
-    rows = max(spec.max_batch_size, 1)
-    total = 0
-    for tensor in spec.inputs:
-        dims = (rows, *tensor.shape) if spec.batched else tensor.shape
-        lists = running = 1
-        for dim in dims[:-1]:
-            if dim == -1:
-                return None
-            running *= dim
-            lists += running
-        total += lists
-    return total
-
-
-class LargeDecodes:
-    """The JSON decodes too large for the event loop, per process: run on a worker thread,
-    at most ``limit`` at once (the others wait their turn, event-driven), with the cyclic
-    garbage collector paused while any runs. The parser builds a Python object per JSON
-    value while holding the GIL, and with the collector on it scans the young objects again
-    and again as they pile up: 22 M small lists took 6 to 8 s to parse, 1.0 to 1.2 s with it
-    paused, a stall of the event loop either way (health probes included). The collector
-    runs again as soon as the last one ends."""
-
-    def __init__(self) -> None:
-        self._gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._lock = threading.Lock()
-        self._running = 0
-        self._paused = False
-
-    async def run(self, decode: Callable[[], Decoded], limit: int) -> Decoded:
-        loop = asyncio.get_running_loop()
-        gate = self._gates.get(loop)
-        if gate is None:
-            gate = self._gates[loop] = asyncio.Semaphore(limit)
-        async with gate:
-            return await asyncio.to_thread(self._paused_gc, decode)
-
-    def _paused_gc(self, decode: Callable[[], Decoded]) -> Decoded:
-        with self._lock:
-            self._running += 1
-            if self._running == 1 and gc.isenabled():
-                gc.disable()
-                self._paused = True
-        try:
-            return decode()
-        finally:
-            with self._lock:
-                self._running -= 1
-                if self._running == 0 and self._paused:
-                    self._paused = False
-                    gc.enable()
-
-
-LARGE_DECODES = LargeDecodes()
 
 
 async def decode_infer_async(

@@ -12,15 +12,9 @@ import time
 import numpy as np
 import pytest
 
-from app.contract import (
-    Contract,
-    Decoded,
-    LargeDecodes,
-    check_json_size,
-    decode_infer,
-    nested_lists,
-)
+from app.contract import Contract, Decoded, decode_infer
 from app.errors import PayloadTooLarge
+from app.json_bounds import LargeDecodes, check_json_size, nested_lists
 from engines.spec import ModelSpec, TensorSpec
 
 
@@ -51,10 +45,10 @@ def test_the_nested_lists_a_shape_holds() -> None:
 def test_valid_requests_pass_at_the_largest_size() -> None:
     rows = np.zeros((8, 3, 4, 4)).tolist()
     nested = str(rows).replace(" ", "")
-    check_json_size(IMAGE, body(nested[1:-1], "[8,3,4,4]"))
-    check_json_size(IMAGE, body(",".join(["0.5"] * 8 * 48), "[8,3,4,4]"))
-    check_json_size(RAGGED, body(",".join(["1.5"] * 30_000), "[1,30000]"))
-    check_json_size(TEXT, body(",".join(['"{[,]}"'] * 20_000), "[1,1]"))  # strings not counted
+    check_json_size(IMAGE.spec, body(nested[1:-1], "[8,3,4,4]"))
+    check_json_size(IMAGE.spec, body(",".join(["0.5"] * 8 * 48), "[8,3,4,4]"))
+    check_json_size(RAGGED.spec, body(",".join(["1.5"] * 30_000), "[1,30000]"))
+    check_json_size(TEXT.spec, body(",".join(['"{[,]}"'] * 20_000), "[1,1]"))  # strings not counted
 
 
 @pytest.mark.parametrize(
@@ -71,16 +65,16 @@ def test_more_than_a_valid_request_holds_is_refused(
     model: Contract, data: str, refusal: str
 ) -> None:
     with pytest.raises(PayloadTooLarge, match=f"request JSON holds .* {refusal}"):
-        check_json_size(model, body(data))
+        check_json_size(model.spec, body(data))
 
 
 def test_what_only_parsing_can_refuse_is_left_to_it() -> None:
     """Any number of lists may be valid for a dynamic dimension before the last, and of
     elements for a dynamic one: the decoder refuses them after parsing (and small JSON is
     never counted)."""
-    check_json_size(DEEP, body(",".join(["[0]"] * 30_000)))
-    check_json_size(RAGGED, body(",".join(["0"] * 30_000)))
-    check_json_size(IMAGE, memoryview(b'{"inputs":[' + b"{}," * 1000 + b"{}]}"))
+    check_json_size(DEEP.spec, body(",".join(["[0]"] * 30_000)))
+    check_json_size(RAGGED.spec, body(",".join(["0"] * 30_000)))
+    check_json_size(IMAGE.spec, memoryview(b'{"inputs":[' + b"{}," * 1000 + b"{}]}"))
 
 
 def test_decode_infer_refuses_before_parsing() -> None:
