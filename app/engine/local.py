@@ -34,13 +34,13 @@ from app.contract import (
     draining,
 )
 from app.drain import Drain
-from app.engine.batcher import Tensors
+from app.engine.batch import Tensors, time_left
 from app.engine.handlers import check_uploads
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
 from app.engine.watch import watch
-from app.errors import BadRequest, DeadlineExceeded, Reloaded, StokerError
+from app.errors import BadRequest, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
 from engines.spec import TensorSpec
@@ -546,14 +546,3 @@ def shape_output(model: LoadedModel, out: RequestedOutput, outputs: Tensors) -> 
     if out.classification:
         return classify(value, out.classification, model.labels)
     return value
-
-
-def time_left(timeout_s: float | None, arrived: float) -> float | None:
-    """What is left of a request's deadline after decoding it; 504 if nothing is (it never
-    reaches the queue, let alone a runner)."""
-    if timeout_s is None:
-        return None
-    left = timeout_s - (time.monotonic() - arrived)
-    if left <= 0:
-        raise DeadlineExceeded(f"deadline of {timeout_s * 1000:g} ms passed while decoding")
-    return left
