@@ -35,10 +35,10 @@ from app.contract import (
 )
 from app.drain import Drain
 from app.engine.batch import Tensors, time_left
-from app.engine.handlers import check_uploads
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
+from app.engine.uploads import classify_uploads
 from app.engine.watch import watch
 from app.errors import BadRequest, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
@@ -437,108 +437,15 @@ class LocalEngine:
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 
     async def classify(self, uploads: Uploads) -> Classified:
-        """Uploads through the model's handler and batcher: per request, one answer per
-        image (top-k labels for the image classifier). ``name`` None: the default model.
-        The requests the data plane gathered (``uploads.counts``) are decoded together (the
-        device decoder's queue joins them) and go through the batcher as one entry; an
-        upload that is not an image fails its own request alone, counted as it fails."""
+        """Uploads through the model's handler and batcher (``app.engine.uploads``): per
+        request, one answer per image. ``name`` None: the default model."""
         model = self._upload_model(uploads.name, uploads.version)
-        handler = model.handler
-        if handler is None:
-            raise BadRequest(f"model {model.name!r} does not take image uploads")
-        top = uploads.k if uploads.k is not None else self.settings.limits.default_top_k
-        if top < 1:
-            raise BadRequest("k must be at least 1")
-        started = time.perf_counter()
-        requests = [[bytes(image) for image in part] for part in uploads.requests()]
-        answers: list[list[Any] | StokerError] = [[] for _ in requests]
-        live: list[int] = []  # the requests still running, counted by ``_measured``
-
-        def failed(i: int, error: StokerError) -> None:
-            model.metrics.request_failed(error.reason, time.perf_counter() - started)
-            error.counted = True
-            answers[i] = error
-            if i in live:
-                live.remove(i)  # counted here: not again by ``_measured``
-
-        for i, images in enumerate(requests):
-            try:
-                check_uploads(images, self.settings.limits)
-            except StokerError as error:
-                failed(i, error)
-
-        async def work() -> None:
-            arrived = time.monotonic()
-            model.batcher.admit(len(live))
-            decoding = list(live)
-            decoded = await asyncio.gather(
-                *(handler.decode(requests[i]) for i in decoding), return_exceptions=True
-            )
-            blocks: list[tuple[int, dict[str, Any]]] = []
-            for i, inputs in zip(decoding, decoded, strict=True):
-                if isinstance(inputs, StokerError):
-                    failed(i, inputs)
-                elif isinstance(inputs, BaseException):
-                    raise inputs
-                else:
-                    blocks.append((i, inputs))
-            if not blocks:
-                return
-            timeout = time_left(model.timeout_s(None), arrived)
-            outputs = await self._through_batcher(
-                model, [b for _, b in blocks], timeout, uploads.client
-            )
-            for (i, _), out in zip(blocks, outputs, strict=True):
-                answers[i] = handler.encode(out, top)
-
-        live += [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
-        if live:
-            await self._measured(model, work, requests=lambda: len(live))
-        return Classified(model.name, model.version, answers)
+        return await classify_uploads(model, uploads, self.settings.limits, self._measured)
 
     def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:
         if name is None:
             return self.models.default(self.settings.models.default_model)
         return self.models.get(name, version)
-
-    async def _through_batcher(
-        self,
-        model: LoadedModel,
-        blocks: list[dict[str, Any]],
-        timeout_s: float | None,
-        client: str,
-    ) -> list[Tensors]:
-        """Each request's rows through the batcher, as few entries as the max batch allows
-        (consecutive requests of one batch key together; one larger than it in slices);
-        each request's outputs, in order."""
-        model = model.current()  # a reload may have switched while the images decoded
-        step = model.spec.max_batch_size or 1
-        counts = [len(next(iter(block.values()))) for block in blocks]
-        entries: list[tuple[list[dict[str, Any]], int, Any]] = []  # blocks, rows, key
-        for block, rows in zip(blocks, counts, strict=True):
-            key = batch_key(model.spec, block)
-            if rows > step:
-                for i in range(0, rows, step):
-                    piece = {n: value[i : i + step] for n, value in block.items()}
-                    entries.append(([piece], min(step, rows - i), key))
-            elif entries and entries[-1][2] == key and entries[-1][1] + rows <= step:
-                entries[-1][0].append(block)
-                entries[-1] = (entries[-1][0], entries[-1][1] + rows, key)
-            else:
-                entries.append(([block], rows, key))
-        results = await asyncio.gather(
-            *(
-                model.batcher.infer(entry, rows, key, timeout_s, 0, client, len(entry))
-                for entry, rows, key in entries
-            )
-        )
-        names = [t.name for t in model.spec.outputs]
-        joined = {n: np.concatenate([r[n] for r in results]) for n in names}
-        outputs, at = [], 0
-        for rows in counts:
-            outputs.append({n: joined[n][at : at + rows] for n in names})
-            at += rows
-        return outputs
 
 
 def shape_output(model: LoadedModel, out: RequestedOutput, outputs: Tensors) -> np.ndarray:

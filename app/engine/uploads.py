@@ -1,0 +1,134 @@
+"""Image uploads through a model's handler and batcher (``LocalEngine.classify``).
+
+The upload path beside the V2 one: each request's images are checked against the limits,
+decoded by the model's handler (the device decoder's queue joins the requests the data
+plane gathered), run through the batcher in as few entries as the max batch allows, and
+encoded by the handler (top-k labels for the image classifier). An upload that is not an
+image fails its own request alone, counted as it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from app.contract import Classified, Uploads, batch_key
+from app.engine.batch import Tensors, time_left
+from app.engine.handlers import check_uploads
+from app.engine.models import LoadedModel
+from app.errors import BadRequest, StokerError
+from app.settings import LimitSettings
+
+
+class Measured(Protocol):
+    """``LocalEngine._measured``: runs the work of requests, counting each one's outcome
+    (``requests``: how many, once the work ends) and tracking it for the drain."""
+
+    def __call__(
+        self,
+        model: LoadedModel,
+        work: Callable[[], Awaitable[None]],
+        requests: int | Callable[[], int] = 1,
+        timed: bool = True,
+    ) -> Awaitable[None]: ...
+
+
+async def classify_uploads(
+    model: LoadedModel, uploads: Uploads, limits: LimitSettings, measured: Measured
+) -> Classified:
+    """Per request of ``uploads``, one answer per image, or the error that request alone
+    gets. The requests the data plane gathered (``uploads.counts``) are decoded together
+    and go through the batcher as one entry; ``measured`` counts each request's outcome."""
+    handler = model.handler
+    if handler is None:
+        raise BadRequest(f"model {model.name!r} does not take image uploads")
+    top = uploads.k if uploads.k is not None else limits.default_top_k
+    if top < 1:
+        raise BadRequest("k must be at least 1")
+    started = time.perf_counter()
+    requests = [[bytes(image) for image in part] for part in uploads.requests()]
+    answers: list[list[Any] | StokerError] = [[] for _ in requests]
+    live: list[int] = []  # the requests still running, counted by ``measured``
+
+    def failed(i: int, error: StokerError) -> None:
+        model.metrics.request_failed(error.reason, time.perf_counter() - started)
+        error.counted = True
+        answers[i] = error
+        if i in live:
+            live.remove(i)  # counted here: not again by ``measured``
+
+    for i, images in enumerate(requests):
+        try:
+            check_uploads(images, limits)
+        except StokerError as error:
+            failed(i, error)
+
+    async def work() -> None:
+        arrived = time.monotonic()
+        model.batcher.admit(len(live))
+        decoding = list(live)
+        decoded = await asyncio.gather(
+            *(handler.decode(requests[i]) for i in decoding), return_exceptions=True
+        )
+        blocks: list[tuple[int, dict[str, Any]]] = []
+        for i, inputs in zip(decoding, decoded, strict=True):
+            if isinstance(inputs, StokerError):
+                failed(i, inputs)
+            elif isinstance(inputs, BaseException):
+                raise inputs
+            else:
+                blocks.append((i, inputs))
+        if not blocks:
+            return
+        timeout = time_left(model.timeout_s(None), arrived)
+        outputs = await through_batcher(model, [b for _, b in blocks], timeout, uploads.client)
+        for (i, _), out in zip(blocks, outputs, strict=True):
+            answers[i] = handler.encode(out, top)
+
+    live += [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
+    if live:
+        await measured(model, work, requests=lambda: len(live))
+    return Classified(model.name, model.version, answers)
+
+
+async def through_batcher(
+    model: LoadedModel,
+    blocks: list[dict[str, Any]],
+    timeout_s: float | None,
+    client: str,
+) -> list[Tensors]:
+    """Each request's rows through the batcher, as few entries as the max batch allows
+    (consecutive requests of one batch key together; one larger than it in slices);
+    each request's outputs, in order."""
+    model = model.current()  # a reload may have switched while the images decoded
+    step = model.spec.max_batch_size or 1
+    counts = [len(next(iter(block.values()))) for block in blocks]
+    entries: list[tuple[list[dict[str, Any]], int, Any]] = []  # blocks, rows, key
+    for block, rows in zip(blocks, counts, strict=True):
+        key = batch_key(model.spec, block)
+        if rows > step:
+            for i in range(0, rows, step):
+                piece = {n: value[i : i + step] for n, value in block.items()}
+                entries.append(([piece], min(step, rows - i), key))
+        elif entries and entries[-1][2] == key and entries[-1][1] + rows <= step:
+            entries[-1][0].append(block)
+            entries[-1] = (entries[-1][0], entries[-1][1] + rows, key)
+        else:
+            entries.append(([block], rows, key))
+    results = await asyncio.gather(
+        *(
+            model.batcher.infer(entry, rows, key, timeout_s, 0, client, len(entry))
+            for entry, rows, key in entries
+        )
+    )
+    names = [t.name for t in model.spec.outputs]
+    joined = {n: np.concatenate([r[n] for r in results]) for n in names}
+    outputs, at = [], 0
+    for rows in counts:
+        outputs.append({n: joined[n][at : at + rows] for n in names})
+        at += rows
+    return outputs
