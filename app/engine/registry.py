@@ -15,9 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
+from app.engine.index import (
+    LOADING,
+    READY,
+    UNAVAILABLE,
+    UNLOADING,
+    Known,
+    index_items,
+    not_loaded,
+    served_version,
+)
 from app.engine.models import LoadedModel, load, release_memory, source
 from app.engine.repository import (
     ConfigError,
@@ -38,37 +47,6 @@ from engines.precision.build import AccuracyBudgetExceeded, BuildCancelled
 from engines.store import EngineStore
 
 log = logging.getLogger(__name__)
-
-# A model's state, as the repository index names it.
-READY = "READY"
-LOADING = "LOADING"
-UNLOADING = "UNLOADING"
-UNAVAILABLE = "UNAVAILABLE"
-
-
-@dataclass(eq=False)
-class Known:
-    """One model the registry knows: the config its versions serve with, the versions and
-    those refused, and, while it is not serving, what it is doing or why not."""
-
-    entry: ModelEntry | None = None
-    """The config in effect (None: nothing ever loaded)."""
-    versions: dict[str, LoadedModel] = field(default_factory=dict)
-    refused: dict[str, str] = field(default_factory=dict)
-    """Version -> why it is not served (it missed its budget or failed to load)."""
-    state: str = READY
-    """READY (its versions serve, or say why not), LOADING (a first load), UNLOADING, or
-    UNAVAILABLE (unloaded, or its first load failed: ``reason``)."""
-    reason: str = ""
-    loading: ModelEntry | None = None
-    """The config a load is building (a first load's versions are listed from it)."""
-    reloading: bool = False
-    last_failure: str = ""
-    """Why the last load failed while the versions before it serve on."""
-    files: Files | None = None
-    """The folder's files when it was last loaded (poll mode compares)."""
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """One load or unload of a model at a time; other models change meanwhile."""
 
 
 class Registry:
@@ -435,25 +413,7 @@ class Registry:
             if self.controlled and model_folder(self.settings.models.repository, name):
                 raise Unavailable(f"model {name!r} is not loaded")
             raise NotFound(f"unknown model '{client_text(name)}'")
-        if known.state == LOADING:
-            raise Unavailable(f"model {name!r} is loading")
-        if known.state == UNLOADING:
-            raise Unavailable(f"model {name!r} is being unloaded")
-        if known.state == UNAVAILABLE or known.entry is None:
-            why = f" ({known.reason})" if known.reason not in ("", "not loaded") else ""
-            raise Unavailable(f"model {name!r} is not loaded{why}")
-        config = known.entry.config
-        version = version or config.default_precision
-        model = known.versions.get(version)
-        if model is not None:
-            return model
-        reason = known.refused.get(version)
-        if reason is not None:
-            raise Unavailable(f"model {name!r} version {version!r} is not served: {reason}")
-        raise NotFound(
-            f"model {name!r} has no version '{client_text(version)}'; versions: "
-            f"{', '.join(config.precisions)}"
-        )
+        return served_version(name, known, version)
 
     def versions(self, name: str) -> list[str]:
         """The versions of a model that serve."""
@@ -471,55 +431,10 @@ class Registry:
         model control, the repository's other models too, UNAVAILABLE: not loaded."""
         index = []
         for name, known in self._known.items():
-            index.extend(self._items(name, known))
+            index.extend(index_items(name, known))
         if self.controlled:
-            index.extend(self._not_loaded())
+            index.extend(not_loaded(self.settings.models.repository, self._known))
         return index
-
-    def _items(self, name: str, known: Known) -> list[dict[str, str]]:
-        entry = known.loading if known.state == LOADING else known.entry
-        precisions = entry.config.precisions if entry is not None else [""]
-        items = []
-        for version in precisions:
-            item = {"name": name, "version": version}
-            if known.state == READY:
-                reason = known.refused.get(version)
-                if reason is not None:
-                    item |= {"state": UNAVAILABLE, "reason": reason}
-                else:
-                    item["state"] = READY
-                    if known.reloading:
-                        item["reason"] = "reloading: this version serves until the new is warm"
-                    elif known.last_failure:
-                        item["reason"] = f"the last load failed: {known.last_failure}"
-            elif known.state == UNLOADING:
-                if version not in known.versions:
-                    continue
-                item["state"] = UNLOADING
-            elif known.state == LOADING:
-                item["state"] = LOADING
-            else:
-                item |= {"state": UNAVAILABLE, "reason": known.reason}
-            items.append(item)
-        return items
-
-    def _not_loaded(self) -> list[dict[str, str]]:
-        repository = self.settings.models.repository
-        items = []
-        for path in sorted(repository.glob("*/config.yaml")):
-            name = path.parent.name
-            if name in self._known or name.startswith("."):
-                continue
-            try:
-                versions = load_config(path.parent).config.precisions
-                reason = "not loaded"
-            except ConfigError as error:
-                versions, reason = [""], f"not loaded: {error}"
-            for version in versions:
-                items.append(
-                    {"name": name, "version": version, "state": UNAVAILABLE, "reason": reason}
-                )
-        return items
 
     def default(self, name: str | None) -> LoadedModel:
         """The model of the plain ``POST /infer``: ``name``, else the first model that

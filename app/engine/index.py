@@ -1,0 +1,119 @@
+"""What the registry knows of each model (``Known``: its config, versions, refusals and
+state), and what its states answer: Triton's repository index (every version with its
+state, READY, LOADING, UNLOADING or UNAVAILABLE, and why) and a request's 404 or 503 with
+the reason. ``app.engine.registry`` changes the states; this reports them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Container
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.engine.models import LoadedModel
+from app.engine.repository import ConfigError, Files, ModelEntry, load_config
+from app.errors import NotFound, Unavailable, client_text
+
+# A model's state, as the repository index names it.
+READY = "READY"
+LOADING = "LOADING"
+UNLOADING = "UNLOADING"
+UNAVAILABLE = "UNAVAILABLE"
+
+
+@dataclass(eq=False)
+class Known:
+    """One model the registry knows: the config its versions serve with, the versions and
+    those refused, and, while it is not serving, what it is doing or why not."""
+
+    entry: ModelEntry | None = None
+    """The config in effect (None: nothing ever loaded)."""
+    versions: dict[str, LoadedModel] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    """Version -> why it is not served (it missed its budget or failed to load)."""
+    state: str = READY
+    """READY (its versions serve, or say why not), LOADING (a first load), UNLOADING, or
+    UNAVAILABLE (unloaded, or its first load failed: ``reason``)."""
+    reason: str = ""
+    loading: ModelEntry | None = None
+    """The config a load is building (a first load's versions are listed from it)."""
+    reloading: bool = False
+    last_failure: str = ""
+    """Why the last load failed while the versions before it serve on."""
+    files: Files | None = None
+    """The folder's files when it was last loaded (poll mode compares)."""
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """One load or unload of a model at a time; other models change meanwhile."""
+
+
+def index_items(name: str, known: Known) -> list[dict[str, str]]:
+    """The index entries of one known model: each version with its state and reason."""
+    entry = known.loading if known.state == LOADING else known.entry
+    precisions = entry.config.precisions if entry is not None else [""]
+    items = []
+    for version in precisions:
+        item = {"name": name, "version": version}
+        if known.state == READY:
+            reason = known.refused.get(version)
+            if reason is not None:
+                item |= {"state": UNAVAILABLE, "reason": reason}
+            else:
+                item["state"] = READY
+                if known.reloading:
+                    item["reason"] = "reloading: this version serves until the new is warm"
+                elif known.last_failure:
+                    item["reason"] = f"the last load failed: {known.last_failure}"
+        elif known.state == UNLOADING:
+            if version not in known.versions:
+                continue
+            item["state"] = UNLOADING
+        elif known.state == LOADING:
+            item["state"] = LOADING
+        else:
+            item |= {"state": UNAVAILABLE, "reason": known.reason}
+        items.append(item)
+    return items
+
+
+def not_loaded(repository: Path, known: Container[str]) -> list[dict[str, str]]:
+    """The index entries of the repository's models not in ``known``: UNAVAILABLE, not
+    loaded (with why, where the config does not parse)."""
+    items = []
+    for path in sorted(repository.glob("*/config.yaml")):
+        name = path.parent.name
+        if name in known or name.startswith("."):
+            continue
+        try:
+            versions = load_config(path.parent).config.precisions
+            reason = "not loaded"
+        except ConfigError as error:
+            versions, reason = [""], f"not loaded: {error}"
+        for version in versions:
+            items.append({"name": name, "version": version, "state": UNAVAILABLE, "reason": reason})
+    return items
+
+
+def served_version(name: str, known: Known, version: str | None) -> LoadedModel:
+    """The loaded ``version`` of a known model (None: its default); 404 for a version it
+    does not have, 503 with the reason for one that is refused, loading, unloading or
+    unloaded."""
+    if known.state == LOADING:
+        raise Unavailable(f"model {name!r} is loading")
+    if known.state == UNLOADING:
+        raise Unavailable(f"model {name!r} is being unloaded")
+    if known.state == UNAVAILABLE or known.entry is None:
+        why = f" ({known.reason})" if known.reason not in ("", "not loaded") else ""
+        raise Unavailable(f"model {name!r} is not loaded{why}")
+    config = known.entry.config
+    version = version or config.default_precision
+    model = known.versions.get(version)
+    if model is not None:
+        return model
+    reason = known.refused.get(version)
+    if reason is not None:
+        raise Unavailable(f"model {name!r} version {version!r} is not served: {reason}")
+    raise NotFound(
+        f"model {name!r} has no version '{client_text(version)}'; versions: "
+        f"{', '.join(config.precisions)}"
+    )
