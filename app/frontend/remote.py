@@ -46,11 +46,8 @@ from app.frontend.links import (
     merged_index,
 )
 from app.frontend.poll import Poller
-from app.metrics import (
-    http_refused,
-    labelled_metrics,
-    merged_statistics,
-)
+from app.frontend.totals import labelled_metrics, merged_statistics
+from app.metrics import http_refused
 from app.protocol import RequestedOutput
 from app.settings import Settings
 from app.tensor_data import unpack_tensor

@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from app.frontend.totals import labelled_metrics, merged_statistics
 from app.metrics import (
     BATCH_BUCKETS,
     GPU_METRICS,
@@ -24,8 +25,6 @@ from app.metrics import (
     BatchTimes,
     GpuCollector,
     ModelMetrics,
-    labelled_metrics,
-    merged_statistics,
     model_unavailable,
 )
 from engines.devices.nvml import GpuSample
