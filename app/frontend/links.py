@@ -5,13 +5,14 @@ frame goes to (``choose``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 from app import wire
-from app.channel import Sender
+from app.channel import Sender, receive
 from app.errors import StokerError, Unavailable
 from app.metrics import CountedSeries
 
@@ -54,6 +55,42 @@ class EngineLink:
     """Per model version, how long the requests it answered took here since the last poll:
     sent to it with the poll, so each engine's histogram holds the requests it served."""
     reconnecting: bool = False
+
+    async def open(self, deadline: float) -> asyncio.StreamReader:
+        """Connect to its control socket, trying until ``deadline`` (``time.monotonic``)
+        while the engine is not listening yet; the reader its replies come from."""
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(self.control))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        self.writer = Sender(writer)
+        return reader
+
+    async def read_replies(self, reader: asyncio.StreamReader) -> None:
+        """Resolve each waiting call with its reply until the channel closes
+        (``ChannelClosed``); then it is gone, and every call still waiting fails with 503."""
+        try:
+            while True:
+                header, payload = await receive(reader)
+                answer = wire.decode_answer(header)
+                future = self.waiting.pop(answer.id, None)
+                if future is not None and not future.done():
+                    future.set_result((answer.reply, payload))
+        finally:
+            self.state = wire.GONE
+            self.close()  # no request is sent into a channel nobody reads
+            for future in self.waiting.values():
+                if not future.done():
+                    future.set_exception(Unavailable(f"the engine process{self.named} is gone"))
+            self.waiting.clear()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
     @property
     def connected(self) -> bool:
@@ -109,6 +146,22 @@ class EngineLink:
         self.waiting[self.ids] = asyncio.get_running_loop().create_future()
         return self.ids
 
+    async def call(self, call: wire.Call, expected: type[R], payload: bytes = b"") -> R:
+        """Send ``call`` and wait for its reply, as ``expected`` (``answered``)."""
+        reply, _ = await self.call_with_payload(call, expected, payload)
+        return reply
+
+    async def call_with_payload(
+        self, call: wire.Call, expected: type[R], payload: bytes = b""
+    ) -> tuple[R, bytes]:
+        """``call``'s reply and the payload that came with it."""
+        number = self.request(call, payload)
+        try:
+            reply, data = await self.waiting[number]
+        finally:
+            self.waiting.pop(number, None)  # answered, or given up on (a poll's timeout)
+        return answered(reply, expected), data
+
     def cancel(self, number: int) -> None:
         if self.writer is not None and self.connected:
             self.writer.send(wire.encode_call(0, wire.Cancel(number)))
@@ -163,6 +216,22 @@ def every_engine(
     if failed:
         why = "; ".join(f"GPU {link.label}: {error.message}" for link, error in failed)
         raise RemoteError(f"{what} failed on some engines: {why}", 500, "other")
+
+
+async def ask_every(
+    links: Sequence[EngineLink], call: wire.Call, expected: type[R]
+) -> list[tuple[EngineLink, R, bytes]]:
+    """``call`` asked of each of ``links`` in turn: each one's answer; if none answers, the
+    first refusal (an unknown model is each engine's 404: the client's, too)."""
+    answers, refused = [], []
+    for link in links:
+        try:
+            answers.append((link, *await link.call_with_payload(call, expected)))
+        except StokerError as error:
+            refused.append(error)
+    if not answers and refused:
+        raise refused[0]
+    return answers
 
 
 def connected(links: Sequence[EngineLink]) -> list[EngineLink]:

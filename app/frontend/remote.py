@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -25,32 +24,33 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import orjson
-
 from app import wire
-from app.channel import ChannelClosed, Sender, receive
-from app.contract import Answer, Classified, Contract, Frame, Part, Ran, Raw, Slot, Uploads
-from app.errors import Reloaded, StokerError, Unavailable
-from app.frontend.arena import Arena, ArenaShare, place_inputs
+from app.channel import ChannelClosed
+from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads
+from app.errors import Reloaded, StokerError
+from app.frontend.arena import Arena, ArenaShare
 from app.frontend.links import (
     EngineLink,
     Epoch,
-    R,
-    RemoteError,
     Reply,
     answered,
+    ask_every,
     choose,
     connected,
     every_engine,
     merged_index,
 )
+from app.frontend.packing import (
+    classified_answers,
+    classify_call,
+    ran_outputs,
+    run_call,
+    split_frame,
+)
 from app.frontend.poll import Poller
 from app.frontend.totals import labelled_metrics, merged_statistics
 from app.metrics import http_refused
-from app.protocol import RequestedOutput
 from app.settings import Settings
-from app.tensor_data import unpack_tensor
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 600.0
@@ -106,25 +106,16 @@ class RemoteEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         for link in self._links:
-            if link.writer is not None:
-                link.writer.close()
+            link.close()
         self.arena.close()
 
     async def _connect(self, link: EngineLink, deadline: float) -> None:
-        while True:
-            try:
-                reader, writer = await asyncio.open_unix_connection(str(link.control))
-                break
-            except (FileNotFoundError, ConnectionRefusedError):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.1)
-        link.writer = Sender(writer)
+        reader = await link.open(deadline)
         self._spawn(self._read(link, reader), "engine-replies")
         try:
-            await self._call(link, wire.Hello(self.arena.name, self.arena.slot_bytes), wire.Done)
+            await link.call(wire.Hello(self.arena.name, self.arena.slot_bytes), wire.Done)
         except BaseException:
-            link.writer.close()  # its reader ends and fails what waits on it
+            link.close()  # its reader ends and fails what waits on it
             raise
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
@@ -135,23 +126,11 @@ class RemoteEngine:
 
     async def _read(self, link: EngineLink, reader: asyncio.StreamReader) -> None:
         try:
-            while True:
-                header, payload = await receive(reader)
-                answer = wire.decode_answer(header)
-                future = link.waiting.pop(answer.id, None)
-                if future is not None and not future.done():
-                    future.set_result((answer.reply, payload))
+            await link.read_replies(reader)
         except ChannelClosed as gone:
             if not self._stopping:
                 log.error("the engine process%s closed the control channel: %s", link.named, gone)
         finally:
-            link.state = wire.GONE
-            if link.writer is not None:
-                link.writer.close()  # no request is sent into a channel nobody reads
-            for future in link.waiting.values():
-                if not future.done():
-                    future.set_exception(Unavailable(f"the engine process{link.named} is gone"))
-            link.waiting.clear()
             if not self._stopping:
                 if len(self._links) == 1:
                     # This front end cannot serve without the engine: end it (a drain, as on
@@ -183,7 +162,7 @@ class RemoteEngine:
         if other is None:
             return
         try:
-            status = await self._call(other, wire.ShmStatus(None), wire.Value)
+            status = await other.call(wire.ShmStatus(None), wire.Value)
         except StokerError:
             return
         for region in status.value:
@@ -191,7 +170,7 @@ class RemoteEngine:
                 region["name"], region["key"], region["offset"], region["byte_size"]
             )
             with contextlib.suppress(StokerError):
-                await self._call(link, call, wire.Done)
+                await link.call(call, wire.Done)
 
     # -- choosing an engine
 
@@ -204,44 +183,13 @@ class RemoteEngine:
         return connected(self._links)
 
     async def _engine_state(self, link: EngineLink, call: wire.State) -> wire.EngineState:
-        return await self._call(link, call, wire.EngineState)
-
-    async def _call(
-        self, link: EngineLink, call: wire.Call, expected: type[R], payload: bytes = b""
-    ) -> R:
-        reply, _ = await self._call_with_payload(link, call, expected, payload)
-        return reply
-
-    async def _call_with_payload(
-        self, link: EngineLink, call: wire.Call, expected: type[R], payload: bytes = b""
-    ) -> tuple[R, bytes]:
-        number = link.request(call, payload)
-        try:
-            reply, data = await link.waiting[number]
-        finally:
-            link.waiting.pop(number, None)  # answered, or given up on (a poll's timeout)
-        return answered(reply, expected), data
+        return await link.call(call, wire.EngineState)
 
     async def _value(
         self, call: wire.Call, name: str | None = None, version: str | None = None
     ) -> Any:
         link = self._choose(name, version)
-        return (await self._call(link, call, wire.Value)).value
-
-    async def _ask_every(
-        self, call: wire.Call, expected: type[R]
-    ) -> list[tuple[EngineLink, R, bytes]]:
-        """``call`` asked of every connected engine: each one's answer; if none answers,
-        the first refusal (an unknown model is each engine's 404: the client's, too)."""
-        answers, refused = [], []
-        for link in self._connected():
-            try:
-                answers.append((link, *await self._call_with_payload(link, call, expected)))
-            except StokerError as error:
-                refused.append(error)
-        if not answers and refused:
-            raise refused[0]
-        return answers
+        return (await link.call(call, wire.Value)).value
 
     # -- state
 
@@ -285,13 +233,13 @@ class RemoteEngine:
 
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
         # Every engine's share of the model's requests, added up.
-        answers = await self._ask_every(wire.Statistics(name, version), wire.Value)
+        answers = await ask_every(self._connected(), wire.Statistics(name, version), wire.Value)
         return list(merged_statistics([reply.value for _, reply, _ in answers]))
 
     async def repository_index(self) -> list[dict[str, str]]:
         """Every engine's index as one: where they disagree (one is still loading), the
         state of the engine furthest from serving, with its GPU named."""
-        answers = await self._ask_every(wire.RepositoryIndex(), wire.Value)
+        answers = await ask_every(self._connected(), wire.RepositoryIndex(), wire.Value)
         return merged_index([(link.label, reply.value) for link, reply, _ in answers])
 
     async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
@@ -306,16 +254,16 @@ class RemoteEngine:
         contracts are dropped (the others' at their next poll, by the engines' generation)."""
         links = self._connected()
         outcomes = await asyncio.gather(
-            *(self._call(link, call, wire.Done) for link in links), return_exceptions=True
+            *(link.call(call, wire.Done) for link in links), return_exceptions=True
         )
         self._contracts.clear()
         every_engine(f"{what} of {call.name!r}", links, outcomes)
 
     async def metrics_text(self) -> bytes:
         if len(self._links) == 1:
-            _, text = await self._call_with_payload(self._links[0], wire.Metrics(), wire.Done)
+            _, text = await self._links[0].call_with_payload(wire.Metrics(), wire.Done)
             return text
-        answers = await self._ask_every(wire.Metrics(), wire.Done)
+        answers = await ask_every(self._connected(), wire.Metrics(), wire.Done)
         return labelled_metrics([(link.label, text) for link, _, text in answers])
 
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
@@ -324,17 +272,17 @@ class RemoteEngine:
         done: list[EngineLink] = []
         try:
             for link in self._connected():
-                await self._call(link, wire.ShmRegister(name, key, offset, byte_size), wire.Done)
+                await link.call(wire.ShmRegister(name, key, offset, byte_size), wire.Done)
                 done.append(link)
         except BaseException:
             for link in done:
                 with contextlib.suppress(StokerError):
-                    await self._call(link, wire.ShmUnregister(name), wire.Done)
+                    await link.call(wire.ShmUnregister(name), wire.Done)
             raise
 
     async def shm_unregister(self, name: str | None = None) -> None:
         for link in self._connected():
-            await self._call(link, wire.ShmUnregister(name), wire.Done)
+            await link.call(wire.ShmUnregister(name), wire.Done)
 
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         value: list[dict[str, object]] = await self._value(wire.ShmStatus(name))
@@ -373,7 +321,7 @@ class RemoteEngine:
         )
         if best is not None and best.max_batch(name, concrete) > found.spec.max_batch_size:
             try:
-                described = await self._call(best, wire.Describe(name, concrete), wire.Value)
+                described = await best.call(wire.Describe(name, concrete), wire.Value)
                 found = Contract.from_json(described.value)
             except StokerError:  # gone meanwhile: the first answer holds, not kept
                 return found
@@ -456,79 +404,23 @@ class RemoteEngine:
         """A frame of decoded requests, to the ready engine with the least work ahead that
         takes its largest request; split into frames of at most that engine's max batch (a
         GPU with less memory may have shrunk it). Each request's tensors stay where its body
-        put them in its slot, or travel in the payload; its outputs come back the same way."""
+        put them in its slot, or travel in the payload; its outputs come back the same way
+        (``app.frontend.packing``)."""
         link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
-        most = link.max_batch(frame.model, frame.version)
-        pieces: list[list[Part]] = [[]]
-        rows = 0
-        for part in frame.parts:
-            if most and pieces[-1] and rows + part.rows > most:
-                pieces.append([])
-                rows = 0
-            pieces[-1].append(part)
-            rows += part.rows
-        if len(pieces) == 1:  # the common case, without a task of its own (a turn less)
+        frames = split_frame(frame, link.max_batch(frame.model, frame.version))
+        if len(frames) == 1:  # the common case, without a task of its own (a turn less)
             return await self._run_frame(link, frame)
-        answers = await asyncio.gather(
-            *(self._run_frame(link, dataclasses.replace(frame, parts=p)) for p in pieces)
-        )
+        answers = await asyncio.gather(*(self._run_frame(link, piece) for piece in frames))
         outputs = [one for answer in answers for one in answer.outputs]
         return Ran(answers[0].model, answers[0].version, outputs, link.label)
 
     async def _run_frame(self, link: EngineLink, frame: Frame) -> Ran:
-        parts = frame.parts
-        items, payloads, base = [], [], 0
-        for part in parts:
-            described, payload = place_inputs(part.inputs, part.slot, part.body_length)
-            slot = None
-            if part.slot is not None and not payload:
-                slot = wire.SlotRef(part.slot.offset, len(part.slot.view))
-            if payload:
-                described = [
-                    wire.TensorRef(t.name, t.datatype, t.shape, t.offset + base, t.size)
-                    for t in described
-                ]
-                payloads.append(payload)
-                base += len(payload)
-            wanted = tuple(wire.Wanted(o.name, o.classification) for o in part.wanted)
-            items.append(wire.RunItem(tuple(described), part.rows, wanted, slot))
-        arrivals = [part.arrived for part in parts if part.arrived is not None]
-        spent = int((time.monotonic() - min(arrivals)) * 1e6) if arrivals else 0
-        call = wire.Run(
-            frame.model,
-            frame.version,
-            frame.timeout_us,
-            frame.priority,
-            frame.client,
-            tuple(items),
-            spent,
-            frame.serial,
-        )
-        number = link.request(call, b"".join(payloads))
-        slots = [part.slot for part in parts if part.slot is not None]
-        reply, data = await self._held(link, number, slots, len(parts))
+        call, payload = run_call(frame)
+        number = link.request(call, payload)
+        slots = [part.slot for part in frame.parts if part.slot is not None]
+        reply, data = await self._held(link, number, slots, len(frame.parts))
         ran = answered(reply, wire.Ran)
-        outputs: list[list[tuple[RequestedOutput, np.ndarray]]] = []
-        for part, item in zip(parts, ran.items, strict=True):
-            if part.slot is not None and part.slot.returned:
-                outputs.append([])  # its caller left and its slot is lent anew: nobody reads it
-                continue
-            source = part.slot.view if part.slot is not None and item.in_slot else memoryview(data)
-            outputs.append(
-                [
-                    (
-                        out,
-                        unpack_tensor(
-                            out.name,
-                            t.datatype,
-                            list(t.shape),
-                            source[t.offset : t.offset + t.size],
-                        ),
-                    )
-                    for out, t in zip(part.wanted, item.outputs, strict=True)
-                ]
-            )
-        return Ran(ran.model, ran.version, outputs, link.label)
+        return Ran(ran.model, ran.version, ran_outputs(frame.parts, ran, data), link.label)
 
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names
@@ -556,30 +448,12 @@ class RemoteEngine:
         """The uploads one after the other in a slot of the arena (or the payload), for the
         engine's handler; the answers come back as JSON in the payload, per request its
         answers or its failure (counted by the engine)."""
-        sizes = tuple(len(image) for image in uploads.images)
-        async with self.body_buffer(sum(sizes) if sizes else None, uploads.client) as slot:
-            payload, place = b"", None
-            if slot is not None:
-                at = 0
-                for image in uploads.images:
-                    slot.view[at : at + len(image)] = image
-                    at += len(image)
-                place = wire.SlotRef(slot.offset, len(slot.view))
-            else:
-                payload = b"".join(uploads.images)
-            name, version = uploads.name, uploads.version
-            call = wire.Classify(
-                name, version, uploads.k, sizes, uploads.client, place, uploads.counts
-            )
-            link = self._choose(name, version)
+        size = sum(len(image) for image in uploads.images)
+        async with self.body_buffer(size if uploads.images else None, uploads.client) as slot:
+            call, payload = classify_call(uploads, slot)
+            link = self._choose(uploads.name, uploads.version)
             number = link.request(call, payload)
             requests = len(uploads.counts) or 1
             reply, data = await self._held(link, number, [slot] if slot else [], requests)
         classified = answered(reply, wire.Classified)
-        answers: list[list[Any] | StokerError] = []
-        for entry in orjson.loads(data):
-            if "error" in entry:
-                answers.append(RemoteError(entry["error"], entry["status"], entry["reason"]))
-            else:
-                answers.append(entry["answers"])
-        return Classified(classified.model, classified.version, answers)
+        return Classified(classified.model, classified.version, classified_answers(data))

@@ -540,15 +540,17 @@ def shrunk_engines(tmp_path: Path) -> tuple[RemoteEngine, EngineLink, EngineLink
         link.writer = Open()  # type: ignore[assignment]
         link.state = state(queued, ("m", "fp16", most))
 
-    async def describe(
-        link: EngineLink, call: wire.Call, expected: Any, payload: bytes = b""
-    ) -> Any:
-        assert isinstance(call, wire.Describe)
-        most = link.max_batch("m", "fp16")
-        contract = Contract("m", "fp16", ModelSpec("m", SPEC.inputs, SPEC.outputs, most), None, 1)
-        return wire.Value(contract.as_json())
+    def describer(link: EngineLink) -> Any:
+        async def describe(call: wire.Call, expected: Any, payload: bytes = b"") -> Any:
+            assert isinstance(call, wire.Describe)
+            most = link.max_batch("m", "fp16")
+            spec = ModelSpec("m", SPEC.inputs, SPEC.outputs, most)
+            return wire.Value(Contract("m", "fp16", spec, None, 1).as_json())
 
-    front._call = describe  # type: ignore[method-assign]
+        return describe
+
+    for link in (small, large):
+        link.call = describer(link)  # type: ignore[method-assign]
     return front, small, large
 
 
