@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -52,6 +52,52 @@ T = TypeVar("T")
 
 
 @dataclass(eq=False)
+class Callers(Generic[T]):
+    """The requests gathered into one call to the engine, waiting for its answer. Each has
+    its own future: one whose caller left is cancelled alone, and the call's answer reaches
+    the others in one step (no shared future to shield)."""
+
+    answers: list[asyncio.Future[T]] = field(default_factory=list)
+    waiting: int = 0
+    """Those whose callers still wait: when none does, the engine may drop the call."""
+    task: asyncio.Task[None] | None = None
+
+    async def wait(self) -> tuple[int, T]:
+        """Join them: this request's index among them, and the call's answer."""
+        index = len(self.answers)
+        mine: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.answers.append(mine)
+        self.waiting += 1
+        try:
+            return index, await mine
+        except asyncio.CancelledError:
+            self.waiting -= 1
+            if self.waiting == 0 and self.task is not None:
+                self.task.cancel()  # every request of it went away
+            raise
+
+    def send(self, call: Callable[[], Awaitable[T]]) -> None:
+        """Make the call, and hand its answer, or its error, to each request still waiting."""
+        self.task = asyncio.create_task(self._deliver(call))
+
+    async def _deliver(self, call: Callable[[], Awaitable[T]]) -> None:
+        try:
+            answer = await call()
+        except asyncio.CancelledError:
+            for mine in self.answers:  # cancelled only once every caller left: no-ops
+                mine.cancel()
+            raise
+        except Exception as error:
+            for mine in self.answers:
+                if not mine.done():
+                    mine.set_exception(error)
+            return
+        for mine in self.answers:
+            if not mine.done():  # a caller that left cancelled its own
+                mine.set_result(answer)
+
+
+@dataclass(eq=False)
 class Gathering:
     """Decoded requests of one turn of the loop that go to the engine as one frame."""
 
@@ -60,13 +106,8 @@ class Gathering:
     priority: int
     client: str
     parts: list[Part] = field(default_factory=list)
-    answers: list[asyncio.Future[Ran]] = field(default_factory=list)
-    """Each request's own future: one whose caller left is cancelled alone, and the frame's
-    answer reaches the others in one step (no shared future to shield)."""
     rows: int = 0
-    waiting: int = 0
-    """Requests of it whose callers still wait: when none does, the engine may drop it."""
-    task: asyncio.Task[None] | None = None
+    callers: Callers[Ran] = field(default_factory=Callers)
 
 
 @dataclass(eq=False)
@@ -79,9 +120,7 @@ class UploadGathering:
     client: str
     images: list[bytes] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
-    answers: list[asyncio.Future[Classified]] = field(default_factory=list)
-    waiting: int = 0
-    task: asyncio.Task[None] | None = None
+    callers: Callers[Classified] = field(default_factory=Callers)
 
 
 class DataPlane:
@@ -310,23 +349,17 @@ class DataPlane:
         if gathering is None:
             gathering = Gathering(contract, timeout_us, priority, client)
             self._gatherings[key] = gathering
-            if not self._flush_scheduled:
-                self._flush_scheduled = True
-                asyncio.get_running_loop().call_soon(self._send_all)
-        index = len(gathering.parts)
-        mine: asyncio.Future[Ran] = asyncio.get_running_loop().create_future()
+            self._flush_soon()
         gathering.parts.append(part)
-        gathering.answers.append(mine)
         gathering.rows += part.rows
-        gathering.waiting += 1
-        try:
-            ran = await mine
-        except asyncio.CancelledError:
-            gathering.waiting -= 1
-            if gathering.waiting == 0 and gathering.task is not None:
-                gathering.task.cancel()  # every request of it went away
-            raise
+        index, ran = await gathering.callers.wait()
         return ran, ran.outputs[index]
+
+    def _flush_soon(self) -> None:
+        """Send what this turn of the loop gathered once it ends."""
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_all)
 
     def _send_all(self) -> None:
         self._flush_scheduled = False
@@ -338,7 +371,7 @@ class DataPlane:
     def _send(self, key: tuple[Any, ...]) -> None:
         gathering = self._gatherings.pop(key)
         contract = gathering.contract
-        if gathering.waiting == 0:  # all went away before it was sent: no engine knew of it
+        if gathering.callers.waiting == 0:  # all went away before it was sent: no engine knew of it
             count = len(gathering.parts)
             self.client.count_failures(contract.model, contract.version, "cancelled", count, 0.0)
             return
@@ -351,24 +384,7 @@ class DataPlane:
             gathering.client,
             contract.serial,
         )
-        gathering.task = asyncio.create_task(self._deliver(frame, gathering.answers))
-
-    async def _deliver(self, frame: Frame, answers: Sequence[asyncio.Future[Ran]]) -> None:
-        """Run a frame and hand its answer, or its error, to each request still waiting."""
-        try:
-            ran = await self.client.run(frame)
-        except asyncio.CancelledError:
-            for answer in answers:  # cancelled only once every caller left: no-ops
-                answer.cancel()
-            raise
-        except Exception as error:
-            for answer in answers:
-                if not answer.done():
-                    answer.set_exception(error)
-            return
-        for answer in answers:
-            if not answer.done():  # a caller that left cancelled its own
-                answer.set_result(ran)
+        gathering.callers.send(partial(self.client.run, frame))
 
     async def classify_images(
         self,
@@ -394,22 +410,10 @@ class DataPlane:
             if gathering is None:
                 gathering = UploadGathering(name, version, k, client)
                 self._uploads[key] = gathering
-                if not self._flush_scheduled:
-                    self._flush_scheduled = True
-                    asyncio.get_running_loop().call_soon(self._send_all)
-            index = len(gathering.counts)
-            mine: asyncio.Future[Classified] = asyncio.get_running_loop().create_future()
+                self._flush_soon()
             gathering.images.extend(uploads)
             gathering.counts.append(len(uploads))
-            gathering.answers.append(mine)
-            gathering.waiting += 1
-            try:
-                classified = await mine
-            except asyncio.CancelledError:
-                gathering.waiting -= 1
-                if gathering.waiting == 0 and gathering.task is not None:
-                    gathering.task.cancel()
-                raise
+            index, classified = await gathering.callers.wait()
             answer = classified.answers[index]
             if isinstance(answer, StokerError):
                 raise answer
@@ -417,7 +421,7 @@ class DataPlane:
 
     def _send_uploads(self, key: tuple[Any, ...]) -> None:
         gathering = self._uploads.pop(key)
-        if gathering.waiting == 0:
+        if gathering.callers.waiting == 0:
             return  # every caller left before it was sent (counted by nobody: no engine saw it)
         uploads = Uploads(
             gathering.name,
@@ -427,25 +431,7 @@ class DataPlane:
             gathering.client,
             tuple(gathering.counts),
         )
-        gathering.task = asyncio.create_task(self._deliver_uploads(uploads, gathering.answers))
-
-    async def _deliver_uploads(
-        self, uploads: Uploads, answers: Sequence[asyncio.Future[Classified]]
-    ) -> None:
-        try:
-            classified = await again_if_reloaded(partial(self.client.classify, uploads))
-        except asyncio.CancelledError:
-            for answer in answers:
-                answer.cancel()
-            raise
-        except Exception as error:
-            for answer in answers:
-                if not answer.done():
-                    answer.set_exception(error)
-            return
-        for answer in answers:
-            if not answer.done():
-                answer.set_result(classified)
+        gathering.callers.send(partial(again_if_reloaded, partial(self.client.classify, uploads)))
 
 
 async def again_if_reloaded(attempt: Callable[[], Awaitable[T]]) -> T:
