@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -95,6 +96,21 @@ class Callers(Generic[T]):
         for mine in self.answers:
             if not mine.done():  # a caller that left cancelled its own
                 mine.set_result(answer)
+
+
+DEADLINE_STEP = math.log(1.01)
+"""Timeouts within about 1% of each other share a frame (``deadline_class``)."""
+
+
+def deadline_class(timeout_us: int | None) -> int | None:
+    """Which requests' timeouts may share a frame: those within about 1% of each other. A
+    gRPC call's deadline arrives as what is left of it, a different number of microseconds
+    for every call, so gathering by the exact figure put each call in a frame of its own.
+    The frame runs under the shortest timeout of its requests: one may be refused up to 1%
+    of its timeout early, never late. None (no timeout) and 0 are classes of their own."""
+    if timeout_us is None:
+        return None
+    return 0 if timeout_us <= 0 else 1 + math.floor(math.log(timeout_us) / DEADLINE_STEP)
 
 
 @dataclass(eq=False)
@@ -329,7 +345,7 @@ class DataPlane:
         client: str,
     ) -> tuple[Ran, list[tuple[RequestedOutput, np.ndarray]]]:
         """Run a decoded request with the others of this turn of the loop that may share its
-        batch (same model version, deadline, priority, client and ``batch_key``): one frame
+        batch (same model version, deadline class, priority, client and ``batch_key``): one frame
         and one queue entry in the engine for all of them, up to the model's max batch.
         Returns the frame's answer and this request's outputs."""
         spec = contract.spec
@@ -337,7 +353,7 @@ class DataPlane:
             contract.model,
             contract.version,
             contract.serial,
-            timeout_us,
+            deadline_class(timeout_us),
             priority,
             client,
             batch_key(spec, part.inputs) if spec.max_batch_size else object(),
@@ -350,6 +366,8 @@ class DataPlane:
             gathering = Gathering(contract, timeout_us, priority, client)
             self._gatherings[key] = gathering
             self._flush_soon()
+        elif timeout_us is not None and gathering.timeout_us is not None:
+            gathering.timeout_us = min(gathering.timeout_us, timeout_us)
         gathering.parts.append(part)
         gathering.rows += part.rows
         index, ran = await gathering.callers.wait()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -318,3 +319,15 @@ def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
         validate_inputs(SPEC, {"input": np.zeros((1, 224, 224, 3), np.uint8)}, "input")
     with pytest.raises(BadRequest, match="batch of 9 rows; the model takes 1 to 8"):
         validate_inputs(SPEC, {"input": np.zeros((9, 3, 224, 224), np.float32)})
+
+
+def test_deadline_classes_join_timeouts_within_a_percent_and_keep_none_and_zero_apart() -> None:
+    from app.frontend.plane import deadline_class
+
+    assert deadline_class(60_000_000) == deadline_class(60_000_400) == deadline_class(59_999_000)
+    assert deadline_class(60_000_000) != deadline_class(1_000_000)
+    # Two timeouts 1.02% or more apart are never in one class (a class is 1.01 wide).
+    for timeout in (1, 999, 50_000, 3_000_000, 59_999_000, 10**12):
+        assert deadline_class(timeout) != deadline_class(math.ceil(timeout * 1.0102) + 1)
+    assert deadline_class(None) is None
+    assert deadline_class(0) == 0 != deadline_class(1)

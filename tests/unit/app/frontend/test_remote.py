@@ -422,6 +422,58 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
             np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
 
 
+def test_timeouts_within_a_percent_share_a_frame_under_the_shortest(tmp_path: Path) -> None:
+    """gRPC deadlines reach the plane as what is left of them, a different figure for each
+    call: requests of one turn whose timeouts fall in one class (classes a factor of 1.01
+    wide; these four are 0.08% apart and in one) still cross as one frame, which carries the
+    shortest of them; a much shorter timeout, and none at all, go in frames of their own.
+    Every request is answered with its own rows."""
+    settings = tiny_repository(tmp_path, 64)
+    control = tmp_path / "engine.sock"
+    frames: list[tuple[int, int | None]] = []
+    timeouts = [60_000_000, 60_000_400, 59_999_000, 59_950_000, 1_000_000, None]
+
+    def body(x: np.ndarray, timeout: int | None) -> bytes:
+        tensor = {"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.tolist()}
+        document: dict[str, Any] = {"inputs": [tensor]}
+        if timeout is not None:
+            document["parameters"] = {"timeout": timeout}
+        return orjson.dumps(document)
+
+    xs = [np.full((i + 1, 4), float(i), np.float32) for i in range(len(timeouts))]
+
+    async def main() -> list[np.ndarray]:
+        class Recorded(EngineServer):
+            async def _run(self, connection: Any, call: wire.Run, payload: bytes) -> Any:
+                frames.append((len(call.items), call.timeout_us))
+                return await super()._run(connection, call, payload)
+
+        engine = LocalEngine(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(Recorded(engine).serve, path=str(control))
+        remote = RemoteEngine(settings, [("", control)])
+        front = DataPlane(settings, remote)
+        await front.start()
+        await remote.contract("tiny", None)
+
+        async def one(i: int) -> np.ndarray:
+            answer = await front.infer("tiny", None, body(xs[i], timeouts[i]), None, None)
+            document = orjson.loads(answer.content)
+            return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(timeouts)))))
+        finally:
+            await front.stop()
+            server.close()
+            await engine.stop()
+
+    answers = asyncio.run(main())
+    assert sorted(frames, key=str) == sorted([(4, 59_950_000), (1, 1_000_000), (1, None)], key=str)
+    for x, y in zip(xs, answers, strict=True):
+        np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+
+
 def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) -> None:
     """Two engines behind one front end; the first holds its frames. Requests sent while it
     holds one go to the other, which answers them, instead of queueing behind the held one
