@@ -13,6 +13,7 @@ import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import httpx
 import numpy as np
@@ -78,6 +79,15 @@ def wait_for(condition: object, what: str, server: Server, limit_s: float = 60.0
         time.sleep(0.1)
 
 
+def back_in_every_front_end(server: Server, gpu: int, since: int, front_ends: int = 2) -> bool:
+    """Whether every front end has logged, after the log's first ``since`` characters, that
+    the engine for ``gpu`` is back: readiness answers from one front end, and the other may
+    still be reconnecting (a request it takes then is a 503)."""
+    text = server.log.read_text()[since:]
+    found = re.findall(rf"(front-end-\d+) \S+: the engine process for GPU {gpu} is back", text)
+    return len(set(found)) >= front_ends
+
+
 def engine_pid(server: Server, gpu: int) -> int:
     found = re.findall(
         rf"engine process for GPU {gpu} started \(pid (\d+)\)", server.log.read_text()
@@ -136,6 +146,7 @@ def test_an_engine_that_comes_back_holds_the_clients_shared_memory(two_engines: 
         shm.set_shared_memory_region(region, [x])
         client.register_system_shared_memory("engines-in", "/stoker_engines_in", 4096)
         for gpu in (1, 0):
+            since = len(two_engines.log.read_text())
             os.kill(engine_pid(two_engines, gpu), signal.SIGKILL)
             out = {str(gpu): False, str(1 - gpu): True}
             wait_for(lambda out=out: readiness(two_engines)[1] == out,
@@ -147,6 +158,8 @@ def test_an_engine_that_comes_back_holds_the_clients_shared_memory(two_engines: 
                 np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
             wait_for(lambda: readiness(two_engines)[1] == {"0": True, "1": True},
                      f"engine {gpu} should be back", two_engines)  # fmt: skip
+            wait_for(partial(back_in_every_front_end, two_engines, gpu, since),
+                     f"every front end should have engine {gpu} back", two_engines)  # fmt: skip
     finally:
         client.unregister_system_shared_memory()
         shm.destroy_shared_memory_region(region)
