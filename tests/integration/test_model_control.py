@@ -438,6 +438,15 @@ def polled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     assert code == 0, f"exit {code}:\n{server.log.read_text()[-3000:]}"
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write a file whole, as an operator (or a ConfigMap's symlink swap) should: the poll
+    never sees it half written. A plain write truncates first, and a look between the two
+    reads an empty config.yaml, which is a valid config of defaults (CI loaded one)."""
+    partial_path = path.with_name(f".{path.name}.new")
+    partial_path.write_text(text)
+    os.replace(partial_path, path)
+
+
 def test_poll_mode_follows_the_repository(polled: Server) -> None:
     """A changed config.yaml reloads its model (under load, without a failed request), a
     broken one keeps the version that serves, a new folder loads, a removed one unloads;
@@ -452,10 +461,10 @@ def test_poll_mode_follows_the_repository(polled: Server) -> None:
 
     with Traffic(polled.url, "work", work_request) as mine:
         mine.wait_for(10)
-        (repo / "work" / "config.yaml").write_text(WORK_CONFIG.replace("16", "8"))
+        replace_text(repo / "work" / "config.yaml", WORK_CONFIG.replace("16", "8"))
         wait_until(lambda: max_batch() == 8, "the changed config was not loaded", polled)
         mine.wait_for(10, since=time.monotonic())
-        (repo / "work" / "config.yaml").write_text("max_batch_size: [not, a, number]\n")
+        replace_text(repo / "work" / "config.yaml", "max_batch_size: [not, a, number]\n")
         wait_until(
             lambda: "last load failed" in index(polled)[("work", "fp32")].get("reason", ""),
             "the broken config was not noticed",
