@@ -55,7 +55,11 @@ REFUSAL_P50_RATIO = 1 / 3
 REFUSAL_P99_S = 0.5
 # 524 ms seen with a second test suite running on the same two cores (accepted p99 831 ms).
 REFUSAL_P99_RATIO = 3 / 4
-HTTP_SLACK_S = 0.4
+# What the HTTP layer, the client and the scheduler add to an accepted request's queueing
+# bound on two shared cores at three times the sustainable rate: 0.4 s was passed by 0.11 s
+# in a CI run on a slower, noisier machine (p99 890 ms against a 784 ms bound). An unbounded
+# queue would take the p99 to seconds over the 15 s run, far past this.
+HTTP_SLACK_S = 0.8
 RSS_MARGIN = 32 * 1024 * 1024
 
 CONFIG = f"""\
