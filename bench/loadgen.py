@@ -246,10 +246,13 @@ class InProcessClient:
         model: LoadedModel,
         timeout_s: float | None,
         keys: dict[int, tuple[Any, dict[str, np.ndarray]]],
+        top_k: int = 5,
     ) -> None:
         """``keys``: per tensor payload (by id), its batch key and its tensors as the engine
-        takes them; uploads are not in it."""
+        takes them; uploads are not in it. ``top_k``: the labels an upload's answer has (the
+        server's ``limits.default_top_k``)."""
         self._model = model
+        self._top_k = top_k
         self._timeout_s = timeout_s
         self._keys = keys
 
@@ -283,7 +286,8 @@ class InProcessClient:
             tensors = loaded.inputs.for_engine(payload.tensors)
             keys[id(payload)] = (batch_key(model.spec, tensors), tensors)
         timeout_us = config.dynamic_batching.default_timeout_us
-        return cls(loaded, timeout_us / 1e6 if timeout_us else None, keys)
+        timeout_s = timeout_us / 1e6 if timeout_us else None
+        return cls(loaded, timeout_s, keys, settings.limits.default_top_k)
 
     async def send(self, payload: Payload) -> int:
         from app.contract import batch_key
@@ -295,7 +299,7 @@ class InProcessClient:
                 inputs = await model.handler.decode(payload.images)
                 key = batch_key(model.spec, inputs)
                 out = await model.batcher.infer(inputs, payload.rows, key, self._timeout_s)
-                model.handler.encode(out, 5)
+                model.handler.encode(out, self._top_k)
             else:
                 key, tensors = self._keys[id(payload)]
                 await model.batcher.infer(tensors, payload.rows, key, self._timeout_s)

@@ -34,11 +34,7 @@ OUT=${OUT:-/tmp/stoker-gpu}
 SECTIONS=${SECTIONS:-tests,raw,http}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/h200_wheels.sh"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
 

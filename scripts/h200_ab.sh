@@ -9,11 +9,7 @@
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
-fi
+source "$(dirname "$0")/h200_wheels.sh"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export STOKER_STORE__PATH=/tmp/stoker-store CUDA_VISIBLE_DEVICES=0
 var=${AB_VAR:-STOKER_SERVER__PIN_ARENA}

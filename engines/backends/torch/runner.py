@@ -277,19 +277,26 @@ class TorchRunner:
         staging = host.array(expected, (rows, *want) if batched else want)
         if not batched:
             np.copyto(staging, np.asarray(arrays[0]), casting="no")
-        elif not any(isinstance(array, DeviceRows) or pinned(array) for array in arrays):
-            staged_copy(staging, arrays)
         else:
-            self._stage_mixed(staging, host, device, arrays)
-            return
+            direct = [pinned(array) for array in arrays]
+            if any(direct) or any(isinstance(array, DeviceRows) for array in arrays):
+                self._stage_mixed(staging, host, device, arrays, direct)
+                return
+            staged_copy(staging, arrays)
         cuda.copy_to_device(device.data_ptr(), host.ptr, staging.nbytes, self._stream)
 
     def _stage_mixed(
-        self, staging: np.ndarray, host: cuda.HostBuffer, device: torch.Tensor, arrays: list[Any]
+        self,
+        staging: np.ndarray,
+        host: cuda.HostBuffer,
+        device: torch.Tensor,
+        arrays: list[Any],
+        direct: list[bool],
     ) -> None:
         """Blocks on a device copied device to device into their rows, blocks in registered
         host memory (a front end's arena) copied from there by DMA, the others through the
-        pinned buffer (consecutive ones in one copy), all on the runner's stream in order."""
+        pinned buffer (consecutive ones in one copy), all on the runner's stream in order.
+        ``direct``: per block, whether it is in registered memory (``pinned``)."""
         row_bytes = staging[0].nbytes
         offset, run_start = 0, 0
         run: list[np.ndarray] = []  # staged blocks waiting for one copy
@@ -304,13 +311,13 @@ class TorchRunner:
                 )
                 run.clear()
 
-        for array in arrays:
+        for array, from_registered in zip(arrays, direct, strict=True):
             count = len(array)
             if isinstance(array, DeviceRows):
                 flush()
                 with torch.cuda.stream(self._torch_stream):
                     device[offset : offset + count].copy_(array.tensor, non_blocking=True)
-            elif pinned(array):
+            elif from_registered:
                 flush()
                 cuda.copy_to_device(
                     device.data_ptr() + offset * row_bytes,

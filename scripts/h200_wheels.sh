@@ -1,0 +1,8 @@
+# Sourced by the GPU machine's scripts (h200.sh, h200_compare.sh, h200_ab.sh): install the
+# wheels carried in .whl/ for what the machine's image lacks into /tmp/site, put it on
+# PYTHONPATH, and exit if they do not install.
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
