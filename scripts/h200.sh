@@ -27,7 +27,8 @@
 # JPEG_IN_PROCESS (1: the JPEG runs also measure the in-process decode, resize and infer
 # pipeline); UNLOAD (1: models.control explicit, and after the runs GPU memory before and
 # after unloading the model, then loading it again, in unload.txt);
-# SECONDS_PER_WINDOW for gpu_bench.py.
+# PYSPY (1: py-spy samples every thread of every server process for PYSPY_SECONDS, 14, from the
+# start of the batch-1 run; pyspy_summary.txt); SECONDS_PER_WINDOW for gpu_bench.py.
 # Wheels for what the machine lacks travel in .whl/ (see BENCHMARKS.md, "GPU (H200)").
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
@@ -181,6 +182,11 @@ PY
             --concurrency none --rate "$rate" --duration "${RATE_DURATION:-8}"
     fi
     # Batch-1 UINT8 at c=256 against the naive per-request server (the bench starts it).
+    if [ "${PYSPY:-0}" = 1 ] && command -v py-spy >/dev/null; then  # every thread of every process
+        py-spy record --pid $server --subprocesses --threads --nonblocking --rate 97 \
+            --duration "${PYSPY_SECONDS:-14}" --format raw -o "$OUT/pyspy_b1.txt" \
+            >"$OUT/pyspy.log" 2>&1 &
+    fi
     [ "${BATCH1:-1}" = 1 ] && bench "${BATCH1_LIMIT:-60}" service_u8_rows1 --url "$url" --naive \
         --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
         --rows 1 --concurrency 256 --duration 5 --warmup 2 --protocol "${PROTOCOL:-http}"
@@ -231,4 +237,7 @@ done
 [ -f "$OUT/service_metrics.txt" ] && cat "$OUT/service_metrics.txt"
 [ -f "$OUT/unload.txt" ] && tail -12 "$OUT/unload.txt"
 [ -f "$OUT/profile_summary.txt" ] && head -8 "$OUT/profile_summary.txt"
+[ -f "$OUT/pyspy_b1.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_b1.txt" --top 30 \
+    >"$OUT/pyspy_summary.txt" 2>&1 && head -60 "$OUT/pyspy_summary.txt"
+[ -f "$OUT/pyspy.log" ] && tail -3 "$OUT/pyspy.log"
 [ -f "$OUT/service_server.log" ] && grep -E "loaded and warmed|ERROR|Traceback" "$OUT/service_server.log" | head -5
