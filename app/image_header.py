@@ -5,8 +5,10 @@ The image classifier's handler reads it for every upload (about 3 us, where Pill
 refused before any pixel is decoded, and JPEGs of 1 or 3 components go to the device
 decoder, the rest to Pillow, which checks the same limits again before it decodes. Only the
 formats a photo or screenshot comes in are read (``UPLOAD_FORMATS``). It imports nothing
-heavy, so a front end could read it too; it does not, since only a model's handler knows
-what its uploads must be.
+heavy: a front end screens every upload with it (``screen_upload``) before its bytes cross
+to the engine, refusing an image over the server's limits or with a broken header; what is
+not an image at all is left to the model's handler, which alone knows what its uploads
+must be.
 """
 
 from __future__ import annotations
@@ -36,6 +38,18 @@ class Header:
     """Colour components (JPEG: 1 grey, 3 YCbCr, 4 CMYK or YCCK); 3 for the others."""
     device_decodable: bool = False
     """A JPEG nvJPEG decodes as Pillow does: 8-bit Huffman, grey or YCbCr."""
+
+
+_SIGNATURES = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
+
+
+def screen_upload(data: bytes | memoryview, max_pixels: int, max_aspect: float | None) -> None:
+    """Refuse (``read_header``'s 400 or 413) an upload that begins like one of
+    ``UPLOAD_FORMATS`` but is over the limits or cut short; pass anything else, for the
+    model's handler to take or refuse."""
+    head = bytes(data[:12])
+    if head.startswith(_SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] == b"WEBP"):
+        read_header(data, max_pixels, max_aspect)
 
 
 def read_header(

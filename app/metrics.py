@@ -211,7 +211,9 @@ HTTP_REFUSALS = Counter(
     "Requests refused by the server's limits before they reached a model, by status and "
     "reason: header_bytes, header_count, header_timeout, connections (431, 408, 503 from the "
     "HTTP layer), body_bytes, body_timeout, inflight_bytes, arena_full (413, 408, 503, 503 "
-    "for bodies), host, origin (403, a browser's cross-origin or DNS-rebinding request); and "
+    "for bodies), image_header (400, 413: an upload whose image header is broken or over the "
+    "pixel or aspect limits), host, origin (403, a browser's cross-origin or DNS-rebinding "
+    "request); and "
     "gRPC calls by the status HTTP would have answered: grpc_calls, grpc_inflight_bytes (503, "
     "RESOURCE_EXHAUSTED), grpc_message_timeout (408, DEADLINE_EXCEEDED).",
     ("status", "reason"),

@@ -71,6 +71,9 @@ class ServerSettings(BaseModel):
     and gRPC's threads where only HTTP is used."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log verbosity. ``debug`` logs every batch, which costs throughput."""
+    gathering_log_s: float = Field(default=0.0, ge=0)
+    """Every this many seconds of traffic, each front end logs how many requests it sent
+    to the engine in how many frames (how well requests gather); 0: only at drain."""
     keep_alive_s: int = Field(default=75, ge=1)
     """How long an idle kept-alive connection stays open. Longer than clients' own idle timeouts
     (aiohttp 15 s, most load balancers 60 s), so the server never closes a connection a

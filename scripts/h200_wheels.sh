@@ -4,5 +4,5 @@
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/site
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi

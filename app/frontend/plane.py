@@ -45,6 +45,8 @@ from app.contract import (
 from app.drain import Drain
 from app.errors import Reloaded, StokerError
 from app.frontend.client import EngineClient
+from app.image_header import screen_upload
+from app.metrics import http_refused
 from app.protocol import RequestedOutput, encode_response
 from app.settings import Settings
 
@@ -148,6 +150,11 @@ class DataPlane:
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
         self._uploads: dict[tuple[Any, ...], UploadGathering] = {}
         self._flush_scheduled = False
+        self.frames_sent = 0
+        """Frames (and upload calls) sent to the engine client, and the requests in them:
+        their ratio is how well requests gather (logged at drain)."""
+        self.requests_sent = 0
+        self._window = (0, 0, time.monotonic())  # frames, requests, when: the last log
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -175,6 +182,13 @@ class DataPlane:
         self.begin_drain()
         if not await self.drain_state.all_answered(self.drain_time_left()):
             log.warning("drain timeout: %d request(s) still in flight", self.drain_state.active)
+        if self.frames_sent:
+            log.info(
+                "sent %d request(s) to the engine in %d frame(s), %.2f a frame",
+                self.requests_sent,
+                self.frames_sent,
+                self.requests_sent / self.frames_sent,
+            )
         await self.client.drain()
 
     async def stop(self) -> None:
@@ -386,6 +400,22 @@ class DataPlane:
         for key in list(self._uploads):
             self._send_uploads(key)
 
+    def _sent(self, requests: int) -> None:
+        self.frames_sent += 1
+        self.requests_sent += requests
+        every = self.settings.server.gathering_log_s
+        if every and time.monotonic() - self._window[2] >= every:
+            frames = self.frames_sent - self._window[0]
+            sent = self.requests_sent - self._window[1]
+            log.info(
+                "last %.0f s: %d request(s) in %d frame(s), %.2f a frame",
+                time.monotonic() - self._window[2],
+                sent,
+                frames,
+                sent / frames,
+            )
+            self._window = (self.frames_sent, self.requests_sent, time.monotonic())
+
     def _send(self, key: tuple[Any, ...]) -> None:
         gathering = self._gatherings.pop(key)
         contract = gathering.contract
@@ -402,6 +432,7 @@ class DataPlane:
             gathering.client,
             contract.serial,
         )
+        self._sent(len(gathering.parts))
         gathering.callers.send(partial(self.client.run, frame))
 
     async def classify_images(
@@ -419,6 +450,13 @@ class DataPlane:
         with self.drain_state.in_flight():
             if self.draining:
                 raise draining()
+            limits = self.settings.limits
+            for data in uploads:  # a bomb or broken header never crosses to the engine
+                try:
+                    screen_upload(data, limits.max_image_pixels, limits.max_image_aspect_ratio)
+                except StokerError as error:
+                    http_refused(error.status, "image_header")
+                    raise
             key = (name, version, k, client)
             gathering = self._uploads.get(key)
             bound = max(self.settings.models.decode_batch, len(uploads))
@@ -449,6 +487,7 @@ class DataPlane:
             gathering.client,
             tuple(gathering.counts),
         )
+        self._sent(len(gathering.counts))
         gathering.callers.send(partial(again_if_reloaded, partial(self.client.classify, uploads)))
 
 

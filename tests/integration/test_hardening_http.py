@@ -588,7 +588,10 @@ def test_decompression_bombs_and_oversized_images_are_refused(
     hardened: Server, bomb: bytes
 ) -> None:
     """A 30000x30000 PNG of 110 kB (2.7 GB as RGB) and an honest 2100x2000 PNG over the
-    4-megapixel setting: 413 from the header, and the server's memory does not move."""
+    4-megapixel setting: 413 from the header, read in the front end (counted among the
+    refusals no model saw), and the server's memory does not move."""
+    refused = ("stoker_http_refusals_total", (("reason", "image_header"), ("status", "413")))
+    refusals = metric_samples(hardened).get(refused, 0.0)
     before = rss_bytes(hardened.process.pid)
     with client(hardened) as http:
         for data in (bomb, png(2100, 2000)):
@@ -607,6 +610,7 @@ def test_decompression_bombs_and_oversized_images_are_refused(
         )
         assert ok.status_code == 200, ok.text
     assert rss_bytes(hardened.process.pid) - before < 64 * 1024 * 1024
+    assert metric_samples(hardened)[refused] == refusals + 2
 
 
 def test_an_aspect_ratio_bomb_is_refused_before_any_resize(hardened: Server) -> None:

@@ -24,7 +24,7 @@ from app.engine.batcher import Batcher
 from app.engine.pool import RunnerPool
 from app.engine.repository import ConfigError, DynamicBatching, discover
 from app.errors import BadRequest, EngineError, PayloadTooLarge, Unavailable
-from app.image_header import UPLOAD_FORMATS, read_header
+from app.image_header import UPLOAD_FORMATS, read_header, screen_upload
 from app.metrics import ModelMetrics
 from app.protocol import decode_request
 from app.settings import LimitSettings
@@ -275,3 +275,20 @@ def test_only_photo_formats_are_decoded() -> None:
         buffer = io.BytesIO()
         Image.new("RGB", (8, 6), (1, 2, 3)).save(buffer, format=fmt)
         assert images.decode(buffer.getvalue(), 1_000_000).size == (8, 6), fmt
+
+
+def test_a_front_end_screens_images_and_leaves_the_rest_to_the_handler(bomb: bytes) -> None:
+    """``screen_upload``: what begins like an image format is held to the limits (a bomb,
+    an aspect-ratio bomb, a broken header refused); bytes of no image format pass, for
+    the model's handler to take or refuse."""
+    with pytest.raises(PayloadTooLarge):
+        screen_upload(bomb, 40_000_000, 32.0)
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 400)).save(buffer, format="PNG")
+    with pytest.raises(PayloadTooLarge, match="aspect ratio"):
+        screen_upload(buffer.getvalue(), 40_000_000, 32.0)
+    with pytest.raises(BadRequest, match="IHDR"):
+        screen_upload(b"\x89PNG\r\n\x1a\n\x00\x00", 40_000_000, 32.0)
+    screen_upload(buffer.getvalue(), 40_000_000, None)  # no aspect limit: passes
+    screen_upload(b"RIFF\x00\x00\x00\x00WAVEfmt ", 40_000_000, 32.0)  # audio: the handler's
+    screen_upload(b"not an image", 40_000_000, 32.0)
