@@ -60,6 +60,7 @@ def contract_of(model: LoadedModel) -> Contract:
 class LocalEngine:
     def __init__(self, settings: Settings, one_device: bool = False) -> None:
         self.settings = settings
+        self.frames_in_flight = 0  # in process, a frame costs nothing to cross
         self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
         self.drain_state = Drain(settings.server.drain_timeout_s)

@@ -16,6 +16,10 @@ from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Up
 
 
 class EngineClient(Protocol):
+    frames_in_flight: int
+    """Frames of one batch key in flight to the engine before the data plane holds the next
+    requests back to gather them (0: never)."""
+
     @property
     def alive(self) -> bool: ...
     @property

@@ -150,6 +150,9 @@ class DataPlane:
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
         self._uploads: dict[tuple[Any, ...], UploadGathering] = {}
         self._flush_scheduled = False
+        self._in_flight: dict[tuple[Any, ...], int] = {}
+        """Frames sent and not yet answered, by batch key (kept only where the engine
+        client limits them: ``frames_in_flight``)."""
         self.frames_sent = 0
         """Frames (and upload calls) sent to the engine client, and the requests in them:
         their ratio is how well requests gather (logged at drain)."""
@@ -360,8 +363,10 @@ class DataPlane:
     ) -> tuple[Ran, list[tuple[RequestedOutput, np.ndarray]]]:
         """Run a decoded request with the others of this turn of the loop that may share its
         batch (same model version, deadline class, priority, client and ``batch_key``): one frame
-        and one queue entry in the engine for all of them, up to the model's max batch.
-        Returns the frame's answer and this request's outputs."""
+        and one queue entry in the engine for all of them, up to the model's max batch. Where
+        the engine client already has ``frames_in_flight`` frames of that key in flight, they
+        gather on until one of those is answered. Returns the frame's answer and this
+        request's outputs."""
         spec = contract.spec
         key = (
             contract.model,
@@ -395,8 +400,12 @@ class DataPlane:
 
     def _send_all(self) -> None:
         self._flush_scheduled = False
+        limit = self.client.frames_in_flight
         for key in list(self._gatherings):
-            self._send(key)
+            if not limit or self._in_flight.get(key, 0) < limit:
+                self._send(key)
+            # else it gathers on until a frame of its key is answered (``_run``) or it
+            # holds a max batch (``_gathered``)
         for key in list(self._uploads):
             self._send_uploads(key)
 
@@ -433,7 +442,25 @@ class DataPlane:
             contract.serial,
         )
         self._sent(len(gathering.parts))
-        gathering.callers.send(partial(self.client.run, frame))
+        if not self.client.frames_in_flight:
+            gathering.callers.send(partial(self.client.run, frame))
+            return
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        gathering.callers.send(partial(self._run, key, frame))
+
+    async def _run(self, key: tuple[Any, ...], frame: Frame) -> Ran:
+        """The engine client's run of ``frame``; once it is answered (or fails), the frame
+        held back for its key, if any, goes at the end of this turn."""
+        try:
+            return await self.client.run(frame)
+        finally:
+            left = self._in_flight[key] - 1
+            if left:
+                self._in_flight[key] = left
+            else:
+                del self._in_flight[key]
+            if key in self._gatherings:
+                self._flush_soon()
 
     async def classify_images(
         self,

@@ -71,6 +71,7 @@ class RemoteEngine:
         arena: str | None = None,
     ) -> None:
         self.settings = settings
+        self.frames_in_flight = settings.server.frames_in_flight
         self._links = [EngineLink(label, Path(control)) for label, control in engines]
         front = settings.server
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)

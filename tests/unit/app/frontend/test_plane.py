@@ -251,9 +251,10 @@ def test_uploads_go_through_the_models_handler(tmp_path: Path, efficientnet_dir:
 def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
     tmp_path: Path, efficientnet_dir: Path
 ) -> None:
-    """Five upload requests at once: one call to the engine with each request's images
-    counted; the request whose upload is not an image and the one with a PNG cut short get
-    their own 400, the other three their answers, and each is counted as it ended."""
+    """Five upload requests at once: the one with a PNG cut short is refused by the data
+    plane from its header (it never reaches the engine); the other four are one call to the
+    engine with each request's images counted; the one whose upload is no image gets the
+    handler's 400, the other three their answers, and each is counted as it ended."""
     import shutil
 
     from tests.conftest import sample_jpegs
@@ -287,7 +288,7 @@ def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
         return calls, results, before, series("efficientnet_lite0")
 
     calls, results, before, after = with_plane(tmp_path, scenario)
-    assert calls == [(1, 2, 1, 2, 1)]
+    assert calls == [(1, 2, 1, 1)]
     for i in (2, 3):
         assert isinstance(results[i], BadRequest), results[i]
     assert "not an image format" in results[2].message
@@ -302,7 +303,58 @@ def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("stoker_inference_request_success_total") == 3
-    assert delta("stoker_inference_request_failure_total", "reason=invalid") == 2
+    assert delta("stoker_inference_request_failure_total", "reason=invalid") == 1
+
+
+def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_flight(
+    tiny_repo: Path,
+) -> None:
+    """With ``frames_in_flight`` 1 (front ends: the default is 4), a first request's frame is
+    in flight, held in the engine; five more, each arriving in a turn of the loop of its own
+    (as gRPC calls do), gather while it is, and cross as one frame of five once it is
+    answered. With no limit (one process) the same arrivals cross as six frames of one.
+    Every answer is the model's."""
+    rows = np.random.default_rng(3).standard_normal((6, 1, 4)).astype(np.float32)
+
+    async def scenario(plane: DataPlane, limit: int) -> tuple[list[int], list[Any]]:
+        plane.client.frames_in_flight = limit
+        frames: list[int] = []
+        gate = asyncio.Event()
+        real = plane.client.run
+
+        async def held(frame: Frame) -> Any:
+            frames.append(len(frame.parts))
+            if len(frames) == 1:
+                await gate.wait()
+            return await real(frame)
+
+        plane.client.run = held  # type: ignore[method-assign]
+        tasks = [asyncio.create_task(plane.infer("tiny", None, v2_body(rows[0]), None))]
+        for _ in range(1000):
+            if frames:
+                break
+            await asyncio.sleep(0)
+        for x in rows[1:]:
+            tasks.append(asyncio.create_task(plane.infer("tiny", None, v2_body(x), None)))
+            for _ in range(5):  # a few turns between arrivals
+                await asyncio.sleep(0)
+        gate.set()
+        return frames, await asyncio.gather(*tasks)
+
+    async def held_once(plane: DataPlane) -> Any:
+        return await scenario(plane, 1)
+
+    async def unlimited(plane: DataPlane) -> Any:
+        return await scenario(plane, 0)
+
+    gathered, answers = with_plane(tiny_repo, held_once)
+    apart, _ = with_plane(tiny_repo, unlimited)
+    assert gathered == [1, 5]
+    assert apart == [1, 1, 1, 1, 1, 1]
+    for x, answer in zip(rows, answers, strict=True):
+        out = {o["name"]: o for o in orjson.loads(answer.content)["outputs"]}
+        got = np.array(out["y"]["data"]).reshape(out["y"]["shape"])
+        np.testing.assert_allclose(got, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
 
 
 def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
