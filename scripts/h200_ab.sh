@@ -2,8 +2,8 @@
 # One setting A/B on the GPU machine, alternated to see through run-to-run noise: the
 # service (ResNet-50 FP16, gpu.compile none, FRONT_ENDS front ends) started ROUNDS times
 # with each value of AB_VAR in turn (default STOKER_SERVER__PIN_ARENA: 1 then 0), and each
-# time UINT8 32 images/request at c = 8 and 32 and batch-1 UINT8 at c=256, over HTTP; a
-# table last.
+# time UINT8 32 images/request at c = 8 and 32 and batch-1 UINT8 at c=256, over AB_PROTOCOL
+# (http, or http,grpc); a table last.
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
 set -u
@@ -33,7 +33,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
             set -- $load
             timeout 90 python3 -m bench --url "$url" --model resnet50 --repository "$repo" \
                 --model-version fp16 --uint8 --payload v2-binary --rows "$1" --concurrency "$2" \
-                --workers 4 --duration "${DURATION:-4}" --warmup 1 \
+                --workers 4 --duration "${DURATION:-4}" --warmup 1 --protocol "${AB_PROTOCOL:-http}" \
                 --json "$OUT/${name}_rows$1.json" >"$OUT/${name}_rows$1.log" 2>&1
         done
         kill -TERM $server 2>/dev/null
@@ -45,12 +45,13 @@ python3 - "$OUT" "$var" <<'PY'
 import json, sys
 from pathlib import Path
 out, var = Path(sys.argv[1]), sys.argv[2]
-print(f"| {var} | round | rows/request | clients | img/s | p99 ms |")
-print("| --- | ---: | ---: | ---: | ---: | ---: |")
+print(f"| {var} | round | target | rows/request | clients | img/s | p99 ms |")
+print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
 for path in sorted(out.glob("r*_rows*.json")):
     round_, value = path.stem.split("_")[0][1:], path.stem.split("_")[1]
-    for step in json.loads(path.read_text())["targets"][0]["steps"]:
-        rows = path.stem.split("rows")[1]
-        print(f"| {value} | {round_} | {rows} | {step['concurrency']} | "
-              f"{step['rows_per_s']:,.0f} | {step['latency_ms']['p99']:.0f} |")
+    for target in json.loads(path.read_text())["targets"]:
+        for step in target["steps"]:
+            rows = path.stem.split("rows")[1]
+            print(f"| {value} | {round_} | {target['name']} | {rows} | {step['concurrency']} | "
+                  f"{step['rows_per_s']:,.0f} | {step['latency_ms']['p99']:.0f} |")
 PY
