@@ -307,14 +307,17 @@ def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
 
 
 def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_flight(
-    tiny_repo: Path,
+    tmp_path: Path,
 ) -> None:
     """With ``frames_in_flight`` 1 (front ends: the default is 4), a first request's frame is
     in flight, held in the engine; five more, each arriving in a turn of the loop of its own
     (as gRPC calls do), gather while it is, and cross as one frame of five once it is
-    answered. With no limit (one process) the same arrivals cross as six frames of one.
+    answered; a request of 8 rows (an eighth of the max batch of 64) among them is not held
+    back. With no limit (one process) the same arrivals cross as frames of one request.
     Every answer is the model's."""
+    write_model(tmp_path / "repo" / "tiny", tiny_onnx(), max_batch_size=64)
     rows = np.random.default_rng(3).standard_normal((6, 1, 4)).astype(np.float32)
+    large = np.random.default_rng(4).standard_normal((8, 4)).astype(np.float32)
 
     async def scenario(plane: DataPlane, limit: int) -> tuple[list[int], list[Any]]:
         plane.client.frames_in_flight = limit
@@ -334,7 +337,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
             if frames:
                 break
             await asyncio.sleep(0)
-        for x in rows[1:]:
+        for x in [large, *rows[1:]]:
             tasks.append(asyncio.create_task(plane.infer("tiny", None, v2_body(x), None)))
             for _ in range(5):  # a few turns between arrivals
                 await asyncio.sleep(0)
@@ -347,11 +350,11 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     async def unlimited(plane: DataPlane) -> Any:
         return await scenario(plane, 0)
 
-    gathered, answers = with_plane(tiny_repo, held_once)
-    apart, _ = with_plane(tiny_repo, unlimited)
-    assert gathered == [1, 5]
-    assert apart == [1, 1, 1, 1, 1, 1]
-    for x, answer in zip(rows, answers, strict=True):
+    gathered, answers = with_plane(tmp_path, held_once)
+    apart, _ = with_plane(tmp_path, unlimited)
+    assert gathered == [1, 1, 5]  # the large request went at once, the five together
+    assert apart == [1] * 7
+    for x, answer in zip([rows[0], large, *rows[1:]], answers, strict=True):
         out = {o["name"]: o for o in orjson.loads(answer.content)["outputs"]}
         got = np.array(out["y"]["data"]).reshape(out["y"]["shape"])
         np.testing.assert_allclose(got, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
