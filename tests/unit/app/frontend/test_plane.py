@@ -314,33 +314,40 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     (as gRPC calls do), gather while it is, and cross as one frame of five once it is
     answered; a request of 8 rows (an eighth of the max batch of 64) among them is not held
     back. With no limit (one process) the same arrivals cross as frames of one request.
-    Every answer is the model's."""
+    Every answer is the model's, and the held frame carries what is left of its requests'
+    60 s timeout, not the whole of it again."""
     write_model(tmp_path / "repo" / "tiny", tiny_onnx(), max_batch_size=64)
     rows = np.random.default_rng(3).standard_normal((6, 1, 4)).astype(np.float32)
     large = np.random.default_rng(4).standard_normal((8, 4)).astype(np.float32)
 
-    async def scenario(plane: DataPlane, limit: int) -> tuple[list[int], list[Any]]:
+    timeout = {"parameters": {"timeout": 60_000_000}}
+    hold_s = 0.2
+
+    async def scenario(plane: DataPlane, limit: int) -> tuple[list[tuple[int, Any]], list[Any]]:
         plane.client.frames_in_flight = limit
-        frames: list[int] = []
+        frames: list[tuple[int, Any]] = []  # each frame's requests and timeout
         gate = asyncio.Event()
         real = plane.client.run
 
         async def held(frame: Frame) -> Any:
-            frames.append(len(frame.parts))
+            frames.append((len(frame.parts), frame.timeout_us))
             if len(frames) == 1:
                 await gate.wait()
             return await real(frame)
 
         plane.client.run = held  # type: ignore[method-assign]
-        tasks = [asyncio.create_task(plane.infer("tiny", None, v2_body(rows[0]), None))]
+        first = v2_body(rows[0], **timeout)
+        tasks = [asyncio.create_task(plane.infer("tiny", None, first, None))]
         for _ in range(1000):
             if frames:
                 break
             await asyncio.sleep(0)
         for x in [large, *rows[1:]]:
-            tasks.append(asyncio.create_task(plane.infer("tiny", None, v2_body(x), None)))
+            body = v2_body(x, **timeout) if x is not large else v2_body(x)
+            tasks.append(asyncio.create_task(plane.infer("tiny", None, body, None)))
             for _ in range(5):  # a few turns between arrivals
                 await asyncio.sleep(0)
+        await asyncio.sleep(hold_s)  # the five are held this long at least
         gate.set()
         return frames, await asyncio.gather(*tasks)
 
@@ -352,8 +359,12 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
 
     gathered, answers = with_plane(tmp_path, held_once)
     apart, _ = with_plane(tmp_path, unlimited)
-    assert gathered == [1, 1, 5]  # the large request went at once, the five together
-    assert apart == [1] * 7
+    # The large request went at once, the five together.
+    assert [count for count, _ in gathered] == [1, 1, 5]
+    assert [count for count, _ in apart] == [1] * 7
+    carried = gathered[2][1]
+    assert carried is not None and carried <= 60_000_000 - hold_s * 1e6
+    assert carried > 30_000_000  # what was left, not something else
     for x, answer in zip([rows[0], large, *rows[1:]], answers, strict=True):
         out = {o["name"]: o for o in orjson.loads(answer.content)["outputs"]}
         got = np.array(out["y"]["data"]).reshape(out["y"]["shape"])
