@@ -457,12 +457,14 @@ class DataPlane:
         if not self.client.frames_in_flight:
             gathering.callers.send(partial(self.client.run, frame))
             return
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         gathering.callers.send(partial(self._run, key, frame))
 
     async def _run(self, key: tuple[Any, ...], frame: Frame) -> Ran:
-        """The engine client's run of ``frame``; once it is answered (or fails), the frame
-        held back for its key, if any, goes at the end of this turn."""
+        """The engine client's run of ``frame``, counted in flight while it runs (from here:
+        a call cancelled before it starts never ran this, and counts nothing); once it is
+        answered (or fails), the frame held back for its key, if any, goes at the end of
+        this turn."""
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
         try:
             return await self.client.run(frame)
         finally:
