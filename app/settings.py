@@ -74,10 +74,10 @@ class ServerSettings(BaseModel):
     frames_in_flight: int = Field(default=4, ge=0)
     """With front ends: how many frames of requests that may share a batch one front end
     keeps in flight to the engine before the next ones wait, gathering, for one of them to
-    come back, or until they hold an eighth of the max batch. Requests that arrive one per
-    turn of the loop (gRPC calls do) then still cross in frames of many, and the engine pays
-    per frame. 0: no limit (each turn's requests cross at once). One process never waits: a
-    frame costs nothing to cross there."""
+    come back, until they hold an eighth of the max batch, or for 5 ms at most. Requests
+    that arrive one per turn of the loop (gRPC calls do) then still cross in frames of many,
+    and the engine pays per frame. 0: no limit (each turn's requests cross at once). One
+    process never waits: a frame costs nothing to cross there."""
     gathering_log_s: float = Field(default=0.0, ge=0)
     """Every this many seconds of traffic, each front end logs how many requests it sent
     to the engine in how many frames (how well requests gather); 0: only at drain."""

@@ -101,6 +101,11 @@ class Callers(Generic[T]):
 
 
 DEADLINE_STEP = math.log(1.01)
+MAX_HOLD_S = 0.005
+"""The longest a front end holds requests back to gather while frames of their key are in
+flight: under load a frame comes back sooner; when the engine is stuck on a long batch, the
+held ones still reach its queue (where its metrics count them, and its limits apply) within
+this."""
 """Timeouts within about 1% of each other share a frame (``deadline_class``)."""
 
 
@@ -129,6 +134,8 @@ class Gathering:
     parts: list[Part] = field(default_factory=list)
     rows: int = 0
     callers: Callers[Ran] = field(default_factory=Callers)
+    held: asyncio.TimerHandle | None = None
+    """Set while it is held back (``frames_in_flight``): sends it after ``MAX_HOLD_S``."""
 
 
 @dataclass(eq=False)
@@ -414,10 +421,19 @@ class DataPlane:
                 or gathering.rows >= held_rows(gathering.contract.spec.max_batch_size)
             ):
                 self._send(key)
-            # else it gathers on until a frame of its key is answered (``_run``) or it
-            # holds enough rows
+            elif gathering.held is None:
+                # It gathers on until a frame of its key is answered (``_run``), it holds
+                # enough rows, or MAX_HOLD_S has passed.
+                gathering.held = asyncio.get_running_loop().call_later(
+                    MAX_HOLD_S, self._send_held, key, gathering
+                )
         for key in list(self._uploads):
             self._send_uploads(key)
+
+    def _send_held(self, key: tuple[Any, ...], gathering: Gathering) -> None:
+        if self._gatherings.get(key) is gathering:
+            gathering.held = None
+            self._send(key)
 
     def _sent(self, requests: int) -> None:
         self.frames_sent += 1
@@ -437,6 +453,8 @@ class DataPlane:
 
     def _send(self, key: tuple[Any, ...]) -> None:
         gathering = self._gatherings.pop(key)
+        if gathering.held is not None:
+            gathering.held.cancel()
         contract = gathering.contract
         if gathering.callers.waiting == 0:  # all went away before it was sent: no engine knew of it
             count = len(gathering.parts)

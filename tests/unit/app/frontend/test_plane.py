@@ -307,7 +307,7 @@ def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
 
 
 def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_flight(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``frames_in_flight`` 1 (front ends: the default is 4), a first request's frame is
     in flight, held in the engine; five more, each arriving in a turn of the loop of its own
@@ -315,7 +315,10 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     answered; a request of 8 rows (an eighth of the max batch of 64) among them is not held
     back. With no limit (one process) the same arrivals cross as frames of one request.
     Every answer is the model's, and the held frame carries what is left of its requests'
-    60 s timeout, not the whole of it again."""
+    60 s timeout, not the whole of it again. With the hold's time bound (``MAX_HOLD_S``, 5 ms)
+    every request reaches the engine while the first frame is still held there."""
+    import app.frontend.plane as plane_module
+
     write_model(tmp_path / "repo" / "tiny", tiny_onnx(), max_batch_size=64)
     rows = np.random.default_rng(3).standard_normal((6, 1, 4)).astype(np.float32)
     large = np.random.default_rng(4).standard_normal((8, 4)).astype(np.float32)
@@ -323,7 +326,9 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     timeout = {"parameters": {"timeout": 60_000_000}}
     hold_s = 0.2
 
-    async def scenario(plane: DataPlane, limit: int) -> tuple[list[tuple[int, Any]], list[Any]]:
+    async def scenario(
+        plane: DataPlane, limit: int, until_all_sent: bool = False
+    ) -> tuple[list[tuple[int, Any]], list[Any]]:
         plane.client.frames_in_flight = limit
         frames: list[tuple[int, Any]] = []  # each frame's requests and timeout
         gate = asyncio.Event()
@@ -347,7 +352,13 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
             tasks.append(asyncio.create_task(plane.infer("tiny", None, body, None)))
             for _ in range(5):  # a few turns between arrivals
                 await asyncio.sleep(0)
-        await asyncio.sleep(hold_s)  # the five are held this long at least
+        if until_all_sent:  # the engine still holds the first frame meanwhile
+            deadline = asyncio.get_running_loop().time() + 30
+            while sum(count for count, _ in frames) < 7:
+                assert asyncio.get_running_loop().time() < deadline, frames
+                await asyncio.sleep(0.01)
+        else:
+            await asyncio.sleep(hold_s)  # the five are held this long at least
         gate.set()
         return frames, await asyncio.gather(*tasks)
 
@@ -357,6 +368,12 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     async def unlimited(plane: DataPlane) -> Any:
         return await scenario(plane, 0)
 
+    async def bounded(plane: DataPlane) -> Any:
+        return await scenario(plane, 1, until_all_sent=True)
+
+    bounded_frames, _ = with_plane(tmp_path, bounded)  # MAX_HOLD_S as shipped
+    assert sum(count for count, _ in bounded_frames) == 7
+    monkeypatch.setattr(plane_module, "MAX_HOLD_S", 3600.0)  # held until the first returns
     gathered, answers = with_plane(tmp_path, held_once)
     apart, _ = with_plane(tmp_path, unlimited)
     # The large request went at once, the five together.
