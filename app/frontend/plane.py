@@ -125,10 +125,7 @@ class Gathering:
     """Decoded requests of one turn of the loop that go to the engine as one frame."""
 
     contract: Contract
-    deadline: float | None
-    """The soonest of its requests' deadlines (``time.monotonic``), None: none has one. The
-    frame's timeout is what is left of it when it is sent, so a request held back to gather
-    (``frames_in_flight``) is not given its whole timeout again."""
+    timeout_us: int | None
     priority: int
     client: str
     parts: list[Part] = field(default_factory=list)
@@ -387,19 +384,16 @@ class DataPlane:
             client,
             batch_key(spec, part.inputs) if spec.max_batch_size else object(),
         )
-        # 0 and None both mean the model's default timeout (Triton's); a positive one runs
-        # from now, whenever the frame is sent.
-        deadline = time.monotonic() + timeout_us / 1e6 if timeout_us else None
         gathering = self._gatherings.get(key)
         if gathering is not None and gathering.rows + part.rows > max(spec.max_batch_size, 1):
             self._send(key)
             gathering = None
         if gathering is None:
-            gathering = Gathering(contract, deadline, priority, client)
+            gathering = Gathering(contract, timeout_us, priority, client)
             self._gatherings[key] = gathering
             self._flush_soon()
-        elif deadline is not None and gathering.deadline is not None:
-            gathering.deadline = min(gathering.deadline, deadline)
+        elif timeout_us is not None and gathering.timeout_us is not None:
+            gathering.timeout_us = min(gathering.timeout_us, timeout_us)
         gathering.parts.append(part)
         gathering.rows += part.rows
         index, ran = await gathering.callers.wait()
@@ -464,9 +458,7 @@ class DataPlane:
             contract.model,
             contract.version,
             gathering.parts,
-            None
-            if gathering.deadline is None
-            else max(1, round((gathering.deadline - time.monotonic()) * 1e6)),  # 0: default
+            gathering.timeout_us,
             gathering.priority,
             gathering.client,
             contract.serial,

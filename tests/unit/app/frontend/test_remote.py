@@ -469,23 +469,9 @@ def test_timeouts_within_a_percent_share_a_frame_under_the_shortest(tmp_path: Pa
             await engine.stop()
 
     answers = asyncio.run(main())
-    # Each frame carries what is left of its shortest timeout when it is sent: microseconds
-    # less than the timeout here (the 1 s bound is generous), and never more.
-    assert sorted(count for count, _ in frames) == [1, 1, 4]
-    carried = {count_and_class(c, t) for c, t in frames}
-    assert carried == {(4, "59.95 s"), (1, "1 s"), (1, None)}, frames
+    assert sorted(frames, key=str) == sorted([(4, 59_950_000), (1, 1_000_000), (1, None)], key=str)
     for x, y in zip(xs, answers, strict=True):
         np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
-
-
-def count_and_class(count: int, timeout_us: int | None) -> tuple[int, str | None]:
-    """A frame's requests and which timeout it carries: 59.95 s or 1 s, less at most 1 s."""
-    if timeout_us is None:
-        return count, None
-    for shortest, name in ((59_950_000, "59.95 s"), (1_000_000, "1 s")):
-        if shortest - 1_000_000 < timeout_us <= shortest:
-            return count, name
-    return count, str(timeout_us)
 
 
 def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) -> None:
