@@ -40,16 +40,23 @@ class Header:
     """A JPEG nvJPEG decodes as Pillow does: 8-bit Huffman, grey or YCbCr."""
 
 
+SCREENED_BYTES = 64 * 1024
 _SIGNATURES = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
 
 
 def screen_upload(data: bytes | memoryview, max_pixels: int, max_aspect: float | None) -> None:
     """Refuse (``read_header``'s 400 or 413) an upload that begins like one of
     ``UPLOAD_FORMATS`` but is over the limits or cut short; pass anything else, for the
-    model's handler to take or refuse."""
+    model's handler to take or refuse. Only the first ``SCREENED_BYTES`` are read (a JPEG's
+    markers are walked in Python: megabytes of fill bytes would hold the front end's loop
+    for a second); a header not found in them is left to the handler, which reads it all."""
     head = bytes(data[:12])
     if head.startswith(_SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] == b"WEBP"):
-        read_header(data, max_pixels, max_aspect)
+        try:
+            read_header(data[:SCREENED_BYTES], max_pixels, max_aspect)
+        except BadRequest:
+            if len(data) <= SCREENED_BYTES:
+                raise
 
 
 def read_header(

@@ -101,12 +101,12 @@ class Callers(Generic[T]):
 
 
 DEADLINE_STEP = math.log(1.01)
+"""Timeouts within about 1% of each other share a frame (``deadline_class``)."""
 MAX_HOLD_S = 0.005
 """The longest a front end holds requests back to gather while frames of their key are in
 flight: under load a frame comes back sooner; when the engine is stuck on a long batch, the
 held ones still reach its queue (where its metrics count them, and its limits apply) within
-this."""
-"""Timeouts within about 1% of each other share a frame (``deadline_class``)."""
+this. A held request's deadline runs from its arrival, as any request's does."""
 
 
 def deadline_class(timeout_us: int | None) -> int | None:
@@ -396,6 +396,8 @@ class DataPlane:
             gathering.timeout_us = min(gathering.timeout_us, timeout_us)
         gathering.parts.append(part)
         gathering.rows += part.rows
+        if gathering.held is not None and gathering.rows >= held_rows(spec.max_batch_size):
+            self._flush_soon()  # held, and now enough rows to go
         index, ran = await gathering.callers.wait()
         return ran, ran.outputs[index]
 

@@ -292,3 +292,20 @@ def test_a_front_end_screens_images_and_leaves_the_rest_to_the_handler(bomb: byt
     screen_upload(buffer.getvalue(), 40_000_000, None)  # no aspect limit: passes
     screen_upload(b"RIFF\x00\x00\x00\x00WAVEfmt ", 40_000_000, 32.0)  # audio: the handler's
     screen_upload(b"not an image", 40_000_000, 32.0)
+
+
+def test_the_front_ends_screen_reads_a_bounded_prefix() -> None:
+    """Megabytes of JPEG fill bytes are not walked in the front end (a header not found in
+    the first ``SCREENED_BYTES`` is left to the handler, which refuses it); a bomb's header
+    inside the prefix is still refused there."""
+    from app.image_header import SCREENED_BYTES
+
+    fill = b"\xff\xd8" + b"\xff" * (1 << 20)
+    screen_upload(fill, 40_000_000, 32.0)  # passed on: its prefix holds no header
+    with pytest.raises(BadRequest):  # which the handler's full read refuses
+        read_header(fill, 40_000_000, 32.0)
+    with pytest.raises(BadRequest):  # a short upload is judged whole, as before
+        screen_upload(fill[: SCREENED_BYTES // 2], 40_000_000, 32.0)
+    huge = b"\xff\xd8\xff\xc0\x00\x11\x08" + struct.pack(">HH", 30_000, 30_000) + b"\x03" + bytes(9)
+    with pytest.raises(PayloadTooLarge):
+        screen_upload(huge + bytes(SCREENED_BYTES * 2), 40_000_000, 32.0)
