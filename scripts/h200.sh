@@ -186,6 +186,7 @@ PY
         py-spy record --pid $server --subprocesses --threads --nonblocking --rate 97 \
             --duration "${PYSPY_SECONDS:-14}" --format raw -o "$OUT/pyspy_b1.txt" \
             >"$OUT/pyspy.log" 2>&1 &
+        pyspy=$!
     fi
     [ "${BATCH1:-1}" = 1 ] && bench "${BATCH1_LIMIT:-60}" service_u8_rows1 --url "$url" --naive \
         --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
@@ -196,6 +197,7 @@ PY
         python3 scripts/gpu_unload.py "$url" --pid "$server" >"$OUT/unload.txt" 2>&1
         echo "unload exit $?"
     fi
+    [ -n "${pyspy:-}" ] && wait "$pyspy"  # its record is whole before it is summarised
     kill -TERM $server 2>/dev/null
     wait $server
     echo "server exit $?"

@@ -319,7 +319,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     (the engine counts each deadline from it, so the hold is spent from their timeouts).
     With the hold's time bound (``MAX_HOLD_S``, 5 ms) every request reaches the engine
     while the first frame is still held there."""
-    import app.frontend.plane as plane_module
+    import app.frontend.gathering as gathering_module
 
     write_model(tmp_path / "repo" / "tiny", tiny_onnx(), max_batch_size=64)
     rows = np.random.default_rng(3).standard_normal((6, 1, 4)).astype(np.float32)
@@ -376,7 +376,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
 
     bounded_frames, _ = with_plane(tmp_path, bounded)  # MAX_HOLD_S as shipped
     assert sum(count for count, _ in bounded_frames) == 7
-    monkeypatch.setattr(plane_module, "MAX_HOLD_S", 3600.0)  # held until the first returns
+    monkeypatch.setattr(gathering_module, "MAX_HOLD_S", 3600.0)  # held until the first returns
     gathered, answers = with_plane(tmp_path, held_once)
     apart, _ = with_plane(tmp_path, unlimited)
     # The large request went at once, the five together.
@@ -406,7 +406,7 @@ def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
 
 
 def test_deadline_classes_join_timeouts_within_a_percent_and_keep_none_and_zero_apart() -> None:
-    from app.frontend.plane import deadline_class
+    from app.frontend.gathering import deadline_class
 
     assert deadline_class(60_000_000) == deadline_class(60_000_400) == deadline_class(59_999_000)
     assert deadline_class(60_000_000) != deadline_class(1_000_000)

@@ -693,7 +693,7 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
     async def three() -> list[Any]:
         return list(
             await asyncio.gather(
-                *(plane._gathered(contract, part(rows), 0, 0, "c") for rows in (40, 40, 40))
+                *(plane.gatherer.run(contract, part(rows), 0, 0, "c") for rows in (40, 40, 40))
             )
         )
 
