@@ -41,7 +41,22 @@ class Header:
 
 
 SCREENED_BYTES = 64 * 1024
-_SIGNATURES = (b"\xff\xd8", b"\x89PNG\r\n\x1a\n", b"GIF87a", b"GIF89a", b"BM")
+
+
+def image_format(head: bytes) -> str | None:
+    """Which of ``UPLOAD_FORMATS`` bytes beginning with ``head`` (12 bytes are enough) are,
+    by their signature; None for any other."""
+    if head.startswith(b"\xff\xd8"):
+        return "JPEG"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    if head.startswith(b"BM"):
+        return "BMP"
+    if head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        return "WEBP"
+    return None
 
 
 def screen_upload(data: bytes | memoryview, max_pixels: int, max_aspect: float | None) -> None:
@@ -50,8 +65,7 @@ def screen_upload(data: bytes | memoryview, max_pixels: int, max_aspect: float |
     model's handler to take or refuse. Only the first ``SCREENED_BYTES`` are read (a JPEG's
     markers are walked in Python: megabytes of fill bytes would hold the front end's loop
     for a second); a header not found in them is left to the handler, which reads it all."""
-    head = bytes(data[:12])
-    if head.startswith(_SIGNATURES) or (head.startswith(b"RIFF") and head[8:12] == b"WEBP"):
+    if image_format(bytes(data[:12])) is not None:
         try:
             read_header(data[:SCREENED_BYTES], max_pixels, max_aspect)
         except BadRequest:
@@ -66,17 +80,18 @@ def read_header(
     before its size), 413 for more than ``max_pixels`` pixels or, where given, a side longer
     than ``max_aspect`` times the other."""
     head = bytes(data[:32])
+    kind = image_format(head)
     try:
-        if head.startswith(b"\xff\xd8"):
+        if kind == "JPEG":
             header = _jpeg(data)
-        elif head.startswith(b"\x89PNG\r\n\x1a\n"):
+        elif kind == "PNG":
             header = _png(head)
-        elif head[:6] in (b"GIF87a", b"GIF89a"):
+        elif kind == "GIF":
             width, height = struct.unpack_from("<HH", head, 6)
             header = Header("GIF", width, height)
-        elif head.startswith(b"BM"):
+        elif kind == "BMP":
             header = _bmp(head)
-        elif head.startswith(b"RIFF") and head[8:12] == b"WEBP":
+        elif kind == "WEBP":
             header = _webp(head)
         else:
             raise BadRequest(
