@@ -20,7 +20,8 @@ from PIL import Image
 
 from app.contract import Frame, Part, batch_key, validate_inputs
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Reloaded, Unavailable
-from app.frontend.plane import DataPlane, again_if_reloaded
+from app.frontend.gathering import again_if_reloaded
+from app.frontend.plane import DataPlane
 from app.frontend.server import embedded
 from app.protocol import RequestedOutput
 from app.settings import Settings
