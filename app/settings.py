@@ -178,6 +178,12 @@ class ModelRepositorySettings(BaseModel):
     side of one batch (JPEG parsing, kernel launches) overlaps another's. Two decoded 1.4x
     the images of one on an H200 alone, but the service was slower with two in the one run
     measured (BENCHMARKS.md, run 26): one until that is understood."""
+    decode_processes: int = Field(default=0, ge=0)
+    """GPU JPEG decoders per model in processes of their own (spawned by the engine, rows
+    handed back on the GPU), in place of ``decode_workers`` threads: a decoder in the engine
+    process shares its GIL with the event loop and the runners, one in a process of its own
+    does not. Each costs a CUDA context (~0.5 GiB of GPU memory) and a few seconds at load.
+    0: the decoders run in the engine's threads."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""

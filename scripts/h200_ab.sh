@@ -3,9 +3,13 @@
 # service (ResNet-50 FP16, gpu.compile none, FRONT_ENDS front ends) started ROUNDS times
 # with each value of AB_VAR in turn (default STOKER_SERVER__PIN_ARENA: 1 then 0), and each
 # time UINT8 32 images/request at c = 8 and 32 and batch-1 UINT8 at c=256, over AB_PROTOCOL
-# (http, or http,grpc); a table last.
+# (http, or http,grpc); a table last. AB_LOADS replaces those loads: words of
+# payload:rows:clients, payload u8 (UINT8 binary V2) or jpeg (uploads of JPEG_IMAGES, real
+# photos, to POST /infer).
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
+#   AB_VAR=STOKER_MODELS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
+#       AB_LOADS="jpeg:1:64,256 jpeg:16:32" bash scripts/h200_ab.sh
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -29,13 +33,19 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
             kill -0 $server 2>/dev/null || break
             sleep 1
         done
-        for load in "32 8,32" "1 256"; do
-            set -- $load
+        for load in ${AB_LOADS:-u8:32:8,32 u8:1:256}; do
+            IFS=: read -r payload rows clients <<<"$load"
+            if [ "$payload" = jpeg ]; then
+                what=(--payload jpeg --images "$JPEG_IMAGES" --distinct 48)
+            else
+                what=(--model-version fp16 --uint8 --payload v2-binary)
+            fi
             timeout 90 python3 -m bench --url "$url" --model resnet50 --repository "$repo" \
-                --model-version fp16 --uint8 --payload v2-binary --rows "$1" --concurrency "$2" \
+                "${what[@]}" --rows "$rows" --concurrency "$clients" \
                 --workers 4 --duration "${DURATION:-4}" --warmup 1 --protocol "${AB_PROTOCOL:-http}" \
-                --json "$OUT/${name}_rows$1.json" >"$OUT/${name}_rows$1.log" 2>&1
+                --json "$OUT/${name}_${payload}${rows}.json" >"$OUT/${name}_${payload}${rows}.log" 2>&1
         done
+        grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
         kill -TERM $server 2>/dev/null
         wait $server
         echo "$var=$value round $round done"
@@ -45,13 +55,12 @@ python3 - "$OUT" "$var" <<'PY'
 import json, sys
 from pathlib import Path
 out, var = Path(sys.argv[1]), sys.argv[2]
-print(f"| {var} | round | target | rows/request | clients | img/s | p99 ms |")
+print(f"| {var} | round | target | payload, rows/request | clients | img/s | p99 ms |")
 print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
-for path in sorted(out.glob("r*_rows*.json")):
-    round_, value = path.stem.split("_")[0][1:], path.stem.split("_")[1]
+for path in sorted(out.glob("r*_*.json")):
+    round_, value, load = path.stem.split("_", 2)
     for target in json.loads(path.read_text())["targets"]:
         for step in target["steps"]:
-            rows = path.stem.split("rows")[1]
-            print(f"| {value} | {round_} | {target['name']} | {rows} | {step['concurrency']} | "
+            print(f"| {value} | {round_[1:]} | {target['name']} | {load} | {step['concurrency']} | "
                   f"{step['rows_per_s']:,.0f} | {step['latency_ms']['p99']:.0f} |")
 PY

@@ -111,9 +111,11 @@ class DecodeQueue:
         max_batch: int,
         label: str = "decode",
         on_batch: Callable[[int], None] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self._decoders = [decode] if callable(decode) else list(decode)
         self._on_batch = on_batch
+        self._on_close = on_close  # after the last batch: what the decoders hold (processes)
         self._max = max(1, max_batch)
         self._pending: deque[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = deque()
         self._wake = asyncio.Event()
@@ -203,3 +205,5 @@ class DecodeQueue:
                 future.set_result(None)
         self._pending.clear()
         self._executor.shutdown(wait=True)
+        if self._on_close is not None:
+            await asyncio.to_thread(self._on_close)

@@ -32,6 +32,7 @@ import zoo
 from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
+from app.engine.decoders import decode_queue, describe_decoding, gpu_decoders
 from app.engine.handlers import Handler, HandlerContext, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
@@ -41,7 +42,6 @@ from app.settings import Settings
 from engines import backends
 from engines.backends.onnxruntime import read_spec
 from engines.base import Engine, EngineOptions
-from engines.devices.options import GPU_BACKENDS
 from engines.precision.build import (
     BuildPlan,
     Cancelled,
@@ -367,36 +367,6 @@ def release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def gpu_decoder(
-    entry: ModelEntry, backend: str, settings: Settings, metrics: ModelMetrics | None = None
-) -> images.DecodeQueue | None:
-    """A batched GPU decoder for the model's JPEG uploads, where ``image_decode`` and this
-    machine allow one."""
-    config, wanted = entry.config, settings.models.image_decode
-    if config.preprocess is None or wanted == "cpu":
-        return None
-    available = backends.gpu_image_decode_available()
-    if wanted == "auto" and not (backend in GPU_BACKENDS and available):
-        return None
-    if not available:
-        raise RuntimeError("image_decode is gpu, but torchvision with CUDA is not available")
-    from engines.backends.torch import images as torch_images
-
-    device = f"cuda:{config.gpus[0] if config.gpus else 0}"
-    prep = config.preprocess.with_datatype("UINT8")
-    decoders = [
-        torch_images.TorchImageDecoder(prep, device) for _ in range(settings.models.decode_workers)
-    ]
-    queue = images.DecodeQueue(
-        [decoder.decode for decoder in decoders],
-        settings.models.decode_batch,
-        f"{config.name}-jpeg",
-        metrics.decode_batch if metrics else None,
-    )
-    queue.start()
-    return queue
-
-
 def handler_context(
     model: ModelSource,
     labels: list[str] | None,
@@ -447,7 +417,8 @@ async def load(
         runners = config.runner_count(backends.resolve(backend))
         pool = await RunnerPool.create(engine, runners, f"{config.name}-{precision}")
         await pool.warm()
-        decoder = gpu_decoder(entry, backend, settings, metrics)
+        decoders = await asyncio.to_thread(gpu_decoders, entry, backend, settings)
+        decoder = decode_queue(config.name, decoders, settings, metrics)
         context = handler_context(model, labels, settings, metrics, policy, decoder)
         handler = handler_for(config.handler, context)
     except BaseException:
@@ -469,7 +440,7 @@ async def load(
         pool.size,
         f" on GPUs {config.gpus}" if config.gpus else "",
         "device" if policy.on_device else "CPU",
-        "GPU" if decoder else "CPU",
+        describe_decoding(settings, decoder is not None),
         time.perf_counter() - started,
     )
     return LoadedModel(

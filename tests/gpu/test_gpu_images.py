@@ -66,6 +66,28 @@ def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
     assert host[0].any() and host[2].any() and not host[1].any()
 
 
+def test_a_decode_process_hands_back_the_in_process_decoders_rows_on_the_gpu() -> None:
+    """The decoder in a child process writes into CUDA IPC memory the engine allocated; the
+    rows come back on the GPU, the same as the decoder in this process gives (same nvJPEG,
+    same resize), over more images than its buffer holds."""
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    spec = ImagePreprocess(datatype="UINT8")
+    here = decoder(spec)
+    uploads: list[bytes | None] = [*sample_jpegs(), b"\xff\xd8\xff\xe0" + bytes(200)]
+    child = DecodeProcess(spec, "cuda:0", rows=4, label="gpu-test")
+    try:
+        for batch in (uploads[:4], uploads):
+            rows, ok = child(batch)
+            want, want_ok = here.decode(batch)
+            assert rows.tensor.device.type == "cuda" and ok == want_ok
+            diff = np.abs(np.asarray(rows).astype(np.int16) - np.asarray(want))
+            assert diff.max() <= 1, diff.max()  # parts of 4 pad their groups differently
+        assert ok == [True] * (len(uploads) - 1) + [False]
+    finally:
+        child.close()
+
+
 def photos() -> list[Path]:
     """Labelled photos for the agreement check: ``STOKER_PHOTOS``, or the sample beside the
     checkout, or ``.carry/photos`` (a copy carried to the GPU machine, never committed)."""
@@ -242,6 +264,49 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
         assert response.json()["predictions"][0][0]["label"] == "espresso"
     # Every one of them went through nvJPEG, none fell back to Pillow.
     assert (decoded("gpu"), decoded("cpu")) == (before[0] + 48, before[1])
+
+
+@pytest.fixture(scope="module")
+def gpu_server_decode_processes(
+    efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """The same service with its JPEG decoders in two processes of their own."""
+    pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
+    root = tmp_path_factory.mktemp("gpu-serve-decode")
+    shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
+    configure(root / "repo" / "efficientnet_lite0", {"precisions": ["fp32"], "runners": 2})
+    server = start_server(
+        root / "repo",
+        root / "server.log",
+        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__DECODE_PROCESSES": "2"},
+    )
+    yield server
+    stop_server(server)
+
+
+def test_decode_processes_serve_uploads_with_the_rows_on_the_gpu(
+    gpu_server_decode_processes: Server, coffee_jpeg: bytes
+) -> None:
+    server = gpu_server_decode_processes
+    assert "JPEG uploads decoded on the GPU (2 decode processes)" in server.log.read_text()
+    labels = {"model": "efficientnet_lite0", "version": "fp32"}
+
+    def decoded(device: str) -> float:
+        key = ("stoker_image_decode_total", tuple(sorted({**labels, "device": device}.items())))
+        return metric_samples(server).get(key, 0.0)
+
+    before = decoded("gpu"), decoded("cpu")
+
+    async def many() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            return await asyncio.gather(
+                *(client.post("/infer", content=coffee_jpeg, headers=JPEG) for _ in range(96))
+            )
+
+    for response in asyncio.run(many()):
+        assert response.status_code == 200, response.text
+        assert response.json()["predictions"][0][0]["label"] == "espresso"
+    assert (decoded("gpu"), decoded("cpu")) == (before[0] + 96, before[1])
 
 
 def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(

@@ -230,6 +230,23 @@ class TorchImageDecoder:
         return torch.cuda.stream(self._stream)
 
 
+def pillow_decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: Any = None) -> Any:
+    """torchvision's ``decode_jpeg`` signature on the CPU with Pillow (RGB, one tensor or a
+    list): a decoder for machines without torchvision, and the stand-in for nvJPEG in the
+    tests. An image Pillow cannot read raises RuntimeError, as nvJPEG's refusals do."""
+    import io
+
+    from PIL import Image
+
+    if isinstance(data, list):
+        return [pillow_decode_jpeg(one, device) for one in data]
+    try:
+        image = Image.open(io.BytesIO(data.numpy().tobytes())).convert("RGB")
+    except Exception as exc:
+        raise RuntimeError(f"cannot decode image: {exc}") from exc
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+
+
 def bucket(height: int, width: int) -> tuple[int, int]:
     """The padded size a picture of ``height`` x ``width`` shares with its neighbours."""
     return -(-height // BUCKET) * BUCKET, -(-width // BUCKET) * BUCKET

@@ -254,22 +254,3 @@ def test_a_timeout_of_zero_takes_the_configured_default() -> None:
     assert models.deadline_s(batching, 0) == 2.0
     assert models.deadline_s(batching, 500_000) == 0.5
     assert models.deadline_s(DynamicBatching(default_timeout_us=0), None) is None
-
-
-def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
-    from engines.backends import gpu_image_decode_available
-
-    if gpu_image_decode_available():
-        pytest.skip("this machine can decode on the GPU: tests/gpu covers it")
-    with_prep = entry(preprocess={})
-
-    def decoder(mode: str, backend: str) -> object:
-        settings = Settings(models={"image_decode": mode})  # type: ignore[arg-type]
-        return models.gpu_decoder(with_prep, backend, settings)
-
-    assert decoder("auto", "onnxruntime") is None
-    assert decoder("auto", "torch") is None  # no CUDA here: the CPU decodes
-    assert decoder("cpu", "torch") is None
-    assert models.gpu_decoder(entry(), "torch", Settings()) is None  # no uploads at all
-    with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
-        decoder("gpu", "onnxruntime")

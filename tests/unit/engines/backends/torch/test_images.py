@@ -15,20 +15,6 @@ from engines.preprocess import ImagePreprocess, preprocess
 from tests.conftest import sample_jpegs
 
 
-def pil_decode(data: object, device: object) -> object:
-    """A stand-in for nvJPEG with torchvision's signature: Pillow on the CPU."""
-    import torch
-
-    if isinstance(data, list):
-        return [pil_decode(d, device) for d in data]
-    assert isinstance(data, torch.Tensor)
-    raw = data.numpy().tobytes()
-    if raw.startswith(b"\xff\xd8bad"):
-        raise RuntimeError("nvjpeg: bad bitstream")
-    image = Image.open(io.BytesIO(raw)).convert("RGB")
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
-
-
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_batched_resize_and_crop_match_pillow_within_one_level(
     layout: Literal["NCHW", "NHWC"],
@@ -37,13 +23,13 @@ def test_batched_resize_and_crop_match_pillow_within_one_level(
     weight matrices give Pillow's BILINEAR resize and crop within one level, nearly every
     pixel equal."""
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
-    from engines.backends.torch.images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder, pillow_decode_jpeg
 
     spec = ImagePreprocess(layout=layout, datatype="UINT8")
     uploads = sample_jpegs() + [
         jpeg_of(size) for size in ((160, 128), (97, 300), (1000, 240), (256, 256), (225, 224))
     ]
-    rows, ok = TorchImageDecoder(spec, "cpu", pil_decode).decode(uploads)
+    rows, ok = TorchImageDecoder(spec, "cpu", pillow_decode_jpeg).decode(uploads)
     assert ok == [True] * len(uploads) and rows.shape == (len(uploads), *spec.row_shape())
     for data, row in zip(uploads, np.asarray(rows), strict=True):
         want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
@@ -69,10 +55,10 @@ def jpeg_of(size: tuple[int, int]) -> bytes:
 
 def test_one_image_the_device_refuses_costs_only_itself() -> None:
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
-    from engines.backends.torch.images import TorchImageDecoder
+    from engines.backends.torch.images import TorchImageDecoder, pillow_decode_jpeg
 
     good = sample_jpegs()[:2]
-    decoder = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
+    decoder = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pillow_decode_jpeg)
     rows, ok = decoder.decode([good[0], b"\xff\xd8bad", None, good[1]])
     assert ok == [True, False, False, True]
     alone = [np.asarray(decoder.decode([data])[0])[0] for data in good]
@@ -91,7 +77,9 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
 
     a, b, c = sample_jpegs()[:3]
     d, e = jpeg_of((300, 200)), jpeg_of((290, 199))  # one bucket (320 x 256), two sizes
-    decoder = torch_images.TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cpu", pil_decode)
+    decoder = torch_images.TorchImageDecoder(
+        ImagePreprocess(datatype="UINT8"), "cpu", torch_images.pillow_decode_jpeg
+    )
     alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in (a, b, c, d, e)}
     for mixed, limit, groups_wanted in (
         ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 4),  # three sizes twice or more

@@ -1,0 +1,217 @@
+"""JPEG decoding in processes of their own, beside the engine's; the rows handed over on the device.
+
+A ``TorchImageDecoder`` holds its process's GIL from one launch to the next: about 190 us of
+CPU an image, 5.5k images/s alone on an H200 and 2.2k inside the engine process, whose event
+loop and runner threads want the same GIL (BENCHMARKS.md, runs 26 and 27). A
+``DecodeProcess`` runs one decoder in a spawned child instead. Per batch only the JPEG bytes
+cross (a pipe); the child decodes, resizes and crops as the in-process decoder does and
+writes the rows into a buffer the parent allocated and shared with it at start (CUDA IPC on
+a GPU, shared memory on the CPU, which is how it is tested); it answers which images it
+decoded, and the parent copies the rows out of the buffer on the device (one copy, ~10 us
+for 64 rows on an H200), which frees the buffer for the next batch. Nothing decoded goes
+through the host.
+
+A child that dies or hangs costs the batch it held (the caller decodes it on the CPU) and is
+started again for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.multiprocessing as torch_mp
+
+from engines.backends.torch.images import DeviceRows, JpegDecode, TorchImageDecoder
+from engines.preprocess import ImagePreprocess
+
+log = logging.getLogger(__name__)
+# A child's import of torch and torchvision and its CUDA context: seconds, more on a busy host.
+START_TIMEOUT_S = 120.0
+# One batch in the child; far above what a batch takes (milliseconds), so only a hung child.
+BATCH_TIMEOUT_S = 60.0
+
+
+class DecodeProcess:
+    """A batch decoder (``app.engine.images.BatchDecode``) whose work runs in a child process.
+
+    Called by one thread at a time (a ``DecodeQueue`` thread); ``rows`` is the most images
+    the shared buffer holds, a larger batch goes through it in parts. ``decode_jpeg`` as for
+    ``TorchImageDecoder`` (None: torchvision's), a module-level function the child imports.
+    """
+
+    def __init__(
+        self,
+        spec: ImagePreprocess,
+        device: str,
+        rows: int,
+        decode_jpeg: JpegDecode | None = None,
+        label: str = "jpeg",
+    ) -> None:
+        self.spec = spec
+        self.device = torch.device(device)
+        self.label = label
+        self._decode_jpeg = decode_jpeg
+        self._rows = max(1, rows)
+        self._buffer = torch.zeros(
+            (self._rows, *spec.row_shape()), dtype=torch.uint8, device=self.device
+        )
+        if self.device.type == "cpu":
+            self._buffer.share_memory_()  # type: ignore[no-untyped-call]
+        self._stream = (
+            torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            if self.device.type == "cuda"
+            else None
+        )
+        self._lock = threading.Lock()
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self.starts = 0
+        self._start()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else int(self._process.pid)
+
+    def __call__(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
+        """The batch's rows on the device (the parent's copy) and, per image, whether it was
+        decoded (False for None and for an image the device refused: the caller fills it)."""
+        with self._lock:
+            if self._conn is None:
+                self._start()
+            parts = [
+                self._decode_part(jpegs[at : at + self._rows])
+                for at in range(0, len(jpegs), self._rows)
+            ]
+        if len(parts) == 1:
+            return parts[0]
+        rows = torch.cat([part[0].tensor for part in parts])
+        return DeviceRows(rows), [good for part in parts for good in part[1]]
+
+    def _decode_part(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
+        conn = self._conn
+        assert conn is not None
+        try:
+            conn.send([None if data is None else len(data) for data in jpegs])
+            conn.send_bytes(b"".join(data for data in jpegs if data is not None))
+            if not conn.poll(BATCH_TIMEOUT_S):
+                raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
+            kind, value = conn.recv()
+        except (OSError, EOFError, TimeoutError) as exc:
+            self._stop(kill=True)
+            raise RuntimeError(f"decode process {self.label} failed: {exc}") from exc
+        if kind != "ok":
+            raise RuntimeError(f"decode process {self.label}: {value}")
+        with self._on_stream():
+            rows = self._buffer[: len(jpegs)].clone()
+            if self._stream is not None:
+                self._stream.synchronize()  # the buffer is the next batch's once this is done
+        return DeviceRows(rows), list(value)
+
+    def _start(self) -> None:
+        context = torch_mp.get_context("spawn")
+        parent, child = context.Pipe()
+        process = context.Process(
+            target=serve,
+            args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg),
+            name=f"stoker-decode-{self.label}",
+            daemon=True,
+        )
+        started = time.perf_counter()
+        process.start()
+        child.close()
+        try:
+            if not parent.poll(START_TIMEOUT_S):
+                raise TimeoutError(f"not ready in {START_TIMEOUT_S:g} s")
+            kind, value = parent.recv()
+            if kind != "ready":
+                raise RuntimeError(str(value))
+        except (OSError, EOFError, TimeoutError, RuntimeError) as exc:
+            process.kill()
+            process.join()
+            parent.close()
+            raise RuntimeError(f"decode process {self.label} did not start: {exc}") from exc
+        self._process, self._conn = process, parent
+        self.starts += 1
+        log.info(
+            "decode process %s (pid %d) ready on %s in %.1f s",
+            self.label,
+            process.pid,
+            self.device,
+            time.perf_counter() - started,
+        )
+
+    def _stop(self, kill: bool = False) -> None:
+        process, conn = self._process, self._conn
+        self._process = self._conn = None
+        if conn is not None:
+            if not kill:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+            conn.close()
+        if process is not None:
+            if kill:
+                process.kill()
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
+
+
+def serve(
+    conn: Connection,
+    spec: ImagePreprocess,
+    device: str,
+    buffer: torch.Tensor,
+    decode_jpeg: JpegDecode | None,
+) -> None:
+    """The child: decode each batch the parent sends into ``buffer`` until it sends None or
+    goes away."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's drain stops us, not a Ctrl-C
+    try:
+        decoder = TorchImageDecoder(spec, device, decode_jpeg)
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            lengths = conn.recv()
+            if lengths is None:
+                return
+            blob = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            jpegs: list[bytes | None] = []
+            at = 0
+            for length in lengths:
+                jpegs.append(None if length is None else blob[at : at + length])
+                at += 0 if length is None else length
+            rows, ok = decoder.decode(jpegs)
+            buffer[: len(jpegs)].copy_(rows.tensor)
+            if buffer.is_cuda:
+                torch.cuda.current_stream(buffer.device).synchronize()
+            answer: tuple[str, Any] = ("ok", ok)
+        except Exception as exc:  # one batch fails; the child serves the next
+            answer = ("error", f"{type(exc).__name__}: {exc}"[:500])
+        try:
+            conn.send(answer)
+        except (OSError, EOFError):
+            return

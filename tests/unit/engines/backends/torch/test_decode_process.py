@@ -1,0 +1,106 @@
+"""A JPEG decoder in a process of its own (on the CPU, Pillow standing in for nvJPEG, the rows
+in shared memory where a GPU has them in CUDA IPC memory): the rows it hands back are the
+in-process decoder's, they stay the caller's after the next batch, a batch larger than its
+buffer goes in parts, a child that dies costs only the batch it held, and closing ends it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from engines.preprocess import ImagePreprocess, preprocess
+from tests.conftest import sample_jpegs
+
+pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
+
+SPEC = ImagePreprocess(datatype="UINT8")
+
+
+def start(rows: int) -> Any:
+    from engines.backends.torch.decode_process import DecodeProcess
+    from engines.backends.torch.images import pillow_decode_jpeg
+
+    return DecodeProcess(SPEC, "cpu", rows, pillow_decode_jpeg, label="test")
+
+
+@pytest.fixture(scope="module")
+def process() -> Iterator[Any]:
+    decoder = start(rows=4)
+    yield decoder
+    decoder.close()
+
+
+def in_process(uploads: list[bytes | None]) -> tuple[np.ndarray, list[bool]]:
+    from engines.backends.torch.images import TorchImageDecoder, pillow_decode_jpeg
+
+    rows, ok = TorchImageDecoder(SPEC, "cpu", pillow_decode_jpeg).decode(uploads)
+    return np.asarray(rows), ok
+
+
+def test_the_rows_from_the_process_are_the_in_process_decoders(process: Any) -> None:
+    uploads: list[bytes | None] = [*sample_jpegs()[:3], b"\xff\xd8bad"]
+    rows, ok = process(uploads)
+    want, want_ok = in_process(uploads)
+    assert ok == want_ok == [True, True, True, False]
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    for data, row in zip(uploads[:3], np.asarray(rows), strict=False):
+        assert isinstance(data, bytes)
+        pillow = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), SPEC)
+        assert np.abs(row.astype(np.int16) - pillow).max() <= 1
+
+
+def test_a_batch_larger_than_the_buffer_goes_through_it_in_parts(process: Any) -> None:
+    photos = sample_jpegs()
+    uploads: list[bytes | None] = [*photos, None, photos[0], b"\xff\xd8bad", photos[1]]
+    rows, ok = process(uploads)  # 9 images through a buffer of 4: three parts
+    assert len(rows) == len(uploads) and rows.shape[1:] == SPEC.row_shape()
+    assert ok == [True] * 5 + [False, True, False, True]
+    host = np.asarray(rows)
+    for i, data in enumerate(uploads):
+        if ok[i]:
+            alone, _ = in_process([data])
+            assert np.abs(host[i].astype(np.int16) - alone[0]).max() <= 1, i
+        else:
+            assert not host[i].any()  # left for the caller's CPU decode
+
+
+def test_the_rows_handed_back_are_not_the_next_batchs(process: Any) -> None:
+    first, second = sample_jpegs()[:2]
+    rows, _ = process([first])
+    kept = np.asarray(rows).copy()
+    process([second])
+    np.testing.assert_array_equal(np.asarray(rows), kept)
+
+
+def test_a_child_that_dies_costs_its_batch_and_is_started_again() -> None:
+    photo = sample_jpegs()[0]
+    decoder = start(rows=2)
+    try:
+        dead = decoder.pid
+        assert dead is not None
+        os.kill(dead, 9)
+        with pytest.raises(RuntimeError, match="decode process test failed"):
+            decoder([photo])
+        rows, ok = decoder([photo])  # a new child
+        assert ok == [True] and decoder.starts == 2 and decoder.pid not in (None, dead)
+        alone, _ = in_process([photo])
+        np.testing.assert_array_equal(np.asarray(rows), alone)
+    finally:
+        decoder.close()
+
+
+def test_closing_ends_the_child() -> None:
+    decoder = start(rows=1)
+    pid = decoder.pid
+    assert pid is not None
+    decoder.close()
+    with pytest.raises(ProcessLookupError):  # exited and reaped
+        os.kill(pid, 0)
+    assert decoder.pid is None
