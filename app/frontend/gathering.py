@@ -5,7 +5,8 @@ here. Requests of one turn of the loop that may share a batch (``app.contract.ba
 the deadline class, priority and client) become one frame; uploads for the same model, ``k``
 and client one upload call. Where the engine client limits the frames of a key in flight
 (``EngineClient.frames_in_flight``, a front end's ``server.frames_in_flight``), small
-requests that arrive while it has that many gather on, for ``MAX_HOLD_S`` at most: gRPC
+requests that arrive while it has that many gather on, for ``MAX_HOLD_S`` at most (and a
+tenth of their soonest timeout, ``hold_s``): gRPC
 calls reach the loop one per wake-up, and without it each crossed alone.
 """
 
@@ -87,6 +88,18 @@ held ones still reach its queue (where its metrics count them, and its limits ap
 this. A held request's deadline runs from its arrival, as any request's does."""
 
 
+HOLD_SHARE = 0.1
+"""The most of a held request's timeout the hold may take: a request of a 2 ms deadline is
+held 0.2 ms, not ``MAX_HOLD_S``."""
+
+
+def hold_s(timeout_us: int | None) -> float:
+    """How long a gathering whose soonest timeout is ``timeout_us`` may be held."""
+    if timeout_us is None:
+        return MAX_HOLD_S
+    return min(MAX_HOLD_S, HOLD_SHARE * max(0, timeout_us) / 1e6)
+
+
 def deadline_class(timeout_us: int | None) -> int | None:
     """Which requests' timeouts may share a frame: those within about 1% of each other. A
     gRPC call's deadline arrives as what is left of it, a different number of microseconds
@@ -131,6 +144,16 @@ def held_rows(max_batch_size: int) -> int:
     batch. Large requests (32 images of a max batch of 256) gain nothing from waiting, as
     the engine's cost per frame is already spread over many rows; single rows do."""
     return max(1, max_batch_size // 8)
+
+
+def held_until(timeout_us: int | None) -> float:
+    """When, on the loop's clock, a gathering held from now must go (``hold_s``)."""
+    return asyncio.get_running_loop().time() + hold_s(timeout_us)
+
+
+def hold(gathering: Gathering, send: Callable[[], None]) -> asyncio.TimerHandle:
+    """The timer that sends a held gathering (``hold_s`` of its soonest timeout)."""
+    return asyncio.get_running_loop().call_at(held_until(gathering.timeout_us), send)
 
 
 async def again_if_reloaded(attempt: Callable[[], Awaitable[T]]) -> T:
@@ -183,7 +206,8 @@ class Gatherer:
         entry in the engine for all of them, up to the model's max batch. They are those of
         this turn of the loop; where the engine client already has ``frames_in_flight``
         frames of that key in flight, also those that come until one is answered, until
-        they hold ``held_rows``, or for ``MAX_HOLD_S``. Returns the frame's answer and this
+        they hold ``held_rows``, or for ``hold_s`` (``MAX_HOLD_S``, less for a short
+        timeout). Returns the frame's answer and this
         request's outputs."""
         spec = contract.spec
         key = (
@@ -205,6 +229,10 @@ class Gatherer:
             self._flush_soon()
         elif timeout_us is not None and gathering.timeout_us is not None:
             gathering.timeout_us = min(gathering.timeout_us, timeout_us)
+            held = gathering.held
+            if held is not None and held.when() > held_until(gathering.timeout_us):
+                held.cancel()  # the soonest deadline moved up: so does the end of the hold
+                gathering.held = hold(gathering, partial(self._send_held, key, gathering))
         gathering.parts.append(part)
         gathering.rows += part.rows
         if gathering.held is not None and gathering.rows >= held_rows(spec.max_batch_size):
@@ -231,9 +259,7 @@ class Gatherer:
             elif gathering.held is None:
                 # It gathers on until a frame of its key is answered (``_run``), it holds
                 # enough rows, or MAX_HOLD_S has passed.
-                gathering.held = asyncio.get_running_loop().call_later(
-                    MAX_HOLD_S, self._send_held, key, gathering
-                )
+                gathering.held = hold(gathering, partial(self._send_held, key, gathering))
         for key in list(self._uploads):
             self._send_uploads(key)
 

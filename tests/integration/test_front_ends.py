@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.backends.onnxruntime import cpu_session
 from engines.preprocess import ImagePreprocess, normalize, preprocess
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, slow_onnx, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, configure, slow_onnx, tiny_onnx
 from tests.integration.conftest import (
     Server,
     launch_server,
@@ -64,6 +64,7 @@ def front_ends(
 ) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("front-ends") / "repository"
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8 calibration
     (repo / "tiny").mkdir()
     onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
     (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)

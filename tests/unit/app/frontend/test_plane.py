@@ -26,7 +26,7 @@ from app.frontend.server import embedded
 from app.protocol import RequestedOutput
 from app.settings import Settings
 from engines.spec import ModelSpec, TensorSpec
-from tests.conftest import TINY_BIAS, TINY_WEIGHTS, slow_onnx, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, configure, slow_onnx, tiny_onnx
 
 T = TypeVar("T")
 IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
@@ -225,6 +225,7 @@ def test_uploads_go_through_the_models_handler(tmp_path: Path, efficientnet_dir:
     import shutil
 
     shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    configure(tmp_path / "repo" / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8
     write_model(tmp_path / "repo" / "tiny", tiny_onnx())
     photo = io.BytesIO()
     gradient = np.linspace(0, 255, 64 * 48 * 3).reshape(48, 64, 3).astype(np.uint8)
@@ -263,6 +264,7 @@ def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
     from tests.unit.app.test_metrics import series
 
     shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    configure(tmp_path / "repo" / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8
     jpeg = sample_jpegs()[1]
     png = io.BytesIO()
     Image.open(io.BytesIO(jpeg)).save(png, format="PNG")
@@ -388,6 +390,71 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
         out = {o["name"]: o for o in orjson.loads(answer.content)["outputs"]}
         got = np.array(out["y"]["data"]).reshape(out["y"]["shape"])
         np.testing.assert_allclose(got, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+
+
+def test_a_held_frame_goes_after_a_tenth_of_its_soonest_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the time bound of the hold out of the way (an hour), requests of a 5 s timeout
+    held behind a frame of their key that the engine keeps are still sent while it keeps
+    it: after a tenth of their timeout (``hold_s``), so a short deadline is not spent
+    waiting to gather. They are answered, by the model."""
+    import app.frontend.gathering as gathering_module
+
+    monkeypatch.setattr(gathering_module, "MAX_HOLD_S", 3600.0)
+    write_model(tmp_path / "repo" / "tiny", tiny_onnx(), max_batch_size=64)
+    rows = np.random.default_rng(5).standard_normal((4, 1, 4)).astype(np.float32)
+    timeout = {"parameters": {"timeout": 5_000_000}}
+
+    async def scenario(plane: DataPlane) -> tuple[list[int], list[Any]]:
+        plane.client.frames_in_flight = 1
+        frames: list[int] = []
+        gate = asyncio.Event()
+        real = plane.client.run
+
+        async def held(frame: Frame) -> Any:
+            frames.append(len(frame.parts))
+            if len(frames) == 1:
+                await gate.wait()
+            return await real(frame)
+
+        plane.client.run = held  # type: ignore[method-assign]
+        first = asyncio.create_task(plane.infer("tiny", None, v2_body(rows[0], **timeout), None))
+        for _ in range(1000):
+            if frames:
+                break
+            await asyncio.sleep(0)
+        tasks = []
+        for x in rows[1:]:
+            tasks.append(
+                asyncio.create_task(plane.infer("tiny", None, v2_body(x, **timeout), None))
+            )
+            for _ in range(5):
+                await asyncio.sleep(0)
+        deadline = asyncio.get_running_loop().time() + 30  # far below the hour
+        while len(frames) < 2:
+            assert asyncio.get_running_loop().time() < deadline, frames
+            await asyncio.sleep(0.01)
+        sent = list(frames)  # the engine still keeps the first frame here
+        answers = await asyncio.gather(*tasks)
+        gate.set()
+        await first
+        return sent, answers
+
+    sent, answers = with_plane(tmp_path, scenario)
+    assert sent == [1, 3]
+    for x, answer in zip(rows[1:], answers, strict=True):
+        out = {o["name"]: o for o in orjson.loads(answer.content)["outputs"]}
+        got = np.array(out["y"]["data"]).reshape(out["y"]["shape"])
+        np.testing.assert_allclose(got, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5, atol=1e-5)
+
+
+def test_hold_takes_at_most_a_tenth_of_a_timeout() -> None:
+    from app.frontend.gathering import MAX_HOLD_S, hold_s
+
+    assert hold_s(None) == MAX_HOLD_S == hold_s(60_000_000)
+    assert hold_s(2_000) == pytest.approx(0.0002)
+    assert hold_s(0) == 0.0
 
 
 def test_validation_counts_rows_and_keys_separate_pixels_from_floats() -> None:
