@@ -161,8 +161,22 @@ def test_device_rows_feed_the_runner_as_host_rows_do(efficientnet_dir: Path) -> 
         mixed = runner.run_blocks(
             [{"input": pixels[:2]}, {"input": on_device[2:4]}, {"input": pixels[4:]}]
         )["logits"]
+        # Requests' rows sliced from one decoded batch, in order (joined into one copy),
+        # out of order and beside host rows (copied block by block).
+        sliced = runner.run_blocks([{"input": on_device[i : i + 1]} for i in range(5)])["logits"]
+        shuffled = runner.run_blocks([{"input": on_device[3:5]}, {"input": on_device[0:3]}])[
+            "logits"
+        ]
+        between = runner.run_blocks(
+            [{"input": on_device[0:1]}, {"input": pixels[1:2]}, {"input": on_device[2:5]}]
+        )["logits"]
         np.testing.assert_allclose(alone, want, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(mixed, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(sliced, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(
+            shuffled, np.concatenate([want[3:], want[:3]]), rtol=1e-5, atol=1e-5
+        )
+        np.testing.assert_allclose(between, want, rtol=1e-5, atol=1e-5)
     finally:
         runner.close()
         engine.close()

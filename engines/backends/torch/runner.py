@@ -62,6 +62,30 @@ def pinned(array: Any) -> bool:
     )
 
 
+def follows(before: torch.Tensor, after: torch.Tensor) -> bool:
+    """Whether ``after``'s rows start where ``before``'s end in one allocation (the rows of
+    requests sliced from one decoded batch, in order): one copy takes both."""
+    return (
+        before.is_contiguous()
+        and after.is_contiguous()
+        and before.dtype == after.dtype
+        and before.device == after.device
+        and before.untyped_storage().data_ptr() == after.untyped_storage().data_ptr()
+        and before.data_ptr() + before.nbytes == after.data_ptr()
+    )
+
+
+def adjacent(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """Blocks each of which ``follows`` the one before, as one view of their rows."""
+    if len(blocks) == 1:
+        return blocks[0]
+    first = blocks[0]
+    rows = sum(int(block.shape[0]) for block in blocks)
+    return first.new_empty(0).set_(
+        first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:])
+    )
+
+
 @dataclass
 class _Input:
     spec: TensorSpec
@@ -300,8 +324,20 @@ class TorchRunner:
         row_bytes = staging[0].nbytes
         offset, run_start = 0, 0
         run: list[np.ndarray] = []  # staged blocks waiting for one copy
+        on_device: list[torch.Tensor] = []  # adjacent device blocks waiting for one copy
+        device_start = 0
+
+        def flush_device() -> None:
+            if on_device:
+                joined = adjacent(on_device)
+                with torch.cuda.stream(self._torch_stream):
+                    device[device_start : device_start + len(joined)].copy_(
+                        joined, non_blocking=True
+                    )
+                on_device.clear()
 
         def flush() -> None:
+            flush_device()
             if run:
                 piece = staging[run_start:offset]
                 staged_copy(piece, run)
@@ -314,9 +350,11 @@ class TorchRunner:
         for array, from_registered in zip(arrays, direct, strict=True):
             count = len(array)
             if isinstance(array, DeviceRows):
-                flush()
-                with torch.cuda.stream(self._torch_stream):
-                    device[offset : offset + count].copy_(array.tensor, non_blocking=True)
+                if run or (on_device and not follows(on_device[-1], array.tensor)):
+                    flush()
+                if not on_device:
+                    device_start = offset
+                on_device.append(array.tensor)
             elif from_registered:
                 flush()
                 cuda.copy_to_device(
@@ -326,6 +364,7 @@ class TorchRunner:
                     self._stream,
                 )
             else:
+                flush_device()
                 if not run:
                     run_start = offset
                 run.append(array)
