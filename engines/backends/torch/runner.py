@@ -82,7 +82,7 @@ def adjacent(blocks: list[torch.Tensor]) -> torch.Tensor:
     first = blocks[0]
     rows = sum(int(block.shape[0]) for block in blocks)
     return first.new_empty(0).set_(
-        first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:])
+        first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]), first.stride()
     )
 
 
