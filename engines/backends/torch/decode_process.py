@@ -19,11 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
+import os
 import signal
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +41,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 # One batch in the child; far above what a batch takes (milliseconds), so only a hung child.
 BATCH_TIMEOUT_S = 60.0
+# The shared input area: the JPEG bytes of one part of a batch (64 photos of 1 MB).
+INPUT_BYTES = 64 << 20
+SHM_ROOT = Path("/dev/shm")
 
 
 class DecodeProcess:
@@ -73,6 +80,7 @@ class DecodeProcess:
         self._lock = threading.Lock()
         self._process: Any = None
         self._conn: Connection | None = None
+        self._input: mmap.mmap | None = None
         self.starts = 0
         self._start()
 
@@ -86,21 +94,40 @@ class DecodeProcess:
         with self._lock:
             if self._conn is None:
                 self._start()
-            parts = [
-                self._decode_part(jpegs[at : at + self._rows])
-                for at in range(0, len(jpegs), self._rows)
-            ]
+            parts = [self._decode_part(part) for part in self._parts(jpegs)]
         if len(parts) == 1:
             return parts[0]
         rows = torch.cat([part[0].tensor for part in parts])
         return DeviceRows(rows), [good for part in parts for good in part[1]]
 
+    def _parts(self, jpegs: Sequence[bytes | None]) -> Iterator[Sequence[bytes | None]]:
+        """The batch in parts of at most ``rows`` images whose bytes fit the input area (an
+        image larger than it alone)."""
+        start, size = 0, 0
+        for at, data in enumerate(jpegs):
+            length = 0 if data is None else len(data)
+            if at > start and (at - start == self._rows or size + length > INPUT_BYTES):
+                yield jpegs[start:at]
+                start, size = at, 0
+            size += length
+        if start < len(jpegs):
+            yield jpegs[start:]
+
     def _decode_part(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
-        conn = self._conn
-        assert conn is not None
+        conn, area = self._conn, self._input
+        assert conn is not None and area is not None
+        lengths = [None if data is None else len(data) for data in jpegs]
+        shared = sum(length or 0 for length in lengths) <= INPUT_BYTES
         try:
-            conn.send([None if data is None else len(data) for data in jpegs])
-            conn.send_bytes(b"".join(data for data in jpegs if data is not None))
+            if shared:  # the bytes first: the child reads them as soon as it has the message
+                at = 0
+                for data in jpegs:
+                    if data is not None:
+                        area[at : at + len(data)] = data
+                        at += len(data)
+            conn.send((shared, lengths))
+            if not shared:
+                conn.send_bytes(b"".join(data for data in jpegs if data is not None))
             if not conn.poll(BATCH_TIMEOUT_S):
                 raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
             kind, value = conn.recv()
@@ -118,9 +145,18 @@ class DecodeProcess:
     def _start(self) -> None:
         context = torch_mp.get_context("spawn")
         parent, child = context.Pipe()
+        # A file mapped by both, unlinked once the child has it: nothing is left behind.
+        fd, path = tempfile.mkstemp(
+            prefix="stoker-decode-", dir=SHM_ROOT if SHM_ROOT.is_dir() else None
+        )
+        try:
+            os.ftruncate(fd, INPUT_BYTES)
+            area = mmap.mmap(fd, INPUT_BYTES)
+        finally:
+            os.close(fd)
         process = context.Process(
             target=serve,
-            args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg),
+            args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg, path),
             name=f"stoker-decode-{self.label}",
             daemon=True,
         )
@@ -137,8 +173,12 @@ class DecodeProcess:
             process.kill()
             process.join()
             parent.close()
+            area.close()
             raise RuntimeError(f"decode process {self.label} did not start: {exc}") from exc
-        self._process, self._conn = process, parent
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._process, self._conn, self._input = process, parent, area
         self.starts += 1
         log.info(
             "decode process %s (pid %d) ready on %s in %.1f s",
@@ -149,8 +189,10 @@ class DecodeProcess:
         )
 
     def _stop(self, kill: bool = False) -> None:
-        process, conn = self._process, self._conn
-        self._process = self._conn = None
+        process, conn, area = self._process, self._conn, self._input
+        self._process = self._conn = self._input = None
+        if area is not None:
+            area.close()
         if conn is not None:
             if not kill:
                 with contextlib.suppress(OSError):
@@ -180,26 +222,31 @@ def serve(
     device: str,
     buffer: torch.Tensor,
     decode_jpeg: JpegDecode | None,
+    input_path: str,
 ) -> None:
-    """The child: decode each batch the parent sends into ``buffer`` until it sends None or
-    goes away."""
+    """The child: decode each batch the parent sends (its bytes in the input area at
+    ``input_path``, or over the pipe) into ``buffer``, until it sends None or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's drain stops us, not a Ctrl-C
     try:
+        with open(input_path, "r+b") as file:
+            area = mmap.mmap(file.fileno(), 0)
         decoder = TorchImageDecoder(spec, device, decode_jpeg)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
+    shared_bytes = memoryview(area)
     while True:
         try:
-            lengths = conn.recv()
-            if lengths is None:
+            message = conn.recv()
+            if message is None:
                 return
-            blob = conn.recv_bytes()
+            shared, lengths = message
+            blob: bytes | memoryview = shared_bytes if shared else conn.recv_bytes()
         except (EOFError, OSError):
             return
         try:
-            jpegs: list[bytes | None] = []
+            jpegs: list[bytes | memoryview | None] = []
             at = 0
             for length in lengths:
                 jpegs.append(None if length is None else blob[at : at + length])

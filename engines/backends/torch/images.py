@@ -116,7 +116,7 @@ class TorchImageDecoder:
         self._lock = threading.Lock()
         self._weights = lru_cache(maxsize=CACHED_WEIGHTS)(self._weights_on_device)
 
-    def decode(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
+    def decode(self, jpegs: Sequence[bytes | memoryview | None]) -> tuple[DeviceRows, list[bool]]:
         """The batch's rows on the device, in the spec's layout, and for each whether it was
         decoded: False for None (not for this decoder) and for an image the device decoder
         refused, whose row is left for the caller to fill (``DeviceRows.put``)."""
@@ -203,7 +203,7 @@ class TorchImageDecoder:
             groups += _sliced(sorted(members), height * width)
         return groups
 
-    def _decode_all(self, jpegs: Sequence[bytes | None]) -> list[torch.Tensor | None]:
+    def _decode_all(self, jpegs: Sequence[bytes | memoryview | None]) -> list[torch.Tensor | None]:
         """The batch in one call; if any image fails it, each image alone, so one bad image
         costs only itself."""
         picked = [i for i, data in enumerate(jpegs) if data is not None]

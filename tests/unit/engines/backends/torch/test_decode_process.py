@@ -71,6 +71,27 @@ def test_a_batch_larger_than_the_buffer_goes_through_it_in_parts(process: Any) -
             assert not host[i].any()  # left for the caller's CPU decode
 
 
+def test_parts_fit_the_shared_input_and_a_larger_image_goes_over_the_pipe(
+    process: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With an input area smaller than the largest photo (as if it were a 20 MB upload),
+    batches split by bytes as well as rows, the photos over the limit cross the pipe
+    alone, and every row is still the in-process decoder's."""
+    from engines.backends.torch import decode_process
+
+    photos = sample_jpegs()
+    sizes = sorted(len(photo) for photo in photos)
+    monkeypatch.setattr(decode_process, "INPUT_BYTES", (sizes[0] + sizes[-1]) // 2)
+    assert any(len(photo) > decode_process.INPUT_BYTES for photo in photos)
+    uploads: list[bytes | None] = [*photos, *reversed(photos)]
+    for _ in range(3):  # the same area reused part after part
+        rows, ok = process(uploads)
+        assert ok == [True] * len(uploads)
+        for data, row in zip(uploads, np.asarray(rows), strict=True):
+            alone, _ = in_process([data])
+            assert np.abs(row.astype(np.int16) - alone[0]).max() <= 1  # padded otherwise
+
+
 def test_the_rows_handed_back_are_not_the_next_batchs(process: Any) -> None:
     first, second = sample_jpegs()[:2]
     rows, _ = process([first])
