@@ -3,6 +3,8 @@ or none (the CPU decodes them), and the queue that gathers uploads into their ba
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 from app.engine import images
 from app.engine.repository import ModelEntry
 from app.metrics import ModelMetrics
@@ -33,16 +35,21 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
         ]
     from engines.backends.torch.decode_process import DecodeProcess
 
-    started: list[DecodeProcess] = []
-    try:
-        for i in range(settings.models.decode_processes):
-            rows = settings.models.decode_batch
-            started.append(DecodeProcess(prep, device, rows, label=f"{config.name}-{i}"))
-    except BaseException:
-        for process in started:
-            process.close()
-        raise
-    return list(started)
+    def start(i: int) -> DecodeProcess:
+        rows = settings.models.decode_batch
+        return DecodeProcess(prep, device, rows, label=f"{config.name}-{i}")
+
+    # Side by side: each child's import of torch and its CUDA context take seconds.
+    count = settings.models.decode_processes
+    with ThreadPoolExecutor(count, thread_name_prefix="decode-start") as pool:
+        futures = [pool.submit(start, i) for i in range(count)]
+    failed = [error for future in futures if (error := future.exception()) is not None]
+    if failed:
+        for future in futures:
+            if future.exception() is None:
+                future.result().close()
+        raise failed[0]
+    return [future.result() for future in futures]
 
 
 def describe_decoding(settings: Settings, on_gpu: bool) -> str:
