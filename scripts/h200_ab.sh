@@ -35,14 +35,16 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         done
         for load in ${AB_LOADS:-u8:32:8,32 u8:1:256}; do
             IFS=: read -r payload rows clients <<<"$load"
-            if [ "$payload" = jpeg ]; then
+            protocol=${AB_PROTOCOL:-http}
+            if [ "$payload" = jpeg ]; then  # uploads are HTTP's alone
                 what=(--payload jpeg --images "$JPEG_IMAGES" --distinct 48)
+                protocol=http
             else
                 what=(--model-version fp16 --uint8 --payload v2-binary)
             fi
             timeout 90 python3 -m bench --url "$url" --model resnet50 --repository "$repo" \
                 "${what[@]}" --rows "$rows" --concurrency "$clients" \
-                --workers 4 --duration "${DURATION:-4}" --warmup 1 --protocol "${AB_PROTOCOL:-http}" \
+                --workers 4 --duration "${DURATION:-4}" --warmup "${WARMUP:-1}" --protocol "$protocol" \
                 --json "$OUT/${name}_${payload}${rows}.json" >"$OUT/${name}_${payload}${rows}.log" 2>&1
         done
         grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
