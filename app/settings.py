@@ -174,16 +174,18 @@ class ModelRepositorySettings(BaseModel):
     """Most JPEG uploads decoded together on the GPU (uploads of concurrent requests are
     gathered while the previous batch decodes)."""
     decode_workers: int = Field(default=1, gt=0)
-    """GPU JPEG decoders per model, each on a CUDA stream and thread of its own, so the CPU
-    side of one batch (JPEG parsing, kernel launches) overlaps another's. Two decoded 1.4x
-    the images of one on an H200 alone, but the service was slower with two in the one run
-    measured (BENCHMARKS.md, run 26): one until that is understood."""
-    decode_processes: int = Field(default=0, ge=0)
-    """GPU JPEG decoders per model in processes of their own (spawned by the engine, rows
-    handed back on the GPU), in place of ``decode_workers`` threads: a decoder in the engine
-    process shares its GIL with the event loop and the runners, one in a process of its own
-    does not. Each costs a CUDA context (~0.5 GiB of GPU memory) and a few seconds at load.
-    0: the decoders run in the engine's threads."""
+    """GPU JPEG decoders per model in threads of the engine (each on a CUDA stream of its
+    own), where ``decode_processes`` is 0. They share the engine's GIL with its event loop
+    and runners: three threads served 0.62-0.82 of what two processes did on an H200
+    (BENCHMARKS.md, run 36)."""
+    decode_processes: int = Field(default=2, ge=0)
+    """GPU JPEG decoders per model in processes of their own, spawned by the engine: the
+    JPEG bytes go to them through shared memory and the decoded rows come back on the GPU
+    (CUDA IPC), so their Python work does not take the engine's GIL. On an H200 two served
+    1.32x the photos of one decoder thread at 256 clients and 1.34x at 16 photos a request
+    (BENCHMARKS.md, run 35); three, 0.93-0.99 of two at one photo a request and 1.14x at 16
+    (run 36). Each costs a CUDA context (~0.5 GiB of GPU memory) and seconds at load. 0:
+    ``decode_workers`` threads in the engine instead. Unused where uploads decode on the CPU."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""

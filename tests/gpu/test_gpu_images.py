@@ -256,7 +256,7 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
     gpu_server: Server, coffee_jpeg: bytes
 ) -> None:
     log = gpu_server.log.read_text()
-    assert "torch backend" in log and "JPEG uploads decoded on the GPU" in log
+    assert "torch backend" in log and "JPEG uploads decoded on the GPU (2 decode processes)" in log
     assert "pixels normalised on the device" in log
 
     labels = {"model": "efficientnet_lite0", "version": "fp32"}
@@ -281,10 +281,11 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
 
 
 @pytest.fixture(scope="module")
-def gpu_server_decode_processes(
+def gpu_server_decode_threads(
     efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The same service with its JPEG decoders in two processes of their own."""
+    """The same service with its JPEG decoder in a thread of the engine, not in the
+    processes of their own that it has by default."""
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
     root = tmp_path_factory.mktemp("gpu-serve-decode")
     shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
@@ -292,17 +293,19 @@ def gpu_server_decode_processes(
     server = start_server(
         root / "repo",
         root / "server.log",
-        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__DECODE_PROCESSES": "2"},
+        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__DECODE_PROCESSES": "0"},
     )
     yield server
     stop_server(server)
 
 
-def test_decode_processes_serve_uploads_with_the_rows_on_the_gpu(
-    gpu_server_decode_processes: Server, coffee_jpeg: bytes
+def test_a_decoder_thread_in_the_engine_serves_uploads_as_the_processes_do(
+    gpu_server_decode_threads: Server, coffee_jpeg: bytes
 ) -> None:
-    server = gpu_server_decode_processes
-    assert "JPEG uploads decoded on the GPU (2 decode processes)" in server.log.read_text()
+    server = gpu_server_decode_threads
+    assert "JPEG uploads decoded on the GPU (1 decoder thread in the engine)" in (
+        server.log.read_text()
+    )
     labels = {"model": "efficientnet_lite0", "version": "fp32"}
 
     def decoded(device: str) -> float:
