@@ -3,6 +3,7 @@ or none (the CPU decodes them), and the queue that gathers uploads into their ba
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from app.engine import images
@@ -11,6 +12,9 @@ from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
 from engines.devices.options import GPU_BACKENDS
+from engines.preprocess import ImagePreprocess
+
+log = logging.getLogger(__name__)
 
 
 def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[images.BatchDecode]:
@@ -27,19 +31,28 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
         raise RuntimeError("image_decode is gpu, but torchvision with CUDA is not available")
     device = f"cuda:{config.gpus[0] if config.gpus else 0}"
     prep = config.preprocess.with_datatype("UINT8")
-    if not settings.models.decode_processes:
-        from engines.backends.torch.images import TorchImageDecoder
+    if settings.models.decode_processes:
+        try:
+            return decode_processes(prep, device, config.name, settings)
+        except RuntimeError as error:
+            # Spawning, CUDA IPC or /dev/shm refused here: the engine's threads still decode
+            # on the GPU, as they did before decoders had processes.
+            log.error("%s; JPEG uploads decoded in threads of the engine instead", error)
+    from engines.backends.torch.images import TorchImageDecoder
 
-        return [
-            TorchImageDecoder(prep, device).decode for _ in range(settings.models.decode_workers)
-        ]
+    return [TorchImageDecoder(prep, device).decode for _ in range(settings.models.decode_workers)]
+
+
+def decode_processes(
+    prep: ImagePreprocess, device: str, name: str, settings: Settings
+) -> list[images.BatchDecode]:
+    """``decode_processes`` children started side by side (each child's import of torch and
+    its CUDA context take seconds); if one fails, the others are closed and its error raised."""
     from engines.backends.torch.decode_process import DecodeProcess
 
     def start(i: int) -> DecodeProcess:
-        rows = settings.models.decode_batch
-        return DecodeProcess(prep, device, rows, label=f"{config.name}-{i}")
+        return DecodeProcess(prep, device, settings.models.decode_batch, label=f"{name}-{i}")
 
-    # Side by side: each child's import of torch and its CUDA context take seconds.
     count = settings.models.decode_processes
     with ThreadPoolExecutor(count, thread_name_prefix="decode-start") as pool:
         futures = [pool.submit(start, i) for i in range(count)]
@@ -52,15 +65,17 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
     return [future.result() for future in futures]
 
 
-def describe_decoding(settings: Settings, on_gpu: bool) -> str:
+def describe_decoding(decoders: list[images.BatchDecode]) -> str:
     """Where JPEG uploads decode, for the load's log line."""
-    if not on_gpu:
+    if not decoders:
         return "CPU"
-    processes = settings.models.decode_processes
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    processes = sum(isinstance(decoder, DecodeProcess) for decoder in decoders)
     if processes:
         return f"GPU ({processes} decode process{'es' if processes > 1 else ''})"
-    workers = settings.models.decode_workers
-    return f"GPU ({workers} decoder thread{'s' if workers > 1 else ''} in the engine)"
+    threads = len(decoders)
+    return f"GPU ({threads} decoder thread{'s' if threads > 1 else ''} in the engine)"
 
 
 def close_decoders(decoders: list[images.BatchDecode]) -> None:

@@ -440,7 +440,7 @@ async def load(
         pool.size,
         f" on GPUs {config.gpus}" if config.gpus else "",
         "device" if policy.on_device else "CPU",
-        describe_decoding(settings, decoder is not None),
+        describe_decoding(decoders),
         time.perf_counter() - started,
     )
     return LoadedModel(

@@ -12,7 +12,8 @@ for 64 rows on an H200), which frees the buffer for the next batch. Nothing deco
 through the host.
 
 A child that dies or hangs costs the batch it held (the caller decodes it on the CPU) and is
-started again for the next one.
+started again for the next one; one that cannot start is tried again ``RETRY_S`` later, the
+batches meanwhile refused at once (decoded on the CPU), not each paying for a start.
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ log = logging.getLogger(__name__)
 # A child's import of torch and torchvision and its CUDA context: seconds, more on a busy host.
 START_TIMEOUT_S = 120.0
 # One batch in the child; far above what a batch takes (milliseconds), so only a hung child.
-BATCH_TIMEOUT_S = 60.0
-# The shared input area: the JPEG bytes of one part of a batch (64 photos of 1 MB).
-INPUT_BYTES = 64 << 20
+BATCH_TIMEOUT_S = 10.0
+# The shared input area: the JPEG bytes of one part of a batch (64 photos of 256 KB), taken
+# from /dev/shm at start (Docker's default /dev/shm is 64 MiB).
+INPUT_BYTES = 16 << 20
+# After a start that failed, batches go to the CPU for this long before the next try.
+RETRY_S = 30.0
 SHM_ROOT = Path("/dev/shm")
 
 
@@ -81,6 +85,8 @@ class DecodeProcess:
         self._process: Any = None
         self._conn: Connection | None = None
         self._input: mmap.mmap | None = None
+        self._closed = False
+        self._retry_at = 0.0
         self.starts = 0
         self._start()
 
@@ -90,15 +96,28 @@ class DecodeProcess:
 
     def __call__(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
         """The batch's rows on the device (the parent's copy) and, per image, whether it was
-        decoded (False for None and for an image the device refused: the caller fills it)."""
+        decoded (False for None and for an image the device refused: the caller fills it).
+        Raises RuntimeError when the child fails (the caller decodes the batch elsewhere)."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError(f"decode process {self.label} is closed")
             if self._conn is None:
+                if time.monotonic() < self._retry_at:
+                    raise RuntimeError(f"decode process {self.label} is down; retried later")
                 self._start()
-            parts = [self._decode_part(part) for part in self._parts(jpegs)]
-        if len(parts) == 1:
-            return parts[0]
-        rows = torch.cat([part[0].tensor for part in parts])
-        return DeviceRows(rows), [good for part in parts for good in part[1]]
+            ok: list[bool] = []
+            with torch.no_grad(), self._on_stream():
+                rows = torch.empty(
+                    (len(jpegs), *self.spec.row_shape()), dtype=torch.uint8, device=self.device
+                )
+                for part in self._parts(jpegs):
+                    # Each part's rows out of the buffer before the child writes the next.
+                    at = len(ok)
+                    ok += self._decode_part(part)
+                    rows[at : len(ok)].copy_(self._buffer[: len(part)])
+                    if self._stream is not None:
+                        self._stream.synchronize()
+        return DeviceRows(rows), ok
 
     def _parts(self, jpegs: Sequence[bytes | None]) -> Iterator[Sequence[bytes | None]]:
         """The batch in parts of at most ``rows`` images whose bytes fit the input area (an
@@ -113,7 +132,8 @@ class DecodeProcess:
         if start < len(jpegs):
             yield jpegs[start:]
 
-    def _decode_part(self, jpegs: Sequence[bytes | None]) -> tuple[DeviceRows, list[bool]]:
+    def _decode_part(self, jpegs: Sequence[bytes | None]) -> list[bool]:
+        """One part through the child, its rows left in the buffer; whether each decoded."""
         conn, area = self._conn, self._input
         assert conn is not None and area is not None
         lengths = [None if data is None else len(data) for data in jpegs]
@@ -136,48 +156,61 @@ class DecodeProcess:
             raise RuntimeError(f"decode process {self.label} failed: {exc}") from exc
         if kind != "ok":
             raise RuntimeError(f"decode process {self.label}: {value}")
-        with self._on_stream():
-            rows = self._buffer[: len(jpegs)].clone()
-            if self._stream is not None:
-                self._stream.synchronize()  # the buffer is the next batch's once this is done
-        return DeviceRows(rows), list(value)
+        return list(value)
 
     def _start(self) -> None:
+        """Start a child and wait until it is ready; on any failure nothing is left behind
+        (no process, pipe or /dev/shm file), the error is a RuntimeError and the next start
+        waits ``RETRY_S``."""
         context = torch_mp.get_context("spawn")
-        parent, child = context.Pipe()
-        # A file mapped by both, unlinked once the child has it: nothing is left behind.
-        fd, path = tempfile.mkstemp(
-            prefix="stoker-decode-", dir=SHM_ROOT if SHM_ROOT.is_dir() else None
-        )
-        try:
-            os.ftruncate(fd, INPUT_BYTES)
-            area = mmap.mmap(fd, INPUT_BYTES)
-        finally:
-            os.close(fd)
-        process = context.Process(
-            target=serve,
-            args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg, path),
-            name=f"stoker-decode-{self.label}",
-            daemon=True,
-        )
         started = time.perf_counter()
-        process.start()
-        child.close()
+        path = None
+        parent = child = process = area = None
         try:
+            parent, child = context.Pipe()
+            # A file mapped by both, unlinked once the child has it: nothing is left behind.
+            fd, path = tempfile.mkstemp(
+                prefix="stoker-decode-", dir=SHM_ROOT if SHM_ROOT.is_dir() else None
+            )
+            try:
+                # Taken now: a full /dev/shm is this error, not a SIGBUS at the first write.
+                if hasattr(os, "posix_fallocate"):
+                    os.posix_fallocate(fd, 0, INPUT_BYTES)
+                else:
+                    os.ftruncate(fd, INPUT_BYTES)
+                area = mmap.mmap(fd, INPUT_BYTES)
+            finally:
+                os.close(fd)
+            process = context.Process(
+                target=serve,
+                args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg, path),
+                name=f"stoker-decode-{self.label}",
+                daemon=True,
+            )
+            process.start()
+            child.close()
             if not parent.poll(START_TIMEOUT_S):
                 raise TimeoutError(f"not ready in {START_TIMEOUT_S:g} s")
             kind, value = parent.recv()
             if kind != "ready":
                 raise RuntimeError(str(value))
-        except (OSError, EOFError, TimeoutError, RuntimeError) as exc:
-            process.kill()
-            process.join()
-            parent.close()
-            area.close()
+        except BaseException as exc:
+            if process is not None and process.pid is not None:
+                process.kill()
+                process.join()
+            for end in (parent, child):
+                if end is not None:
+                    end.close()
+            if area is not None:
+                area.close()
+            self._retry_at = time.monotonic() + RETRY_S
+            if not isinstance(exc, Exception):
+                raise
             raise RuntimeError(f"decode process {self.label} did not start: {exc}") from exc
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         self._process, self._conn, self._input = process, parent, area
         self.starts += 1
         log.info(
@@ -208,6 +241,7 @@ class DecodeProcess:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             self._stop()
 
     def _on_stream(self) -> contextlib.AbstractContextManager[object]:

@@ -6,9 +6,12 @@ buffer goes in parts, a child that dies costs only the batch it held, and closin
 
 from __future__ import annotations
 
+import errno
 import io
 import os
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -117,11 +120,80 @@ def test_a_child_that_dies_costs_its_batch_and_is_started_again() -> None:
         decoder.close()
 
 
-def test_closing_ends_the_child() -> None:
+def shm_files() -> set[Path]:
+    from engines.backends.torch import decode_process
+
+    return set(decode_process.SHM_ROOT.glob("stoker-decode-*"))
+
+
+def test_closing_ends_the_child_and_leaves_no_file() -> None:
+    before = shm_files()
     decoder = start(rows=1)
     pid = decoder.pid
     assert pid is not None
+    assert shm_files() == before  # unlinked once the child mapped it
     decoder.close()
     with pytest.raises(ProcessLookupError):  # exited and reaped
         os.kill(pid, 0)
     assert decoder.pid is None
+    with pytest.raises(RuntimeError, match="closed"):  # and no new child for a late call
+        decoder([sample_jpegs()[0]])
+    assert decoder.starts == 1
+
+
+def test_a_start_that_fails_leaves_nothing_and_batches_are_refused_until_the_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full /dev/shm at a restart: a RuntimeError (the caller decodes on the CPU), no file
+    and no process left, and the batches that follow are refused at once rather than each
+    paying for another start, until ``RETRY_S`` has passed."""
+    from engines.backends.torch import decode_process
+
+    photo = sample_jpegs()[0]
+    before = shm_files()
+    decoder = start(rows=2)
+    try:
+        dead = decoder.pid
+        assert dead is not None
+        os.kill(dead, 9)
+        with pytest.raises(RuntimeError, match="failed"):
+            decoder([photo])  # the batch the dead child held
+
+        def full(fd: int, offset: int, length: int) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "posix_fallocate", full)  # the module calls os.posix_fallocate
+        monkeypatch.setattr(decode_process, "RETRY_S", 3600.0)
+        with pytest.raises(RuntimeError, match=r"did not start.*No space left"):
+            decoder([photo])
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="retried later"):
+            decoder([photo])
+        assert time.monotonic() - started < 5  # no spawn was tried
+        assert decoder.starts == 1 and decoder.pid is None
+        assert shm_files() == before
+    finally:
+        decoder.close()
+
+
+def sleepy_decode(data: Any, device: Any = None) -> Any:
+    """A decoder that hangs (a stand-in for a stuck device call)."""
+    time.sleep(600)
+
+
+def test_a_child_that_hangs_is_killed_after_the_batch_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engines.backends.torch import decode_process
+
+    monkeypatch.setattr(decode_process, "BATCH_TIMEOUT_S", 1.0)
+    decoder = decode_process.DecodeProcess(SPEC, "cpu", 2, sleepy_decode, label="test")
+    try:
+        pid = decoder.pid
+        assert pid is not None
+        with pytest.raises(RuntimeError, match="no answer in 1 s"):
+            decoder([sample_jpegs()[0]])
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.kill(pid, 0)
+    finally:
+        decoder.close()
