@@ -34,3 +34,57 @@ def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
     assert model_decoders.gpu_decoders(entry(), "torch", Settings()) == []  # no uploads at all
     with pytest.raises(RuntimeError, match="torchvision with CUDA is not available"):
         decoders("gpu", "onnxruntime")
+
+
+def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where spawning, CUDA IPC or /dev/shm fail at load, the model still decodes on the GPU,
+    in threads of the engine (``decode_workers`` of them), and the log says why; where they
+    start, the model gets the processes and the log line names them."""
+    pytest.importorskip("torch", reason="the decoders are torch's (the reference extra)")
+    from engines import backends
+    from engines.backends.torch import decode_process
+    from engines.backends.torch import images as torch_images
+
+    class Threaded:
+        def __init__(self, spec: object, device: str) -> None:
+            self.device = device
+
+        def decode(self, jpegs: object) -> object:
+            raise AssertionError("not called here")
+
+    started: list[str] = []
+
+    class Refused:
+        def __init__(self, spec: object, device: str, rows: int, label: str = "") -> None:
+            started.append(label)
+            raise RuntimeError(f"decode process {label} did not start: no /dev/shm")
+
+    class Started(decode_process.DecodeProcess):
+        def __init__(self, spec: object, device: str, rows: int, label: str = "") -> None:
+            started.append(label)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(backends, "gpu_image_decode_available", lambda: True)
+    monkeypatch.setattr(torch_images, "TorchImageDecoder", Threaded)
+    settings = Settings(models={"decode_processes": 2, "decode_workers": 3})  # type: ignore[arg-type]
+    with_prep = entry(preprocess={})
+
+    monkeypatch.setattr(decode_process, "DecodeProcess", Refused)
+    with caplog.at_level("ERROR", logger="app.engine.decoders"):
+        chosen = model_decoders.gpu_decoders(with_prep, "torch", settings)
+    assert sorted(started) == ["m-0", "m-1"]
+    assert len(chosen) == 3
+    assert all(getattr(d, "__self__", None).device == "cuda:0" for d in chosen)  # type: ignore[union-attr]
+    assert "did not start: no /dev/shm; JPEG uploads decoded in threads" in caplog.text
+    assert model_decoders.describe_decoding(chosen) == "GPU (3 decoder threads in the engine)"
+
+    started.clear()
+    monkeypatch.setattr(decode_process, "DecodeProcess", Started)
+    chosen = model_decoders.gpu_decoders(with_prep, "torch", settings)
+    assert sorted(started) == ["m-0", "m-1"] and len(chosen) == 2
+    assert model_decoders.describe_decoding(chosen) == "GPU (2 decode processes)"
+    assert model_decoders.describe_decoding([]) == "CPU"
