@@ -124,17 +124,18 @@ class BodyLimit:
         reserved = size
         self._reserve(address, reserved)
         received = 0
-        complete = False
+        complete = timed_out = False
         deadline = time.monotonic() + self.timeout_s
 
         async def limited() -> Message:
-            nonlocal received, reserved, complete
+            nonlocal received, reserved, complete, timed_out
             if complete:  # after the body: only the disconnect is left to wait for
                 return await receive()
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     message = await receive()
             except TimeoutError:
+                timed_out = True
                 http_refused(408, "body_timeout")
                 raise RequestTimeout(
                     f"{received} of {size or 'the'} body bytes arrived in {self.timeout_s:g} s"
@@ -157,8 +158,17 @@ class BodyLimit:
                 complete = True
             return message
 
+        async def answer(message: Message) -> None:
+            if message["type"] == "http.response.start" and timed_out:
+                # The body did not come: the server would wait on the rest of it (an early
+                # answer to a body that does come is fine, the server reads past it), and the
+                # client on the server. Close the connection after the 408.
+                headers = [(k, v) for k, v in message.get("headers", []) if k != b"connection"]
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+            await send(message)
+
         try:
-            await self.app(scope, limited, send)
+            await self.app(scope, limited, answer)
         finally:
             self._reserve(address, -reserved)
 
