@@ -80,10 +80,11 @@ def describe_decoding(decoders: list[images.BatchDecode]) -> str:
 
 def close_decoders(decoders: list[images.BatchDecode]) -> None:
     """End what the decoders hold: a ``DecodeProcess``'s child (a thread's decoder holds none)."""
+    from engines.backends.torch.decode_process import DecodeProcess
+
     for decoder in decoders:
-        closing = getattr(decoder, "close", None)
-        if closing is not None:
-            closing()
+        if isinstance(decoder, DecodeProcess):
+            decoder.close()
 
 
 def decode_queue(

@@ -234,78 +234,46 @@ def test_rows_in_registered_memory_are_read_by_dma_with_the_same_answers(
     arena.close()
 
 
-@pytest.fixture(scope="module")
-def gpu_server(
-    efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Server]:
+def serve_on_gpu(
+    efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]
+) -> Server:
     """A real ``stoker serve`` of the default model on the torch backend (FP32)."""
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
     root = tmp_path_factory.mktemp("gpu-serve")
     shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
     configure(root / "repo" / "efficientnet_lite0", {"precisions": ["fp32"], "runners": 2})
-    server = start_server(
-        root / "repo",
-        root / "server.log",
-        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__IMAGE_DECODE": "auto"},
+    return start_server(
+        root / "repo", root / "server.log", {"STOKER_MODELS__BACKEND": "torch", **env}
+    )
+
+
+@pytest.fixture(scope="module")
+def gpu_server(
+    efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Server]:
+    """The default service (its JPEG decoders in processes of their own)."""
+    server = serve_on_gpu(
+        efficientnet_dir, tmp_path_factory, {"STOKER_MODELS__IMAGE_DECODE": "auto"}
     )
     yield server
     stop_server(server)
-
-
-def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
-    gpu_server: Server, coffee_jpeg: bytes
-) -> None:
-    log = gpu_server.log.read_text()
-    assert "torch backend" in log and "JPEG uploads decoded on the GPU (2 decode processes)" in log
-    assert "pixels normalised on the device" in log
-
-    labels = {"model": "efficientnet_lite0", "version": "fp32"}
-
-    def decoded(device: str) -> float:
-        key = ("stoker_image_decode_total", tuple(sorted({**labels, "device": device}.items())))
-        return metric_samples(gpu_server).get(key, 0.0)
-
-    before = decoded("gpu"), decoded("cpu")
-
-    async def many() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=gpu_server.url, timeout=60) as client:
-            return await asyncio.gather(
-                *(client.post("/infer", content=coffee_jpeg, headers=JPEG) for _ in range(48))
-            )
-
-    for response in asyncio.run(many()):
-        assert response.status_code == 200, response.text
-        assert response.json()["predictions"][0][0]["label"] == "espresso"
-    # Every one of them went through nvJPEG, none fell back to Pillow.
-    assert (decoded("gpu"), decoded("cpu")) == (before[0] + 48, before[1])
 
 
 @pytest.fixture(scope="module")
 def gpu_server_decode_threads(
     efficientnet_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Server]:
-    """The same service with its JPEG decoder in a thread of the engine, not in the
-    processes of their own that it has by default."""
-    pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
-    root = tmp_path_factory.mktemp("gpu-serve-decode")
-    shutil.copytree(efficientnet_dir, root / "repo" / "efficientnet_lite0")
-    configure(root / "repo" / "efficientnet_lite0", {"precisions": ["fp32"], "runners": 2})
-    server = start_server(
-        root / "repo",
-        root / "server.log",
-        {"STOKER_MODELS__BACKEND": "torch", "STOKER_MODELS__DECODE_PROCESSES": "0"},
+    """The same service with its JPEG decoder in a thread of the engine."""
+    server = serve_on_gpu(
+        efficientnet_dir, tmp_path_factory, {"STOKER_MODELS__DECODE_PROCESSES": "0"}
     )
     yield server
     stop_server(server)
 
 
-def test_a_decoder_thread_in_the_engine_serves_uploads_as_the_processes_do(
-    gpu_server_decode_threads: Server, coffee_jpeg: bytes
-) -> None:
-    server = gpu_server_decode_threads
-    assert "JPEG uploads decoded on the GPU (1 decoder thread in the engine)" in (
-        server.log.read_text()
-    )
+def uploads_answer_espresso_all_on_the_gpu(server: Server, coffee_jpeg: bytes, count: int) -> None:
+    """``count`` concurrent uploads each answer espresso, and every one went through nvJPEG
+    (none fell back to Pillow)."""
     labels = {"model": "efficientnet_lite0", "version": "fp32"}
 
     def decoded(device: str) -> float:
@@ -317,13 +285,32 @@ def test_a_decoder_thread_in_the_engine_serves_uploads_as_the_processes_do(
     async def many() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             return await asyncio.gather(
-                *(client.post("/infer", content=coffee_jpeg, headers=JPEG) for _ in range(96))
+                *(client.post("/infer", content=coffee_jpeg, headers=JPEG) for _ in range(count))
             )
 
     for response in asyncio.run(many()):
         assert response.status_code == 200, response.text
         assert response.json()["predictions"][0][0]["label"] == "espresso"
-    assert (decoded("gpu"), decoded("cpu")) == (before[0] + 96, before[1])
+    assert (decoded("gpu"), decoded("cpu")) == (before[0] + count, before[1])
+
+
+def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
+    gpu_server: Server, coffee_jpeg: bytes
+) -> None:
+    log = gpu_server.log.read_text()
+    assert "torch backend" in log and "JPEG uploads decoded on the GPU (2 decode processes)" in log
+    assert "pixels normalised on the device" in log
+    uploads_answer_espresso_all_on_the_gpu(gpu_server, coffee_jpeg, 48)
+
+
+def test_a_decoder_thread_in_the_engine_serves_uploads_as_the_processes_do(
+    gpu_server_decode_threads: Server, coffee_jpeg: bytes
+) -> None:
+    server = gpu_server_decode_threads
+    assert "JPEG uploads decoded on the GPU (1 decoder thread in the engine)" in (
+        server.log.read_text()
+    )
+    uploads_answer_espresso_all_on_the_gpu(server, coffee_jpeg, 96)
 
 
 def test_uint8_pixels_on_the_gpu_answer_as_fp32_does(

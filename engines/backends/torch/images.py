@@ -232,8 +232,9 @@ class TorchImageDecoder:
 
 def pillow_decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: Any = None) -> Any:
     """torchvision's ``decode_jpeg`` signature on the CPU with Pillow (RGB, one tensor or a
-    list): a decoder for machines without torchvision, and the stand-in for nvJPEG in the
-    tests. An image Pillow cannot read raises RuntimeError, as nvJPEG's refusals do."""
+    list): the stand-in for nvJPEG with which the tests run the decoders without a GPU or
+    torchvision (a module-level function, so a decode process can import it). An image
+    Pillow cannot read raises RuntimeError, as nvJPEG's refusals do."""
     import io
 
     from PIL import Image

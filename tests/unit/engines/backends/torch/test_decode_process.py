@@ -103,15 +103,22 @@ def test_the_rows_handed_back_are_not_the_next_batchs(process: Any) -> None:
     np.testing.assert_array_equal(np.asarray(rows), kept)
 
 
+def killed(decoder: Any, photo: bytes) -> int:
+    """Kill ``decoder``'s child: the batch it is given next fails (the caller decodes it
+    elsewhere). The dead child's pid."""
+    dead = decoder.pid
+    assert dead is not None
+    os.kill(dead, 9)
+    with pytest.raises(RuntimeError, match="decode process test failed"):
+        decoder([photo])
+    return int(dead)
+
+
 def test_a_child_that_dies_costs_its_batch_and_is_started_again() -> None:
     photo = sample_jpegs()[0]
     decoder = start(rows=2)
     try:
-        dead = decoder.pid
-        assert dead is not None
-        os.kill(dead, 9)
-        with pytest.raises(RuntimeError, match="decode process test failed"):
-            decoder([photo])
+        dead = killed(decoder, photo)
         rows, ok = decoder([photo])  # a new child
         assert ok == [True] and decoder.starts == 2 and decoder.pid not in (None, dead)
         alone, _ = in_process([photo])
@@ -153,11 +160,7 @@ def test_a_start_that_fails_leaves_nothing_and_batches_are_refused_until_the_ret
     before = shm_files()
     decoder = start(rows=2)
     try:
-        dead = decoder.pid
-        assert dead is not None
-        os.kill(dead, 9)
-        with pytest.raises(RuntimeError, match="failed"):
-            decoder([photo])  # the batch the dead child held
+        killed(decoder, photo)
 
         def full(fd: int, offset: int, length: int) -> None:
             raise OSError(errno.ENOSPC, "No space left on device")
