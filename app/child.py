@@ -56,15 +56,23 @@ def watch_loading(
     task.add_done_callback(loaded)
 
 
-def profiled(path: str | None, call: Callable[..., T], *args: Any) -> T:
+def profiled(path: str | None, process: str, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)``, under cProfile when ``path`` is set (a pstats file written there at
-    exit: where the process's loop spent its time)."""
-    if not path:
-        return call(*args)
-    import cProfile
+    exit: where the process's loop spent its time), and sampled thread by thread when
+    ``STOKER_SAMPLE_DIR`` is set (``app.sampler``; ``process`` names the record)."""
+    from app.sampler import sampled
 
-    profiler = cProfile.Profile()
+    sampler = sampled(process)
     try:
-        return profiler.runcall(call, *args)
+        if not path:
+            return call(*args)
+        import cProfile
+
+        profiler = cProfile.Profile()
+        try:
+            return profiler.runcall(call, *args)
+        finally:
+            profiler.dump_stats(path)
     finally:
-        profiler.dump_stats(path)
+        if sampler is not None:
+            sampler.stop()

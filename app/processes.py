@@ -157,7 +157,9 @@ def front_end_main(
 
     folder = os.environ.get("STOKER_PROFILE_DIR")
     profile = str(Path(folder) / f"front-end-{number}-{os.getpid()}.pstats") if folder else None
-    raise SystemExit(profiled(profile, run_server, settings, make_app, [listener]))
+    raise SystemExit(
+        profiled(profile, f"front-end-{number}", run_server, settings, make_app, [listener])
+    )
 
 
 def bind(settings: Settings) -> socket.socket:

@@ -6,7 +6,9 @@ taken with ``--subprocesses --threads`` (collapsed stacks, one line a stack and 
 py-spy leaves idle threads out unless ``--idle`` is given, so a count is a sample of a thread
 running Python or native code. Per process: its busy samples by thread, then the functions
 that were on top of a stack (self) and those anywhere in it (inclusive), as a share of that
-process's busy samples. Functions are named without their line, so a function's lines add up.
+process's busy samples (of each thread's, with ``--by-thread``). ``app.sampler``'s records
+read the same; they keep idle threads, so a thread's share there is of wall time. Functions
+are named without their line, so a function's lines add up.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("record")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--by-thread",
+        action="store_true",
+        help="count each thread as a process of its own (a share is then of that thread's time)",
+    )
     args = parser.parse_args()
     threads: dict[str, Counter[str]] = defaultdict(Counter)
     own: dict[str, Counter[str]] = defaultdict(Counter)
@@ -44,6 +51,8 @@ def main() -> None:
         process = frames.pop(0) if frames[0].startswith("process ") else "process ?"
         process = process[:90]
         thread = frames.pop(0) if frames and frames[0].startswith("thread ") else "thread ?"
+        if args.by_thread:
+            process = f"{process} {thread}"[:120]
         threads[process][thread] += count
         names = [frame_name(f) for f in frames]
         if names:

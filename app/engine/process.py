@@ -455,5 +455,10 @@ def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     if os.environ.get("STOKER_PROFILE_DIR"):
         which = "engine.pstats" if gpu is None else f"engine-gpu{gpu}.pstats"
         profile = str(Path(os.environ["STOKER_PROFILE_DIR"]) / which)
-    code = profiled(profile, asyncio.run, run(settings, Path(control), one_device))
+    code = profiled(
+        profile,
+        "engine" if gpu is None else f"engine-gpu{gpu}",
+        asyncio.run,
+        run(settings, Path(control), one_device),
+    )
     raise SystemExit(code)
