@@ -59,8 +59,8 @@ def watch_loading(
 def profiled(path: str | None, process: str, call: Callable[..., T], *args: Any) -> T:
     """``call(*args)``, under cProfile when ``path`` is set (a pstats file written there at
     exit: where the process's loop spent its time), and sampled thread by thread when
-    ``STOKER_SAMPLE_DIR`` is set (``app.sampler``; ``process`` names the record)."""
-    from app.sampler import sampled
+    ``STOKER_SAMPLE_DIR`` is set (``engines.sampler``; ``process`` names the record)."""
+    from engines.sampler import sampled
 
     sampler = sampled(process)
     try:

@@ -5,7 +5,8 @@
 # time UINT8 32 images/request at c = 8 and 32 and batch-1 UINT8 at c=256, over AB_PROTOCOL
 # (http, or http,grpc); a table last. AB_LOADS replaces those loads: words of
 # payload:rows:clients, payload u8 (UINT8 binary V2) or jpeg (uploads of JPEG_IMAGES, real
-# photos, to POST /infer).
+# photos, to POST /infer). DURING_LOAD: a command run (bash -c) beside each load's client,
+# with LOAD_NAME set to the load's output path without its extension (h200_sampled.sh).
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
 #   AB_VAR=STOKER_MODELS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
@@ -42,10 +43,15 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
             else
                 what=(--model-version fp16 --uint8 --payload v2-binary)
             fi
+            if [ -n "${DURING_LOAD:-}" ]; then
+                LOAD_NAME="$OUT/${name}_${payload}${rows}" bash -c "$DURING_LOAD" &
+                during=$!
+            fi
             timeout 90 python3 -m bench --url "$url" --model resnet50 --repository "$repo" \
                 "${what[@]}" --rows "$rows" --concurrency "$clients" \
                 --workers 4 --duration "${DURATION:-4}" --warmup "${WARMUP:-1}" --protocol "$protocol" \
                 --json "$OUT/${name}_${payload}${rows}.json" >"$OUT/${name}_${payload}${rows}.log" 2>&1
+            [ -n "${DURING_LOAD:-}" ] && wait "$during"
         done
         grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
         kill -TERM $server 2>/dev/null

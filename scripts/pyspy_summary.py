@@ -6,7 +6,7 @@ taken with ``--subprocesses --threads`` (collapsed stacks, one line a stack and 
 py-spy leaves idle threads out unless ``--idle`` is given, so a count is a sample of a thread
 running Python or native code. Per process: its busy samples by thread, then the functions
 that were on top of a stack (self) and those anywhere in it (inclusive), as a share of that
-process's busy samples (of each thread's, with ``--by-thread``). ``app.sampler``'s records
+process's busy samples (of each thread's, with ``--by-thread``). ``engines.sampler``'s records
 read the same; they keep idle threads, so a thread's share there is of wall time. Functions
 are named without their line, so a function's lines add up.
 """

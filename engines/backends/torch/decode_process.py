@@ -36,6 +36,7 @@ import torch.multiprocessing as torch_mp
 
 from engines.backends.torch.images import DeviceRows, JpegDecode, TorchImageDecoder
 from engines.preprocess import ImagePreprocess
+from engines.sampler import sampled
 
 log = logging.getLogger(__name__)
 # A child's import of torch and torchvision and its CUDA context: seconds, more on a busy host.
@@ -261,6 +262,22 @@ def serve(
     """The child: decode each batch the parent sends (its bytes in the input area at
     ``input_path``, or over the pipe) into ``buffer``, until it sends None or goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's drain stops us, not a Ctrl-C
+    sampler = sampled("decode")
+    try:
+        _serve(conn, spec, device, buffer, decode_jpeg, input_path)
+    finally:
+        if sampler is not None:
+            sampler.stop()
+
+
+def _serve(
+    conn: Connection,
+    spec: ImagePreprocess,
+    device: str,
+    buffer: torch.Tensor,
+    decode_jpeg: JpegDecode | None,
+    input_path: str,
+) -> None:
     try:
         with open(input_path, "r+b") as file:
             area = mmap.mmap(file.fileno(), 0)

@@ -1,4 +1,5 @@
-"""A sampling profiler of every Python thread of a process, for diagnosis (``STOKER_SAMPLE_DIR``).
+"""A sampling profiler of every Python thread of a process, for diagnosis (``STOKER_SAMPLE_DIR``):
+the engine, the front ends and the decode processes each start one when it is set.
 
 cProfile (``STOKER_PROFILE_DIR``) follows the event loop's thread alone and charges each call
 its overhead; the engine's time at load is spread over its loop, its runners' threads and
@@ -6,7 +7,8 @@ its decoders' threads. This samples ``sys._current_frames()`` every ``interval_s
 thread of its own and counts each thread's stack, so a share of samples is a share of wall
 time, waits included (a loop idle in ``select`` shows as such). It needs the GIL to take a
 sample: how late its ticks come (written in the file's first line) says how contended the
-GIL was.
+GIL was. With ``STOKER_SAMPLE_WHILE`` set to a path, ticks count only while that file exists,
+so a benchmark can open the window on its measured load alone (after warm-up, not at load).
 
 The record is one line a stack, ``process NAME;thread NAME;f (file:line);... COUNT``
 (outermost first), the collapsed form flame-graph tools and ``scripts/pyspy_summary.py``
@@ -39,8 +41,11 @@ class Sampler:
     """Counts every thread's stack each ``interval_s`` until ``stop``, then writes them to
     ``path``."""
 
-    def __init__(self, path: Path, process: str, interval_s: float = 0.002) -> None:
+    def __init__(
+        self, path: Path, process: str, interval_s: float = 0.002, while_path: Path | None = None
+    ) -> None:
         self._path = path
+        self._while = while_path
         self._process = process
         self._interval = interval_s
         self._counts: Counter[tuple[str, tuple[str, ...]]] = Counter()
@@ -61,9 +66,12 @@ class Sampler:
             if pause > 0:
                 self._stopping.wait(pause)
             now = time.perf_counter()
-            self._lags.append(max(0.0, now - due))
-            if now - due > self._interval:  # behind by more than a tick: count from now
+            late = max(0.0, now - due)
+            if late > self._interval:  # behind by more than a tick: count from now
                 due = now
+            if self._while is not None and not self._while.exists():
+                continue
+            self._lags.append(late)
             names = {t.ident: t.name for t in threading.enumerate()}
             for ident, frame in sys._current_frames().items():
                 if ident != me:
@@ -91,10 +99,11 @@ class Sampler:
 
 def sampled(process: str) -> Sampler | None:
     """A started sampler writing ``$STOKER_SAMPLE_DIR/<process>-<pid>.txt`` when that is
-    set (``STOKER_SAMPLE_INTERVAL_MS``, default 2), else None."""
+    set (``STOKER_SAMPLE_INTERVAL_MS``, default 2; ``STOKER_SAMPLE_WHILE``), else None."""
     folder = os.environ.get("STOKER_SAMPLE_DIR")
     if not folder:
         return None
     interval = float(os.environ.get("STOKER_SAMPLE_INTERVAL_MS", "2")) / 1e3
     path = Path(folder) / f"{process}-{os.getpid()}.txt"
-    return Sampler(path, process, interval).start()
+    window = os.environ.get("STOKER_SAMPLE_WHILE")
+    return Sampler(path, process, interval, Path(window) if window else None).start()

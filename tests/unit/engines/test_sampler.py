@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from app.sampler import Sampler
+from engines.sampler import Sampler
 
 
 def spin_in_a_named_function(stop: threading.Event) -> None:
@@ -62,3 +62,21 @@ def test_each_thread_is_sampled_with_its_own_stack(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert "## process test:" in summary and "thread busy-one" in summary
+
+
+def test_ticks_count_only_while_the_window_file_exists(tmp_path: Path) -> None:
+    window = tmp_path / "open"
+    sampler = Sampler(tmp_path / "record.txt", "test", 0.001, while_path=window).start()
+    started = time.monotonic()
+    while time.monotonic() - started < 0.2:  # 200 ticks' time with the window shut
+        time.sleep(0.01)
+    shut = len(sampler._lags)
+    window.touch()
+    deadline = time.monotonic() + 30
+    while len(sampler._lags) < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    window.unlink()
+    sampler.stop()
+    assert shut == 0
+    assert len(sampler._lags) >= 20
+    assert (tmp_path / "record.txt").read_text().startswith("# test: ")
