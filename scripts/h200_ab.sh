@@ -7,6 +7,7 @@
 # payload:rows:clients, payload u8 (UINT8 binary V2) or jpeg (uploads of JPEG_IMAGES, real
 # photos, to POST /infer). DURING_LOAD: a command run (bash -c) beside each load's client,
 # with LOAD_NAME set to the load's output path without its extension (h200_sampled.sh).
+# The server's /metrics after its loads: metrics_<round>_<value>.txt.
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
 #   AB_VAR=STOKER_MODELS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
@@ -53,6 +54,7 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
                 --json "$OUT/${name}_${payload}${rows}.json" >"$OUT/${name}_${payload}${rows}.log" 2>&1
             [ -n "${DURING_LOAD:-}" ] && wait "$during"
         done
+        curl -s "$url/metrics" >"$OUT/metrics_$name.txt"
         grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
         kill -TERM $server 2>/dev/null
         wait $server

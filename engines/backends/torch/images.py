@@ -172,8 +172,7 @@ class TorchImageDecoder:
         if group == list(range(group[0], group[0] + len(group))):
             batch[group[0] : group[0] + len(group)].copy_(rows)
         else:
-            index = torch.tensor(group, device=self.device)
-            batch.index_copy_(0, index, rows.to(torch.uint8))
+            batch.index_copy_(0, self._to_device(np.asarray(group)), rows.to(torch.uint8))
 
     def _weights_on_device(
         self, size: int, resized: int, start: int, count: int, width: int
@@ -181,7 +180,16 @@ class TorchImageDecoder:
         """``bilinear_weights`` on the device, zero columns up to ``width`` (a bucket)."""
         weights = np.zeros((count, width), dtype=np.float32)
         weights[:, :size] = bilinear_weights(size, resized, start, count)
-        return torch.from_numpy(weights).to(self.device)
+        return self._to_device(weights)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        """``array`` on the device without waiting for the stream: a copy from pageable
+        memory would wait for every kernel queued before it (one stall a group of sizes);
+        from pinned memory it is queued like a kernel."""
+        host = torch.from_numpy(array)
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @staticmethod
     def _groups(images: list[torch.Tensor | None]) -> list[list[int]]:
