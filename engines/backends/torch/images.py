@@ -124,8 +124,18 @@ class TorchImageDecoder:
         with self._lock, torch.no_grad(), self._on_stream():
             batch = torch.zeros((len(jpegs), 3, crop, crop), dtype=torch.uint8, device=self.device)
             images = self._decode_all(jpegs)
-            for group in self._groups(images):
-                self._resize_group(batch, images, group)
+            groups = self._groups(images)
+            order = [i for group in groups for i in group]
+            # Each group's rows go to a slice of ``grouped`` in turn; one scatter then puts
+            # them in the batch's order (one index to the device a batch, not one a group).
+            in_order = order == list(range(len(jpegs)))
+            grouped = batch if in_order else torch.empty_like(batch[: len(order)])
+            at = 0
+            for group in groups:
+                self._resize_group(grouped[at : at + len(group)], images, group)
+                at += len(group)
+            if not in_order and order:
+                batch.index_copy_(0, self._to_device(np.asarray(order)), grouped)
             if self.spec.layout == "NHWC":
                 batch = batch.permute(0, 2, 3, 1).contiguous()
             if self._stream is not None:
@@ -134,9 +144,9 @@ class TorchImageDecoder:
         return DeviceRows(batch), [image is not None for image in images]
 
     def _resize_group(
-        self, batch: torch.Tensor, images: list[torch.Tensor | None], group: list[int]
+        self, out: torch.Tensor, images: list[torch.Tensor | None], group: list[int]
     ) -> None:
-        """Resize and crop the images of one group into their rows of ``batch``: in one
+        """Resize and crop the images of one group into ``out`` (a row each): in one
         float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between them,
         as Pillow rounds between its two passes). Images of one size share their weights
         (broadcast); a group of sizes within one ``BUCKET`` is padded with zeros to it, its
@@ -169,10 +179,7 @@ class TorchImageDecoder:
         # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
         across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
         rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
-        if group == list(range(group[0], group[0] + len(group))):
-            batch[group[0] : group[0] + len(group)].copy_(rows)
-        else:
-            batch.index_copy_(0, self._to_device(np.asarray(group)), rows.to(torch.uint8))
+        out.copy_(rows)
 
     def _weights_on_device(
         self, size: int, resized: int, start: int, count: int, width: int
@@ -180,12 +187,12 @@ class TorchImageDecoder:
         """``bilinear_weights`` on the device, zero columns up to ``width`` (a bucket)."""
         weights = np.zeros((count, width), dtype=np.float32)
         weights[:, :size] = bilinear_weights(size, resized, start, count)
-        return self._to_device(weights)
+        return torch.from_numpy(weights).to(self.device)  # once a size: cached
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """``array`` on the device without waiting for the stream: a copy from pageable
-        memory would wait for every kernel queued before it (one stall a group of sizes);
-        from pinned memory it is queued like a kernel."""
+        memory would wait for every kernel queued before it; from pinned memory it is
+        queued like a kernel."""
         host = torch.from_numpy(array)
         if self.device.type != "cuda":
             return host.to(self.device)
