@@ -186,6 +186,12 @@ class ModelRepositorySettings(BaseModel):
     (BENCHMARKS.md, run 35); three, 0.93-0.99 of two at one photo a request and 1.14x at 16
     (run 36). Each costs a CUDA context (~0.5 GiB of GPU memory) and seconds at load. 0:
     ``decode_workers`` threads in the engine instead. Unused where uploads decode on the CPU."""
+    decode_in_flight: int = Field(default=2, ge=1, le=8)
+    """Batches each decode process holds at once: while it decodes one, the next one's bytes
+    are already in its shared area, so it starts on it as soon as it answers (with one, a
+    process waited 31% of its time for that round trip at 256 clients, BENCHMARKS.md, run
+    40). Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides
+    its 16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""

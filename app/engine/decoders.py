@@ -47,11 +47,18 @@ def decode_processes(
     prep: ImagePreprocess, device: str, name: str, settings: Settings
 ) -> list[images.BatchDecode]:
     """``decode_processes`` children started side by side (each child's import of torch and
-    its CUDA context take seconds); if one fails, the others are closed and its error raised."""
+    its CUDA context take seconds); if one fails, the others are closed and its error raised.
+    Each is listed ``decode_in_flight`` times: the queue's threads call it that many at once."""
     from engines.backends.torch.decode_process import DecodeProcess
 
     def start(i: int) -> DecodeProcess:
-        return DecodeProcess(prep, device, settings.models.decode_batch, label=f"{name}-{i}")
+        return DecodeProcess(
+            prep,
+            device,
+            settings.models.decode_batch,
+            label=f"{name}-{i}",
+            slots=settings.models.decode_in_flight,
+        )
 
     count = settings.models.decode_processes
     with ThreadPoolExecutor(count, thread_name_prefix="decode-start") as pool:
@@ -62,7 +69,7 @@ def decode_processes(
             if future.exception() is None:
                 future.result().close()
         raise failed[0]
-    return [future.result() for future in futures]
+    return [future.result() for future in futures for _ in range(settings.models.decode_in_flight)]
 
 
 def describe_decoding(decoders: list[images.BatchDecode]) -> str:
@@ -71,9 +78,12 @@ def describe_decoding(decoders: list[images.BatchDecode]) -> str:
         return "CPU"
     from engines.backends.torch.decode_process import DecodeProcess
 
-    processes = sum(isinstance(decoder, DecodeProcess) for decoder in decoders)
+    processes = {id(decoder): decoder for decoder in decoders if isinstance(decoder, DecodeProcess)}
     if processes:
-        return f"GPU ({processes} decode process{'es' if processes > 1 else ''})"
+        count = len(processes)
+        slots = next(iter(processes.values())).slots
+        each = f"{slots} batch{'es' if slots > 1 else ''} in flight each"
+        return f"GPU ({count} decode process{'es' if count > 1 else ''}, {each})"
     threads = len(decoders)
     return f"GPU ({threads} decoder thread{'s' if threads > 1 else ''} in the engine)"
 
@@ -82,7 +92,7 @@ def close_decoders(decoders: list[images.BatchDecode]) -> None:
     """End what the decoders hold: a ``DecodeProcess``'s child (a thread's decoder holds none)."""
     from engines.backends.torch.decode_process import DecodeProcess
 
-    for decoder in decoders:
+    for decoder in {id(decoder): decoder for decoder in decoders}.values():
         if isinstance(decoder, DecodeProcess):
             decoder.close()
 

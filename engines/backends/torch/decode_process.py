@@ -11,7 +11,14 @@ decoded, and the parent copies the rows out of the buffer on the device (one cop
 for 64 rows on an H200), which frees the buffer for the next batch. Nothing decoded goes
 through the host.
 
-A child that dies or hangs costs the batch it held (the caller decodes it on the CPU) and is
+Each process takes ``slots`` batches at once (``models.decode_in_flight``): the next batch's
+bytes and message go while the child decodes the last, so the child starts it as soon as it
+answers, instead of waiting for the answer's round trip through the engine's thread and loop
+(31% of a child's time at 256 clients with one, BENCHMARKS.md, run 40). A slot is a part of
+the input area and of the rows buffer; the child answers in the order it was sent, and each
+caller takes its answer in that order.
+
+A child that dies or hangs costs the batches it held (the callers decode them on the CPU) and is
 started again for the next one; one that cannot start is tried again ``RETRY_S`` later, the
 batches meanwhile refused at once (decoded on the CPU), not each paying for a start.
 """
@@ -29,7 +36,7 @@ import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -54,9 +61,10 @@ SHM_ROOT = Path("/dev/shm")
 class DecodeProcess:
     """A batch decoder (``app.engine.images.BatchDecode``) whose work runs in a child process.
 
-    Called by one thread at a time (a ``DecodeQueue`` thread); ``rows`` is the most images
-    the shared buffer holds, a larger batch goes through it in parts. ``decode_jpeg`` as for
-    ``TorchImageDecoder`` (None: torchvision's), a module-level function the child imports.
+    Called by up to ``slots`` threads at once (``DecodeQueue`` threads), each batch in a
+    slot of its own; ``rows`` is the most images a slot of the shared buffer holds, a larger
+    batch goes through it in parts. ``decode_jpeg`` as for ``TorchImageDecoder`` (None:
+    torchvision's), a module-level function the child imports.
     """
 
     def __init__(
@@ -66,26 +74,32 @@ class DecodeProcess:
         rows: int,
         decode_jpeg: JpegDecode | None = None,
         label: str = "jpeg",
+        slots: int = 1,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
         self.label = label
+        self.slots = max(1, slots)
         self._decode_jpeg = decode_jpeg
         self._rows = max(1, rows)
         self._buffer = torch.zeros(
-            (self._rows, *spec.row_shape()), dtype=torch.uint8, device=self.device
+            (self.slots * self._rows, *spec.row_shape()), dtype=torch.uint8, device=self.device
         )
         if self.device.type == "cpu":
             self._buffer.share_memory_()  # type: ignore[no-untyped-call]
-        self._stream = (
+        self._streams = [
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             if self.device.type == "cuda"
             else None
-        )
-        self._lock = threading.Lock()
+            for _ in range(self.slots)
+        ]
+        self._lock = threading.Lock()  # the child's start and stop, and each part's sending
+        self._free = list(range(self.slots))
+        self._slot_free = threading.Condition()
         self._process: Any = None
         self._conn: Connection | None = None
         self._input: mmap.mmap | None = None
+        self._turns: _Turns | None = None
         self._closed = False
         self._retry_at = 0.0
         self.starts = 0
@@ -99,65 +113,98 @@ class DecodeProcess:
         """The batch's rows on the device (the parent's copy) and, per image, whether it was
         decoded (False for None and for an image the device refused: the caller fills it).
         Raises RuntimeError when the child fails (the caller decodes the batch elsewhere)."""
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"decode process {self.label} is closed")
-            if self._conn is None:
-                if time.monotonic() < self._retry_at:
-                    raise RuntimeError(f"decode process {self.label} is down; retried later")
-                self._start()
+        slot = self._take_slot()
+        try:
             ok: list[bool] = []
-            with torch.no_grad(), self._on_stream():
+            stream = self._streams[slot]
+            held = self._buffer[slot * self._rows : (slot + 1) * self._rows]
+            with torch.no_grad(), self._on_stream(stream):
                 rows = torch.empty(
                     (len(jpegs), *self.spec.row_shape()), dtype=torch.uint8, device=self.device
                 )
                 for part in self._parts(jpegs):
-                    # Each part's rows out of the buffer before the child writes the next.
+                    # Each part's rows out of the slot before the child writes the next.
                     at = len(ok)
-                    ok += self._decode_part(part)
-                    rows[at : len(ok)].copy_(self._buffer[: len(part)])
-                    if self._stream is not None:
-                        self._stream.synchronize()
-        return DeviceRows(rows), ok
+                    ok += self._decode_part(slot, part)
+                    rows[at : len(ok)].copy_(held[: len(part)])
+                    if stream is not None:
+                        stream.synchronize()
+            return DeviceRows(rows), ok
+        finally:
+            with self._slot_free:
+                self._free.append(slot)
+                self._slot_free.notify_all()
+
+    def _take_slot(self) -> int:
+        with self._slot_free:
+            while not self._free:
+                self._slot_free.wait()
+            return self._free.pop()
+
+    def _slot_bytes(self) -> int:
+        return INPUT_BYTES // self.slots
 
     def _parts(self, jpegs: Sequence[bytes | None]) -> Iterator[Sequence[bytes | None]]:
-        """The batch in parts of at most ``rows`` images whose bytes fit the input area (an
-        image larger than it alone)."""
-        start, size = 0, 0
+        """The batch in parts of at most ``rows`` images whose bytes fit a slot of the input
+        area (an image larger than it alone)."""
+        start, size, limit = 0, 0, self._slot_bytes()
         for at, data in enumerate(jpegs):
             length = 0 if data is None else len(data)
-            if at > start and (at - start == self._rows or size + length > INPUT_BYTES):
+            if at > start and (at - start == self._rows or size + length > limit):
                 yield jpegs[start:at]
                 start, size = at, 0
             size += length
         if start < len(jpegs):
             yield jpegs[start:]
 
-    def _decode_part(self, jpegs: Sequence[bytes | None]) -> list[bool]:
-        """One part through the child, its rows left in the buffer; whether each decoded."""
-        conn, area = self._conn, self._input
-        assert conn is not None and area is not None
+    def _decode_part(self, slot: int, jpegs: Sequence[bytes | None]) -> list[bool]:
+        """One part through the child, its rows left in the slot; whether each decoded."""
         lengths = [None if data is None else len(data) for data in jpegs]
-        shared = sum(length or 0 for length in lengths) <= INPUT_BYTES
+        with self._lock:  # one part's bytes and message together, and its turn
+            if self._closed:
+                raise RuntimeError(f"decode process {self.label} is closed")
+            if self._conn is None:
+                if time.monotonic() < self._retry_at:
+                    raise RuntimeError(f"decode process {self.label} is down; retried later")
+                self._start()
+            conn, area, turns = self._conn, self._input, self._turns
+            assert conn is not None and area is not None and turns is not None
+            slot_bytes = len(area) // self.slots
+            shared = sum(length or 0 for length in lengths) <= min(self._slot_bytes(), slot_bytes)
+            try:
+                if shared:  # the bytes first: the child reads them as soon as it has the message
+                    at = slot * slot_bytes
+                    for data in jpegs:
+                        if data is not None:
+                            area[at : at + len(data)] = data
+                            at += len(data)
+                conn.send((slot, shared, lengths))
+                if not shared:
+                    conn.send_bytes(b"".join(data for data in jpegs if data is not None))
+            except (OSError, EOFError) as exc:
+                self._failed(turns, exc)
+            turn = turns.take()
         try:
-            if shared:  # the bytes first: the child reads them as soon as it has the message
-                at = 0
-                for data in jpegs:
-                    if data is not None:
-                        area[at : at + len(data)] = data
-                        at += len(data)
-            conn.send((shared, lengths))
-            if not shared:
-                conn.send_bytes(b"".join(data for data in jpegs if data is not None))
-            if not conn.poll(BATCH_TIMEOUT_S):
-                raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
-            kind, value = conn.recv()
-        except (OSError, EOFError, TimeoutError) as exc:
-            self._stop(kill=True)
-            raise RuntimeError(f"decode process {self.label} failed: {exc}") from exc
+            turns.wait_for(turn)  # the child answers in the order it was sent
+            try:
+                if not conn.poll(BATCH_TIMEOUT_S):
+                    raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
+                kind, value = conn.recv()
+            except (OSError, EOFError, TimeoutError) as exc:
+                with self._lock:
+                    self._failed(turns, exc)
+        finally:
+            turns.done()
         if kind != "ok":
             raise RuntimeError(f"decode process {self.label}: {value}")
         return list(value)
+
+    def _failed(self, turns: _Turns, exc: BaseException) -> NoReturn:
+        """The child of ``turns`` failed: stopped (unless a new child already runs), and this
+        part's error raised. Called with ``_lock`` held."""
+        if self._turns is turns:
+            self._stop(kill=True)
+        raise RuntimeError(f"decode process {self.label} failed: {exc}") from exc
 
     def _start(self) -> None:
         """Start a child and wait until it is ready; on any failure nothing is left behind
@@ -184,7 +231,15 @@ class DecodeProcess:
                 os.close(fd)
             process = context.Process(
                 target=serve,
-                args=(child, self.spec, str(self.device), self._buffer, self._decode_jpeg, path),
+                args=(
+                    child,
+                    self.spec,
+                    str(self.device),
+                    self._buffer,
+                    self._decode_jpeg,
+                    path,
+                    self.slots,
+                ),
                 name=f"stoker-decode-{self.label}",
                 daemon=True,
             )
@@ -213,6 +268,7 @@ class DecodeProcess:
                 with contextlib.suppress(OSError):
                     os.unlink(path)
         self._process, self._conn, self._input = process, parent, area
+        self._turns = _Turns()
         self.starts += 1
         log.info(
             "decode process %s (pid %d) ready on %s in %.1f s",
@@ -224,7 +280,7 @@ class DecodeProcess:
 
     def _stop(self, kill: bool = False) -> None:
         process, conn, area = self._process, self._conn, self._input
-        self._process = self._conn = self._input = None
+        self._process = self._conn = self._input = self._turns = None
         if area is not None:
             area.close()
         if conn is not None:
@@ -241,14 +297,44 @@ class DecodeProcess:
                 process.join()
 
     def close(self) -> None:
+        """Refuse new batches, let those in flight finish, then stop the child."""
         with self._lock:
             self._closed = True
+        with self._slot_free:
+            while len(self._free) < self.slots:
+                self._slot_free.wait()
+        with self._lock:
             self._stop()
 
-    def _on_stream(self) -> contextlib.AbstractContextManager[object]:
-        if self._stream is None:
+    @staticmethod
+    def _on_stream(stream: Any) -> contextlib.AbstractContextManager[object]:
+        if stream is None:
             return contextlib.nullcontext()
-        return torch.cuda.stream(self._stream)
+        return torch.cuda.stream(stream)
+
+
+class _Turns:
+    """The order of one child's answers: each part sent takes the next turn, and takes its
+    answer from the pipe once every earlier turn has taken its own (or failed)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._answered = 0
+        self._changed = threading.Condition()
+
+    def take(self) -> int:
+        turn, self._next = self._next, self._next + 1
+        return turn
+
+    def wait_for(self, turn: int) -> None:
+        with self._changed:
+            while self._answered != turn:
+                self._changed.wait()
+
+    def done(self) -> None:
+        with self._changed:
+            self._answered += 1
+            self._changed.notify_all()
 
 
 def serve(
@@ -258,13 +344,15 @@ def serve(
     buffer: torch.Tensor,
     decode_jpeg: JpegDecode | None,
     input_path: str,
+    slots: int = 1,
 ) -> None:
-    """The child: decode each batch the parent sends (its bytes in the input area at
-    ``input_path``, or over the pipe) into ``buffer``, until it sends None or goes away."""
+    """The child: decode each batch the parent sends (its bytes in its slot of the input area
+    at ``input_path``, or over the pipe) into its slot of ``buffer``, until it sends None or
+    goes away."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's drain stops us, not a Ctrl-C
     sampler = sampled("decode")
     try:
-        _serve(conn, spec, device, buffer, decode_jpeg, input_path)
+        _serve(conn, spec, device, buffer, decode_jpeg, input_path, slots)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -277,6 +365,7 @@ def _serve(
     buffer: torch.Tensor,
     decode_jpeg: JpegDecode | None,
     input_path: str,
+    slots: int,
 ) -> None:
     try:
         with open(input_path, "r+b") as file:
@@ -286,14 +375,19 @@ def _serve(
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
+    slot_bytes, slot_rows = len(area) // slots, len(buffer) // slots
     shared_bytes = memoryview(area)
     while True:
         try:
             message = conn.recv()
             if message is None:
                 return
-            shared, lengths = message
-            blob: bytes | memoryview = shared_bytes if shared else conn.recv_bytes()
+            slot, shared, lengths = message
+            blob: bytes | memoryview = (
+                shared_bytes[slot * slot_bytes : (slot + 1) * slot_bytes]
+                if shared
+                else conn.recv_bytes()
+            )
         except (EOFError, OSError):
             return
         try:
@@ -303,7 +397,7 @@ def _serve(
                 jpegs.append(None if length is None else blob[at : at + length])
                 at += 0 if length is None else length
             rows, ok = decoder.decode(jpegs)
-            buffer[: len(jpegs)].copy_(rows.tensor)
+            buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
             if buffer.is_cuda:
                 torch.cuda.current_stream(buffer.device).synchronize()
             answer: tuple[str, Any] = ("ok", ok)

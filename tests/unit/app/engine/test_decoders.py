@@ -57,13 +57,18 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     started: list[str] = []
 
     class Refused:
-        def __init__(self, spec: object, device: str, rows: int, label: str = "") -> None:
+        def __init__(
+            self, spec: object, device: str, rows: int, label: str = "", slots: int = 1
+        ) -> None:
             started.append(label)
             raise RuntimeError(f"decode process {label} did not start: no /dev/shm")
 
     class Started(decode_process.DecodeProcess):
-        def __init__(self, spec: object, device: str, rows: int, label: str = "") -> None:
+        def __init__(
+            self, spec: object, device: str, rows: int, label: str = "", slots: int = 1
+        ) -> None:
             started.append(label)
+            self.slots = slots
 
         def close(self) -> None:
             pass
@@ -85,6 +90,9 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     started.clear()
     monkeypatch.setattr(decode_process, "DecodeProcess", Started)
     chosen = model_decoders.gpu_decoders(with_prep, "torch", settings)
-    assert sorted(started) == ["m-0", "m-1"] and len(chosen) == 2
-    assert model_decoders.describe_decoding(chosen) == "GPU (2 decode processes)"
+    # each process twice (decode_in_flight 2): the queue's threads call it two at once
+    assert sorted(started) == ["m-0", "m-1"] and len(chosen) == 4 and len(set(map(id, chosen))) == 2
+    assert model_decoders.describe_decoding(chosen) == (
+        "GPU (2 decode processes, 2 batches in flight each)"
+    )
     assert model_decoders.describe_decoding([]) == "CPU"

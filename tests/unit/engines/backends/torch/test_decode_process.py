@@ -1,7 +1,9 @@
 """A JPEG decoder in a process of its own (on the CPU, Pillow standing in for nvJPEG, the rows
 in shared memory where a GPU has them in CUDA IPC memory): the rows it hands back are the
 in-process decoder's, they stay the caller's after the next batch, a batch larger than its
-buffer goes in parts, a child that dies costs only the batch it held, and closing ends it.
+buffer goes in parts, a child that dies costs only the batch it held, and closing ends it;
+with two slots, the next batch goes to the child while it decodes the last, each caller gets
+its own rows, and a child that dies fails the batches it held.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -200,3 +203,144 @@ def test_a_child_that_hangs_is_killed_after_the_batch_timeout(
             os.kill(pid, 0)
     finally:
         decoder.close()
+
+
+def slow_decode(data: Any, device: Any = None) -> Any:
+    """Pillow, a quarter of a second a batch: long enough for a second batch to arrive."""
+    from engines.backends.torch.images import pillow_decode_jpeg
+
+    time.sleep(0.25)
+    return pillow_decode_jpeg(data, device)
+
+
+class Recorded:
+    """The parent's end of the pipe, with when each message went and each answer came."""
+
+    def __init__(self, conn: Any, events: list[tuple[str, int]]) -> None:
+        self._conn = conn
+        self._events = events
+
+    def send(self, message: Any) -> None:
+        self._events.append(("sent", threading.get_ident()))
+        self._conn.send(message)
+
+    def recv(self) -> Any:
+        answer = self._conn.recv()
+        self._events.append(("answered", threading.get_ident()))
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_two_batches_in_flight_are_each_answered_with_their_own_rows() -> None:
+    """Two threads call one process of two slots over and over, batches in parts (3 images
+    through slots of 2 rows): every batch gets the rows the in-process decoder gives it."""
+    from engines.backends.torch.decode_process import DecodeProcess
+    from engines.backends.torch.images import pillow_decode_jpeg
+
+    photos = sample_jpegs()
+    batches: list[list[bytes | None]] = [
+        [photos[0], photos[1], photos[2]],
+        [photos[3], None, photos[1]],
+    ]
+    wanted = [in_process(batch) for batch in batches]
+    decoder = DecodeProcess(SPEC, "cpu", 2, pillow_decode_jpeg, label="test", slots=2)
+    failures: list[str] = []
+
+    def caller(which: int) -> None:
+        for _ in range(6):
+            rows, ok = decoder(batches[which])
+            want_rows, want_ok = wanted[which]
+            if ok != want_ok or not np.array_equal(np.asarray(rows), want_rows):
+                failures.append(f"batch {which}: other rows")
+
+    try:
+        threads = [threading.Thread(target=caller, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert failures == [] and decoder.starts == 1
+    finally:
+        decoder.close()
+
+
+def test_the_next_batch_goes_to_the_child_before_the_last_is_answered() -> None:
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    photo = sample_jpegs()[0]
+    decoder = DecodeProcess(SPEC, "cpu", 2, slow_decode, label="test", slots=2)
+    events: list[tuple[str, int]] = []
+    decoder._conn = Recorded(decoder._conn, events)  # type: ignore[assignment]
+    try:
+        first = threading.Thread(target=decoder, args=([photo],))
+        first.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:  # the first batch is in the child
+            time.sleep(0.01)
+        second = threading.Thread(target=decoder, args=([photo],))
+        second.start()
+        first.join(timeout=60)
+        second.join(timeout=60)
+        kinds = [kind for kind, _ in events]
+        assert kinds == ["sent", "sent", "answered", "answered"], kinds
+        assert events[0][1] == events[2][1] == first.ident  # each took its own answer
+        assert events[1][1] == events[3][1] == second.ident
+    finally:
+        decoder.close()
+
+
+def test_a_child_that_dies_with_two_batches_fails_both_and_the_next_gets_a_new_one() -> None:
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    photo = sample_jpegs()[0]
+    decoder = DecodeProcess(SPEC, "cpu", 2, slow_decode, label="test", slots=2)
+    events: list[tuple[str, int]] = []
+    decoder._conn = Recorded(decoder._conn, events)  # type: ignore[assignment]
+    errors: list[str] = []
+
+    def call() -> None:
+        try:
+            decoder([photo])
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    try:
+        dead = decoder.pid
+        assert dead is not None
+        threads = [threading.Thread(target=call) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while len(events) < 2 and time.monotonic() < deadline:  # both sent, none answered
+            time.sleep(0.01)
+        assert [kind for kind, _ in events] == ["sent", "sent"]
+        os.kill(dead, 9)
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(errors) == 2 and all("decode process test failed" in e for e in errors)
+        rows, ok = decoder([photo])  # a new child
+        assert ok == [True] and decoder.starts == 2 and decoder.pid not in (None, dead)
+        np.testing.assert_array_equal(np.asarray(rows), in_process([photo])[0])
+    finally:
+        decoder.close()
+
+
+def test_closing_lets_the_batch_in_flight_finish() -> None:
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    photo = sample_jpegs()[0]
+    decoder = DecodeProcess(SPEC, "cpu", 2, slow_decode, label="test", slots=2)
+    events: list[tuple[str, int]] = []
+    decoder._conn = Recorded(decoder._conn, events)  # type: ignore[assignment]
+    answers: list[list[bool]] = []
+    caller = threading.Thread(target=lambda: answers.append(decoder([photo])[1]))
+    caller.start()
+    deadline = time.monotonic() + 60
+    while not events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    decoder.close()  # while the child decodes it
+    caller.join(timeout=60)
+    assert answers == [[True]] and decoder.pid is None
