@@ -190,8 +190,10 @@ class ModelRepositorySettings(BaseModel):
     """Batches each decode process holds at once: while it decodes one, the next one's bytes
     are already in its shared area, so it starts on it as soon as it answers (with one, a
     process waited 31% of its time for that round trip at 256 clients, BENCHMARKS.md, run
-    40). Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides
-    its 16 MiB input area (a part of a batch larger than its slot goes on its own)."""
+    40). On an H200, two against one: 4,912 photos/s against 4,352 at 16 a request and 32
+    clients, the same at one a request and 256 clients (3,269 and 3,300; run 44, one round).
+    Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides its
+    16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""
