@@ -90,6 +90,44 @@ def top_k(scores: np.ndarray, k: int, labels: list[str] | None) -> list[dict[str
     ]
 
 
+def top_k_rows(scores: np.ndarray, k: int, labels: list[str] | None) -> list[list[dict[str, Any]]]:
+    """``top_k`` of each row of ``scores`` (rows x classes), the k best of every row found in
+    one partition and ordered in one sort; a row whose k-th score is tied with one left out,
+    or that holds a NaN, goes through ``top_k`` (whose order among ties is a stable sort's)."""
+    rows, classes = scores.shape
+    k = min(k, classes)
+    if rows == 0:
+        return []
+    negated = -scores
+    if k == classes:
+        best = np.broadcast_to(np.arange(classes), (rows, classes))
+    else:
+        best = np.argpartition(negated, k - 1, axis=1)[:, :k]
+    values = np.take_along_axis(negated, best, axis=1)
+    kth = values.max(axis=1, keepdims=True)
+    clear = (
+        np.count_nonzero(negated == kth, axis=1) == np.count_nonzero(values == kth, axis=1)
+    ) & (~np.isnan(scores).any(axis=1))
+    order = np.take_along_axis(best, np.lexsort((best, values), axis=1), axis=1)
+    chosen = np.take_along_axis(scores, order, axis=1).tolist()
+    answers = []
+    for row in range(rows):
+        if not clear[row]:
+            answers.append(top_k(scores[row], k, labels))
+            continue
+        answers.append(
+            [
+                {
+                    "label": labels[i] if labels and i < len(labels) else str(i),
+                    "index": i,
+                    "probability": p,
+                }
+                for i, p in zip(order[row].tolist(), chosen[row], strict=True)
+            ]
+        )
+    return answers
+
+
 class ImageClassifier:
     """Images decoded (JPEGs in batches on the GPU when a decoder is on, the rest on the CPU),
     resized and centre-cropped by the model's preprocessing, normalised unless the engine
@@ -159,8 +197,7 @@ class ImageClassifier:
         scores = outputs[self._output]
         if self._context.postprocess == "softmax":
             scores = accuracy.softmax(scores)
-        rows = scores.reshape(len(scores), -1)
-        return [top_k(row, k, self._context.labels) for row in rows]
+        return top_k_rows(scores.reshape(len(scores), -1), k, self._context.labels)
 
     async def close(self) -> None:
         if self._context.decoder is not None:

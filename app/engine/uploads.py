@@ -3,8 +3,8 @@
 The upload path beside the V2 one: each request's images are checked against the limits,
 decoded by the model's handler (the device decoder's queue joins the requests the data
 plane gathered), run through the batcher in as few entries as the max batch allows, and
-encoded by the handler (top-k labels for the image classifier). An upload that is not an
-image fails its own request alone, counted as it fails.
+encoded by the handler in one call for all of them (top-k labels for the image
+classifier). An upload that is not an image fails its own request alone, counted as it fails.
 """
 
 from __future__ import annotations
@@ -85,9 +85,14 @@ async def classify_uploads(
         if not blocks:
             return
         timeout = time_left(model.timeout_s(None), arrived)
-        outputs = await through_batcher(model, [b for _, b in blocks], timeout, uploads.client)
-        for (i, _), out in zip(blocks, outputs, strict=True):
-            answers[i] = handler.encode(out, top)
+        outputs, counts = await through_batcher(
+            model, [b for _, b in blocks], timeout, uploads.client
+        )
+        encoded = handler.encode(outputs, top)  # every request's rows in one call
+        at = 0
+        for (i, _), rows in zip(blocks, counts, strict=True):
+            answers[i] = encoded[at : at + rows]
+            at += rows
 
     live += [i for i, answer in enumerate(answers) if not isinstance(answer, StokerError)]
     if live:
@@ -100,10 +105,10 @@ async def through_batcher(
     blocks: list[dict[str, Any]],
     timeout_s: float | None,
     client: str,
-) -> list[Tensors]:
+) -> tuple[Tensors, list[int]]:
     """Each request's rows through the batcher, as few entries as the max batch allows
-    (consecutive requests of one batch key together; one larger than it in slices);
-    each request's outputs, in order."""
+    (consecutive requests of one batch key together; one larger than it in slices); the
+    outputs of all of them, in order, and each request's count of rows."""
     model = model.current()  # a reload may have switched while the images decoded
     step = model.spec.max_batch_size or 1
     counts = [len(next(iter(block.values()))) for block in blocks]
@@ -126,9 +131,4 @@ async def through_batcher(
         )
     )
     names = [t.name for t in model.spec.outputs]
-    joined = {n: np.concatenate([r[n] for r in results]) for n in names}
-    outputs, at = [], 0
-    for rows in counts:
-        outputs.append({n: joined[n][at : at + rows] for n in names})
-        at += rows
-    return outputs
+    return {n: np.concatenate([r[n] for r in results]) for n in names}, counts

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.engine.handlers import HandlerContext, ImageClassifier, handler_for, top_k
+from app.engine.handlers import HandlerContext, ImageClassifier, handler_for, top_k, top_k_rows
 from app.errors import BadRequest
 from app.frontend.server import embedded
 from app.metrics import ModelMetrics
@@ -161,3 +161,17 @@ def test_top_k_orders_as_a_stable_sort_of_every_class_ties_included() -> None:
                 scores[7] = np.nan
             got = [entry["index"] for entry in top_k(scores, k, None)]
             assert got == [int(i) for i in np.argsort(-scores, kind="stable")[:k]]
+
+
+def test_top_k_of_rows_at_once_is_top_k_of_each_row() -> None:
+    """Rows with ties at the k-th place, a NaN, k over the classes: the answers of
+    ``top_k_rows`` are ``top_k``'s, row by row, labels and floats included."""
+    rng = np.random.default_rng(7)
+    labels = [f"class {i}" for i in range(40)]
+    for k in (1, 3, 5, 40, 50):
+        scores = rng.integers(0, 6, (64, 40)).astype(np.float32)  # ties everywhere
+        scores[5, 2] = np.nan
+        scores[9] = rng.standard_normal(40)  # no ties
+        got = top_k_rows(scores, k, labels)
+        assert repr(got) == repr([top_k(row, k, labels) for row in scores])  # NaN != NaN
+    assert top_k_rows(np.zeros((0, 10), np.float32), 5, None) == []
