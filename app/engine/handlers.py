@@ -96,8 +96,8 @@ def top_k_rows(scores: np.ndarray, k: int, labels: list[str] | None) -> list[lis
     or that holds a NaN, goes through ``top_k`` (whose order among ties is a stable sort's)."""
     rows, classes = scores.shape
     k = min(k, classes)
-    if rows == 0:
-        return []
+    if rows <= 1:  # one row: the whole-matrix steps cost more than they save
+        return [top_k(row, k, labels) for row in scores]
     negated = -scores
     if k == classes:
         best = np.broadcast_to(np.arange(classes), (rows, classes))
