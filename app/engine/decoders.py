@@ -69,7 +69,10 @@ def decode_processes(
             if future.exception() is None:
                 future.result().close()
         raise failed[0]
-    return [future.result() for future in futures for _ in range(settings.models.decode_in_flight)]
+    # interleaved (p0, p1, p0, p1): the queue's free decoders come first-in first-out, so a
+    # batch goes to an idle process before a second one goes to a busy one
+    processes = [future.result() for future in futures]
+    return [process for _ in range(settings.models.decode_in_flight) for process in processes]
 
 
 def describe_decoding(decoders: list[images.BatchDecode]) -> str:

@@ -191,6 +191,11 @@ class DecodeProcess:
                     raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
                 kind, value = conn.recv()
             except (OSError, EOFError, TimeoutError) as exc:
+                process = self._process
+                if self._turns is turns and process is not None:
+                    # Killed before the lock is taken: a sender that holds it, blocked on
+                    # the pipe of a hung child, gets its error (EPIPE) and lets it go.
+                    process.kill()
                 with self._lock:
                     self._failed(turns, exc)
         finally:

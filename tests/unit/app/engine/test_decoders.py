@@ -92,6 +92,7 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     chosen = model_decoders.gpu_decoders(with_prep, "torch", settings)
     # each process twice (decode_in_flight 2): the queue's threads call it two at once
     assert sorted(started) == ["m-0", "m-1"] and len(chosen) == 4 and len(set(map(id, chosen))) == 2
+    assert chosen[0] is not chosen[1]  # interleaved: the second batch goes to the idle one
     assert model_decoders.describe_decoding(chosen) == (
         "GPU (2 decode processes, 2 batches in flight each)"
     )
