@@ -4,12 +4,14 @@
 (Pillow's BILINEAR, antialiased as it shrinks) and the centre crop (``engines.preprocess.
 crop_box``) of images of different sizes are then two batched matrix products: Pillow's
 resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
-keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of one size
-share their weights; the sizes left alone are padded with zeros to 64-pixel buckets, image
-and weights alike (the weights of each size and bucket made once and cached on the device);
-a group costs a few kernels, not a few per image. The UINT8 batch stays on the device
-(``DeviceRows``) and the runner copies it into its input buffer there: nothing but the JPEG
-bytes crosses PCIe.
+keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of every
+size go through those two products together: padded with zeros to the group's largest
+height and width, image and weights alike (each size's weights made once and cached on the
+device, padded in one call a group). A batch of photos is one group (a few kernels, not a
+few per image or per size); an image that would pad the others more than ``PAD_RATIO``
+times their area starts a group of its own, and a group holds at most ``GROUP_PIXELS``.
+The UINT8 batch stays on the device (``DeviceRows``) and the runner copies it into its input
+buffer there: nothing but the JPEG bytes crosses PCIe.
 The same code runs on the CPU (``device="cpu"`` with another JPEG decoder), which is how it
 is tested without a GPU.
 """
@@ -32,9 +34,13 @@ from engines.preprocess import ImagePreprocess, crop_box
 log = logging.getLogger(__name__)
 # Padded pixels of one group at most: 64 images of 640x480 (a 236 MB float copy).
 GROUP_PIXELS = 64 * 640 * 480
-# Images of different sizes are padded together up to the next multiple of this, per side.
-BUCKET = 64
-# Weight matrices kept on the device, by (size, resized size, crop start, crop, padded size).
+# A group's padded size is its largest height and width rounded up to a multiple of this.
+BUCKET = 32
+# An image joins a group only if the group's padded area is at most this many times its own
+# (photos of one camera or data set, both orientations, pad to well under 2x).
+PAD_RATIO = 4.0
+# Weight matrices kept on the device, by (size, resized size, crop start, crop): one an axis
+# and image size, at most crop x size floats each.
 CACHED_WEIGHTS = 1024
 
 
@@ -149,8 +155,9 @@ class TorchImageDecoder:
         """Resize and crop the images of one group into ``out`` (a row each): in one
         float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between them,
         as Pillow rounds between its two passes). Images of one size share their weights
-        (broadcast); a group of sizes within one ``BUCKET`` is padded with zeros to it, its
-        weights (cached padded) stacked in one call."""
+        (broadcast); images of several sizes are padded with zeros to the group's size
+        (``bucket`` of its largest height and width), and so are their weights, in one call
+        each (``padded``): zero rows and columns add nothing to a product."""
         crop = self.spec.crop
         sizes = [tuple(images[i].shape[1:]) for i in group]  # type: ignore[union-attr]
         chosen = [images[i] for i in group]
@@ -158,35 +165,38 @@ class TorchImageDecoder:
             h, w = sizes[0]
             new_w, new_h, left, top = crop_box(w, h, self.spec)
             x = torch.stack(chosen).to(torch.float32)  # type: ignore[arg-type]
-            wy = self._weights(h, new_h, top, crop, h)[None, None]
-            wx = self._weights(w, new_w, left, crop, w).T[None, None]
+            wy = self._weights(h, new_h, top, crop)[None, None]
+            wx = self._weights(w, new_w, left, crop).T[None, None]
         else:
-            height, width = bucket(*sizes[0])
+            height = max(h for h, _ in sizes)
+            width = max(w for _, w in sizes)
+            height, width = bucket(height, width)
             x = padded(chosen, height, width).to(torch.float32)  # type: ignore[arg-type]
             boxes = [crop_box(w, h, self.spec) for h, w in sizes]
-            wy = torch.stack(
+            wy = padded_matrices(
                 [
-                    self._weights(h, new_h, top, crop, height)
+                    self._weights(h, new_h, top, crop)
                     for (h, _), (_, new_h, _, top) in zip(sizes, boxes, strict=True)
-                ]
+                ],
+                crop,
+                height,
             )[:, None]
-            wx = torch.stack(
+            wx = padded_matrices(
                 [
-                    self._weights(w, new_w, left, crop, width).T
+                    self._weights(w, new_w, left, crop)
                     for (_, w), (new_w, _, left, _) in zip(sizes, boxes, strict=True)
-                ]
-            )[:, None]
+                ],
+                crop,
+                width,
+            ).transpose(1, 2)[:, None]
         # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
         across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
         rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
         out.copy_(rows)
 
-    def _weights_on_device(
-        self, size: int, resized: int, start: int, count: int, width: int
-    ) -> torch.Tensor:
-        """``bilinear_weights`` on the device, zero columns up to ``width`` (a bucket)."""
-        weights = np.zeros((count, width), dtype=np.float32)
-        weights[:, :size] = bilinear_weights(size, resized, start, count)
+    def _weights_on_device(self, size: int, resized: int, start: int, count: int) -> torch.Tensor:
+        """``bilinear_weights`` on the device (``count`` x ``size``)."""
+        weights = bilinear_weights(size, resized, start, count)
         return torch.from_numpy(weights).to(self.device)  # once a size: cached
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
@@ -200,22 +210,26 @@ class TorchImageDecoder:
 
     @staticmethod
     def _groups(images: list[torch.Tensor | None]) -> list[list[int]]:
-        """Indices of the decoded images in groups: those of one size together; the sizes
-        left alone by their ``BUCKET`` (padded together); each group in slices of at most
-        ``GROUP_PIXELS`` padded pixels."""
-        by_size: dict[tuple[int, int], list[int]] = {}
-        for i, image in enumerate(images):
-            if image is not None:
-                by_size.setdefault((int(image.shape[1]), int(image.shape[2])), []).append(i)
-        by_bucket: dict[tuple[int, int], list[int]] = {}
+        """Indices of the decoded images in groups, largest first: each image joins the
+        group before it unless the group's padded size would be more than ``PAD_RATIO``
+        times its own area or the group more than ``GROUP_PIXELS`` padded pixels."""
+        decoded = [i for i, image in enumerate(images) if image is not None]
+        shapes = {i: (int(images[i].shape[1]), int(images[i].shape[2])) for i in decoded}  # type: ignore[union-attr]
+        decoded.sort(key=lambda i: -shapes[i][0] * shapes[i][1])
         groups: list[list[int]] = []
-        for size, same in by_size.items():
-            if len(same) == 1:
-                by_bucket.setdefault(bucket(*size), []).extend(same)
-            else:
-                groups += _sliced(same, size[0] * size[1])
-        for (height, width), members in by_bucket.items():
-            groups += _sliced(sorted(members), height * width)
+        height = width = 0
+        for i in decoded:
+            h, w = shapes[i]
+            if groups:
+                tall, wide = bucket(max(height, h), max(width, w))
+                if tall * wide <= PAD_RATIO * h * w and (
+                    (len(groups[-1]) + 1) * tall * wide <= GROUP_PIXELS
+                ):
+                    groups[-1].append(i)
+                    height, width = max(height, h), max(width, w)
+                    continue
+            groups.append([i])
+            height, width = h, w
         return groups
 
     def _decode_all(self, jpegs: Sequence[bytes | memoryview | None]) -> list[torch.Tensor | None]:
@@ -264,27 +278,32 @@ def pillow_decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: Any = No
 
 
 def bucket(height: int, width: int) -> tuple[int, int]:
-    """The padded size a picture of ``height`` x ``width`` shares with its neighbours."""
+    """The padded size of a group whose largest height and width are these."""
     return -(-height // BUCKET) * BUCKET, -(-width // BUCKET) * BUCKET
-
-
-def _sliced(members: list[int], pixels: int) -> list[list[int]]:
-    step = max(1, GROUP_PIXELS // pixels)
-    return [members[start : start + step] for start in range(0, len(members), step)]
 
 
 def padded(images: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
     """(n, 3, height, width) UINT8, each image in its top-left corner, zeros around: one call
     through a nested tensor where the device has it, else a copy per image."""
+    return _padded(images, (len(images), 3, height, width))
+
+
+def padded_matrices(matrices: list[torch.Tensor], rows: int, columns: int) -> torch.Tensor:
+    """(n, rows, columns): each (rows x its width) weight matrix, zero columns after it."""
+    return _padded(matrices, (len(matrices), rows, columns))
+
+
+def _padded(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # nested tensors: "prototype stage"
-            nested = torch.nested.nested_tensor(images)
-            return nested.to_padded_tensor(0, (len(images), 3, height, width))
+            nested = torch.nested.nested_tensor(tensors)
+            return nested.to_padded_tensor(0, shape)
     except (RuntimeError, NotImplementedError):
-        out = images[0].new_zeros((len(images), 3, height, width))
-        for slot, image in enumerate(images):
-            out[slot, :, : image.shape[1], : image.shape[2]].copy_(image)
+        out = tensors[0].new_zeros(shape)
+        for slot, tensor in enumerate(tensors):
+            corner: tuple[int | slice, ...] = (slot, *(slice(0, n) for n in tensor.shape))
+            out[corner].copy_(tensor)
         return out
 
 

@@ -235,7 +235,8 @@ class Recorded:
 
 def test_two_batches_in_flight_are_each_answered_with_their_own_rows() -> None:
     """Two threads call one process of two slots over and over, batches in parts (3 images
-    through slots of 2 rows): every batch gets the rows the in-process decoder gives it."""
+    through slots of 2 rows): every batch gets the rows the in-process decoder gives it
+    (within a level: in parts, other images share a padded resize group)."""
     from engines.backends.torch.decode_process import DecodeProcess
     from engines.backends.torch.images import pillow_decode_jpeg
 
@@ -252,7 +253,8 @@ def test_two_batches_in_flight_are_each_answered_with_their_own_rows() -> None:
         for _ in range(6):
             rows, ok = decoder(batches[which])
             want_rows, want_ok = wanted[which]
-            if ok != want_ok or not np.array_equal(np.asarray(rows), want_rows):
+            got = np.asarray(rows).astype(np.int16)
+            if ok != want_ok or got.shape != want_rows.shape or np.abs(got - want_rows).max() > 1:
                 failures.append(f"batch {which}: other rows")
 
     try:

@@ -70,22 +70,27 @@ def test_one_image_the_device_refuses_costs_only_itself() -> None:
 
 
 def test_images_grouped_together_give_what_each_alone_gives() -> None:
-    """However the sizes fall into padded groups (one group, or groups of two), each image's
-    row is what it gets alone (``within_a_level``): the padding never leaks into a row."""
+    """However the sizes fall into padded groups (one group for photos of many sizes, a
+    small image apart from a large one, a group in slices), each image's row is what it
+    gets alone (``within_a_level``): the padding never leaks into a row."""
     pytest.importorskip("torch", reason="the torch decoder needs torch (the reference extra)")
     from engines.backends.torch import images as torch_images
 
-    a, b, c = sample_jpegs()[:3]
-    d, e = jpeg_of((300, 200)), jpeg_of((290, 199))  # one bucket (320 x 256), two sizes
+    a, b, c = sample_jpegs()[:3]  # 512x512, 600x400, 451x300
+    d, e = jpeg_of((300, 200)), jpeg_of((290, 199))
+    tiny = jpeg_of((64, 48))
+    photos = [jpeg_of(size) for size in ((500, 375), (375, 500), (500, 333), (333, 500))]
     decoder = torch_images.TorchImageDecoder(
         ImagePreprocess(datatype="UINT8"), "cpu", torch_images.pillow_decode_jpeg
     )
-    alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in (a, b, c, d, e)}
+    everyone = (a, b, c, d, e, tiny, *photos)
+    alone = {data: np.asarray(decoder.decode([data])[0])[0] for data in everyone}
     for mixed, limit, groups_wanted in (
-        ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 4),  # three sizes twice or more
-        ([a, b, c, d], torch_images.GROUP_PIXELS, 4),  # four buckets
-        ([d, c, e], torch_images.GROUP_PIXELS, 2),  # d and e padded together
-        ([a, a, a, c], 512 * 512 * 2, 3),  # one size in slices of two
+        (photos + photos[:2], torch_images.GROUP_PIXELS, 1),  # both orientations: one group
+        ([a, b, d, a, c, a, b, d], torch_images.GROUP_PIXELS, 2),  # d would pad over 4x
+        ([d, c, e], torch_images.GROUP_PIXELS, 1),  # three sizes padded to 320 x 480
+        ([a, tiny, b], torch_images.GROUP_PIXELS, 2),  # the tiny one apart
+        ([a, a, a, c], 512 * 512 * 2, 2),  # at most two of 512 x 512 a group
     ):
         saved = torch_images.GROUP_PIXELS
         torch_images.GROUP_PIXELS = limit
@@ -100,8 +105,11 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
             assert within_a_level(row, alone[data])
 
 
-def test_padding_in_one_call_or_image_by_image_gives_the_same_batch() -> None:
-    """The nested tensor's padding and the copy per image (where a device lacks it)."""
+def test_padding_in_one_call_or_image_by_image_gives_the_same_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The nested tensor's padding and the copy per image (where a device lacks it), of
+    images and of weight matrices."""
     import torch
 
     from engines.backends.torch import images as torch_images
@@ -116,6 +124,19 @@ def test_padding_in_one_call_or_image_by_image_gives_the_same_batch() -> None:
     for i, picture in enumerate(pictures):
         by_image[i, :, : picture.shape[1], : picture.shape[2]] = picture
     assert torch.equal(one_call, by_image)
+    matrices = [torch.rand(4, 5), torch.rand(4, 2)]
+    weights = torch_images.padded_matrices(matrices, 4, 6)
+    assert weights.shape == (2, 4, 6)
+    assert not weights[0, :, 5:].any() and not weights[1, :, 2:].any()
+    assert torch.equal(weights[0, :, :5], matrices[0])
+    assert torch.equal(weights[1, :, :2], matrices[1])
+
+    def refused(tensors: object) -> object:
+        raise NotImplementedError("no nested tensors on this device")
+
+    monkeypatch.setattr(torch.nested, "nested_tensor", refused)
+    assert torch.equal(torch_images.padded(pictures, 8, 8), by_image)
+    assert torch.equal(torch_images.padded_matrices(matrices, 4, 6), weights)
 
 
 def within_a_level(row: np.ndarray, alone: np.ndarray) -> bool:
