@@ -170,6 +170,16 @@ class ModelRepositorySettings(BaseModel):
     them with nvJPEG (torchvision) on the model's first GPU; ``auto`` does so when the model
     runs on a GPU backend and torchvision sees CUDA, else on the CPU. Other formats are
     always decoded on the CPU."""
+    jpeg_decoder: Literal["auto", "torchvision", "nvimgcodec"] = "torchvision"
+    """What decodes JPEG uploads on the GPU: torchvision's nvJPEG, or nvImageCodec
+    (``nvidia-nvimgcodec-cu13``, the ``gpu`` extra), which parses a batch without holding the
+    GIL and hands its baseline JPEGs to the GPU's hardware JPEG engines where it has them
+    (A100, H100, H200), leaving the SMs to the model. ``auto``: nvImageCodec where it is
+    installed. Both decode what the other refuses no better: such an image goes to Pillow."""
+    jpeg_hardware_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    """With nvImageCodec, the share of each batch offered to the hardware JPEG engines (its
+    load hint); the rest, and what they cannot take (progressive JPEGs), go to nvJPEG's
+    CUDA decoder on the SMs. Lower it when the engines, not the SMs, are the bound."""
     decode_batch: int = Field(default=64, gt=0)
     """Most JPEG uploads decoded together on the GPU (uploads of concurrent requests are
     gathered while the previous batch decodes)."""

@@ -9,7 +9,15 @@
 # with LOAD_NAME set to the load's output path without its extension (h200_sampled.sh).
 # The server's /metrics after its loads: metrics_<round>_<value>.txt.
 #
+# AB_SETS replaces AB_VAR and AB_VALUES: words of settings joined by '+' (VAR=VALUE+VAR=VALUE),
+# each word one server, named s1, s2... in the table (the legend first). COMPILE: the served
+# model's gpu.compile (none; default compiles its buckets at the first start, the engine
+# store keeps them for the next). MPS=1 starts CUDA's MPS daemon first (a word of AB_SETS
+# with CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe runs under it; the rest do not).
+#
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
+#   MPS=1 AB_SETS="STOKER_MODELS__JPEG_DECODER=torchvision CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe" \
+#       JPEG_IMAGES=$PWD/.carry/photos AB_LOADS="jpeg:1:256" bash scripts/h200_ab.sh
 #   AB_VAR=STOKER_MODELS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
 #       AB_LOADS="jpeg:1:64,256 jpeg:16:32" bash scripts/h200_ab.sh
 set -u
@@ -20,13 +28,34 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
 export STOKER_STORE__PATH=/tmp/stoker-store CUDA_VISIBLE_DEVICES=0
 var=${AB_VAR:-STOKER_SERVER__PIN_ARENA}
 repo=/tmp/stoker-repo
-python3 scripts/gpu_repo.py "$repo" --compile none >"$OUT/repo.log" 2>&1
+python3 scripts/gpu_repo.py "$repo" --compile "${COMPILE:-none}" >"$OUT/repo.log" 2>&1
+if [ "${MPS:-0}" = 1 ]; then
+    mkdir -p /tmp/mps-pipe /tmp/mps-log
+    CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log \
+        nvidia-cuda-mps-control -d && echo "MPS daemon started" || echo "MPS daemon did not start"
+fi
+if [ -n "${AB_SETS:-}" ]; then
+    var=settings
+    values=""
+    i=0
+    for set in $AB_SETS; do
+        i=$((i + 1))
+        values="$values s$i"
+        echo "s$i: ${set//+/ }" | tee -a "$OUT/legend.txt"
+    done
+fi
 port=8125
 url=http://127.0.0.1:$port
 for round in $(seq 1 "${ROUNDS:-2}"); do
-    for value in ${AB_VALUES:-1 0}; do
+    for value in ${values:-${AB_VALUES:-1 0}}; do
         name="r${round}_${value}"
-        env "$var=$value" STOKER_MODELS__BACKEND=torch timeout 300 python3 -m app serve \
+        if [ -n "${AB_SETS:-}" ]; then
+            set_words=$(echo $AB_SETS | tr ' ' '\n' | sed -n "${value#s}p")
+            assignments=(${set_words//+/ })
+        else
+            assignments=("$var=$value")
+        fi
+        env "${assignments[@]}" STOKER_MODELS__BACKEND=torch timeout "${SERVE_LIMIT:-300}" python3 -m app serve \
             --repository "$repo" --model resnet50 --port $port --front-ends "${FRONT_ENDS:-4}" \
             >"$OUT/server_$name.log" 2>&1 &
         server=$!

@@ -2,9 +2,11 @@
 decode alone, then the whole ``TorchImageDecoder.decode`` (decode, batched resize and crop,
 rows left on the device), at several batch sizes, on a folder of real photos; then torch's
 profiler over one batch (CPU time per op: what the decoder thread pays in Python/launches);
-then 1-4 decoders side by side in threads of this process, and in processes of their own.
+then 1-4 decoders side by side in threads of this process, and in processes of their own;
+for each decoder named (torchvision's, nvImageCodec's with a share to the hardware engines).
 
     python3 scripts/jpeg_decode_bench.py PHOTOS [--batches 64,128,256] [--processes 1,2,3,4]
+        [--decoders torchvision,nvimgcodec,nvimgcodec:0.5,nvimgcodec:0] [--threads 1,2,4]
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import statistics
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from torchvision.io import ImageReadMode, decode_jpeg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engines.backends.torch import nvimgcodec
 from engines.backends.torch.decode_process import DecodeProcess
 from engines.backends.torch.images import TorchImageDecoder
 from engines.preprocess import ImagePreprocess
@@ -60,62 +64,113 @@ def side_by_side(decoders: list, batch: list[bytes], seconds: float = 3.0) -> fl
     return sum(done) / (time.perf_counter() - started)
 
 
+def decoders_named(names: str) -> dict[str, object]:
+    """``decode_jpeg`` functions by name: torchvision, nvimgcodec (all to the hardware JPEG
+    engines it can take), nvimgcodec:SHARE (that share of a batch offered to them)."""
+    chosen: dict[str, object] = {}
+    for name in names.split(","):
+        if name == "torchvision":
+            chosen[name] = partial(decode_jpeg, mode=ImageReadMode.RGB)
+        else:
+            share = float(name.split(":")[1]) if ":" in name else 1.0
+            chosen[name] = partial(nvimgcodec.decode_jpeg, hardware_share=share)
+    return chosen
+
+
+def cpu_per_image(fn, images: int) -> float:  # type: ignore[no-untyped-def]
+    """Microseconds of this thread's CPU an image for ``fn`` (the GIL-holding share)."""
+    fn()
+    torch.cuda.synchronize()
+    started = time.thread_time()
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    return (time.thread_time() - started) / (3 * images) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("photos", type=Path)
     parser.add_argument("--batches", default="64,128,256")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--processes", default="1,2,3,4", help="decode processes side by side")
+    parser.add_argument("--threads", default="1,2,3,4", help="decoder threads side by side")
+    parser.add_argument(
+        "--decoders", default="torchvision", help="torchvision, nvimgcodec, nvimgcodec:SHARE"
+    )
+    parser.add_argument("--no-profile", action="store_true")
     args = parser.parse_args()
     datas = [p.read_bytes() for p in sorted(args.photos.glob("*.JPEG"))]
-    decoder = TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cuda:0")
+    prep = ImagePreprocess(datatype="UINT8")
     rows = []
-    for size in [int(b) for b in args.batches.split(",")]:
-        batch = [datas[i % len(datas)] for i in range(size)]
-        tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in batch]
-        nvjpeg = timed(lambda: decode_jpeg(tensors, device="cuda:0", mode=ImageReadMode.RGB))
-        whole = timed(lambda: decoder.decode(batch))
-        rows.append((size, size / nvjpeg, size / whole, whole / size * 1e6))
-    # Decoders side by side, each called from a thread of its own (the service's
-    # ``models.decode_workers``, on a stream each, or ``models.decode_processes``): does the
-    # CPU side of one batch overlap another's?
-    batch64 = [datas[i % len(datas)] for i in range(64)]
     parallel = []
-    for workers in (1, 2, 3, 4):
-        decoders = [
-            TorchImageDecoder(ImagePreprocess(datatype="UINT8"), "cuda:0") for _ in range(workers)
+    reference = [
+        torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in datas[: min(64, len(datas))]
+    ]
+    expected = decode_jpeg(reference, device="cuda:0", mode=ImageReadMode.RGB)
+    for name, fn in decoders_named(args.decoders).items():
+        got = fn(reference, device="cuda:0")
+        differences = [
+            "shape" if a is None or a.shape != b.shape else (a.float() - b.float()).abs().mean()
+            for a, b in zip(got, expected, strict=True)
         ]
-        parallel.append(("threads", workers, side_by_side([d.decode for d in decoders], batch64)))
-    for count in [int(n) for n in args.processes.split(",") if n]:
-        children = [
-            DecodeProcess(ImagePreprocess(datatype="UINT8"), "cuda:0", 64, label=str(i))
-            for i in range(count)
-        ]
-        try:
-            parallel.append(("processes", count, side_by_side(children, batch64)))
-        finally:
-            for child in children:
-                child.close()
-    from torch.profiler import ProfilerActivity, profile
+        worst = max((d for d in differences if not isinstance(d, str)), default=0.0)
+        print(
+            f"{name}: {sum(isinstance(d, str) for d in differences)} of {len(reference)} "
+            f"photos not decoded or of another shape than torchvision's; the largest mean "
+            f"difference from torchvision's pixels {float(worst):.3f} levels"
+        )
+        decoder = TorchImageDecoder(prep, "cuda:0", fn)
+        for size in [int(b) for b in args.batches.split(",")]:
+            batch = [datas[i % len(datas)] for i in range(size)]
+            tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in batch]
+            alone = timed(lambda: fn(tensors, device="cuda:0"))  # noqa: B023
+            whole = timed(lambda: decoder.decode(batch))  # noqa: B023
+            cpu = cpu_per_image(lambda: decoder.decode(batch), size)  # noqa: B023
+            rows.append((name, size, size / alone, size / whole, whole / size * 1e6, cpu))
+        # Decoders side by side, each called from a thread of its own (the service's
+        # ``models.decode_workers``, on a stream each, or ``models.decode_processes``): does
+        # the CPU side of one batch overlap another's?
+        batch64 = [datas[i % len(datas)] for i in range(64)]
+        for workers in [int(n) for n in args.threads.split(",") if n]:
+            threaded = [TorchImageDecoder(prep, "cuda:0", fn) for _ in range(workers)]
+            rate = side_by_side([d.decode for d in threaded], batch64)
+            parallel.append((name, "threads", workers, rate))
+        for count in [int(n) for n in args.processes.split(",") if n]:
+            children = [
+                DecodeProcess(prep, "cuda:0", 64, decode_jpeg=fn, label=str(i))
+                for i in range(count)
+            ]
+            try:
+                parallel.append((name, "processes", count, side_by_side(children, batch64)))
+            finally:
+                for child in children:
+                    child.close()
+    if not args.no_profile:
+        from torch.profiler import ProfilerActivity, profile
 
-    batch = [datas[i % len(datas)] for i in range(64)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        decoder.decode(batch)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "jpeg_decode_profile.txt").write_text(table)
-    print(table)
+        decoder = TorchImageDecoder(prep, "cuda:0")
+        batch = [datas[i % len(datas)] for i in range(64)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            decoder.decode(batch)
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "jpeg_decode_profile.txt").write_text(table)
+        print(table)
     print(f"{len(datas)} photos, mean {sum(map(len, datas)) / len(datas) / 1000:.0f} KB")
-    print("| batch | nvJPEG decode img/s | decode+resize+crop img/s | us per image |")
-    print("| ---: | ---: | ---: | ---: |")
-    for size, a, b, us in rows:
-        print(f"| {size} | {a:,.0f} | {b:,.0f} | {us:.0f} |")
-    print("| decoders | in | decode+resize+crop img/s, batches of 64 |")
-    print("| ---: | --- | ---: |")
-    for where, workers, rate in parallel:
-        print(f"| {workers} | {where} | {rate:,.0f} |")
+    print(
+        "| decoder | batch | decode alone img/s | decode+resize+crop img/s | us per image "
+        "| CPU us per image (calling thread) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, size, a, b, us, cpu in rows:
+        print(f"| {name} | {size} | {a:,.0f} | {b:,.0f} | {us:.0f} | {cpu:.0f} |")
+    print("| decoder | decoders | in | decode+resize+crop img/s, batches of 64 |")
+    print("| --- | ---: | --- | ---: |")
+    for name, where, workers, rate in parallel:
+        print(f"| {name} | {workers} | {where} | {rate:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any
 
 from app.engine import images
 from app.engine.repository import ModelEntry
@@ -31,20 +33,36 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
         raise RuntimeError("image_decode is gpu, but torchvision with CUDA is not available")
     device = f"cuda:{config.gpus[0] if config.gpus else 0}"
     prep = config.preprocess.with_datatype("UINT8")
+    decode_jpeg = jpeg_decode(settings)
     if settings.models.decode_processes:
         try:
-            return decode_processes(prep, device, config.name, settings)
+            return decode_processes(prep, device, config.name, settings, decode_jpeg)
         except RuntimeError as error:
             # Spawning, CUDA IPC or /dev/shm refused here: the engine's threads still decode
             # on the GPU, as they did before decoders had processes.
             log.error("%s; JPEG uploads decoded in threads of the engine instead", error)
     from engines.backends.torch.images import TorchImageDecoder
 
-    return [TorchImageDecoder(prep, device).decode for _ in range(settings.models.decode_workers)]
+    return [
+        TorchImageDecoder(prep, device, decode_jpeg).decode
+        for _ in range(settings.models.decode_workers)
+    ]
+
+
+def jpeg_decode(settings: Settings) -> Any:
+    """The ``decode_jpeg`` function ``jpeg_decoder`` names (None: torchvision's)."""
+    from engines.backends.torch import nvimgcodec
+
+    wanted = settings.models.jpeg_decoder
+    if wanted == "torchvision" or (wanted == "auto" and not nvimgcodec.available()):
+        return None
+    if not nvimgcodec.available():
+        raise RuntimeError("jpeg_decoder is nvimgcodec, but nvidia-nvimgcodec is not installed")
+    return partial(nvimgcodec.decode_jpeg, hardware_share=settings.models.jpeg_hardware_share)
 
 
 def decode_processes(
-    prep: ImagePreprocess, device: str, name: str, settings: Settings
+    prep: ImagePreprocess, device: str, name: str, settings: Settings, decode_jpeg: Any = None
 ) -> list[images.BatchDecode]:
     """``decode_processes`` children started side by side (each child's import of torch and
     its CUDA context take seconds); if one fails, the others are closed and its error raised.
@@ -56,6 +74,7 @@ def decode_processes(
             prep,
             device,
             settings.models.decode_batch,
+            decode_jpeg=decode_jpeg,
             label=f"{name}-{i}",
             slots=settings.models.decode_in_flight,
         )
@@ -75,10 +94,15 @@ def decode_processes(
     return [process for _ in range(settings.models.decode_in_flight) for process in processes]
 
 
-def describe_decoding(decoders: list[images.BatchDecode]) -> str:
-    """Where JPEG uploads decode, for the load's log line."""
+def describe_decoding(decoders: list[images.BatchDecode], settings: Settings) -> str:
+    """Where JPEG uploads decode, and with what, for the load's log line."""
     if not decoders:
         return "CPU"
+    library = "torchvision" if jpeg_decode(settings) is None else "nvImageCodec"
+    return f"GPU by {library} ({_where(decoders)})"
+
+
+def _where(decoders: list[images.BatchDecode]) -> str:
     from engines.backends.torch.decode_process import DecodeProcess
 
     processes = {id(decoder): decoder for decoder in decoders if isinstance(decoder, DecodeProcess)}
@@ -86,9 +110,9 @@ def describe_decoding(decoders: list[images.BatchDecode]) -> str:
         count = len(processes)
         slots = next(iter(processes.values())).slots
         each = f"{slots} batch{'es' if slots > 1 else ''} in flight each"
-        return f"GPU ({count} decode process{'es' if count > 1 else ''}, {each})"
+        return f"{count} decode process{'es' if count > 1 else ''}, {each}"
     threads = len(decoders)
-    return f"GPU ({threads} decoder thread{'s' if threads > 1 else ''} in the engine)"
+    return f"{threads} decoder thread{'s' if threads > 1 else ''} in the engine"
 
 
 def close_decoders(decoders: list[images.BatchDecode]) -> None:

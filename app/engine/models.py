@@ -440,7 +440,7 @@ async def load(
         pool.size,
         f" on GPUs {config.gpus}" if config.gpus else "",
         "device" if policy.on_device else "CPU",
-        describe_decoding(decoders),
+        describe_decoding(decoders, settings),
         time.perf_counter() - started,
     )
     return LoadedModel(

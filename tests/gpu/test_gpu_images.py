@@ -299,7 +299,10 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
 ) -> None:
     log = gpu_server.log.read_text()
     assert "torch backend" in log
-    assert "JPEG uploads decoded on the GPU (2 decode processes, 2 batches in flight each)" in log
+    assert (
+        "JPEG uploads decoded on the GPU by torchvision (2 decode processes, 2 batches in flight each)"
+        in log
+    )
     assert "pixels normalised on the device" in log
     uploads_answer_espresso_all_on_the_gpu(gpu_server, coffee_jpeg, 48)
 
@@ -308,7 +311,7 @@ def test_a_decoder_thread_in_the_engine_serves_uploads_as_the_processes_do(
     gpu_server_decode_threads: Server, coffee_jpeg: bytes
 ) -> None:
     server = gpu_server_decode_threads
-    assert "JPEG uploads decoded on the GPU (1 decoder thread in the engine)" in (
+    assert "JPEG uploads decoded on the GPU by torchvision (1 decoder thread in the engine)" in (
         server.log.read_text()
     )
     uploads_answer_espresso_all_on_the_gpu(server, coffee_jpeg, 96)

@@ -48,8 +48,9 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     from engines.backends.torch import images as torch_images
 
     class Threaded:
-        def __init__(self, spec: object, device: str) -> None:
+        def __init__(self, spec: object, device: str, decode_jpeg: object) -> None:
             self.device = device
+            self.decode_jpeg = decode_jpeg
 
         def decode(self, jpegs: object) -> object:
             raise AssertionError("not called here")
@@ -58,14 +59,26 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
 
     class Refused:
         def __init__(
-            self, spec: object, device: str, rows: int, label: str = "", slots: int = 1
+            self,
+            spec: object,
+            device: str,
+            rows: int,
+            decode_jpeg: object = None,
+            label: str = "",
+            slots: int = 1,
         ) -> None:
             started.append(label)
             raise RuntimeError(f"decode process {label} did not start: no /dev/shm")
 
     class Started(decode_process.DecodeProcess):
         def __init__(
-            self, spec: object, device: str, rows: int, label: str = "", slots: int = 1
+            self,
+            spec: object,
+            device: str,
+            rows: int,
+            decode_jpeg: object = None,
+            label: str = "",
+            slots: int = 1,
         ) -> None:
             started.append(label)
             self.slots = slots
@@ -85,7 +98,9 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     assert len(chosen) == 3
     assert all(getattr(d, "__self__", None).device == "cuda:0" for d in chosen)  # type: ignore[union-attr]
     assert "did not start: no /dev/shm; JPEG uploads decoded in threads" in caplog.text
-    assert model_decoders.describe_decoding(chosen) == "GPU (3 decoder threads in the engine)"
+    assert model_decoders.describe_decoding(chosen, settings) == (
+        "GPU by torchvision (3 decoder threads in the engine)"
+    )
 
     started.clear()
     monkeypatch.setattr(decode_process, "DecodeProcess", Started)
@@ -93,7 +108,7 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     # each process twice (decode_in_flight 2): the queue's threads call it two at once
     assert sorted(started) == ["m-0", "m-1"] and len(chosen) == 4 and len(set(map(id, chosen))) == 2
     assert chosen[0] is not chosen[1]  # interleaved: the second batch goes to the idle one
-    assert model_decoders.describe_decoding(chosen) == (
-        "GPU (2 decode processes, 2 batches in flight each)"
+    assert model_decoders.describe_decoding(chosen, settings) == (
+        "GPU by torchvision (2 decode processes, 2 batches in flight each)"
     )
-    assert model_decoders.describe_decoding([]) == "CPU"
+    assert model_decoders.describe_decoding([], settings) == "CPU"
