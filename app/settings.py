@@ -197,11 +197,11 @@ class ModelRepositorySettings(BaseModel):
     (run 36). Each costs a CUDA context (~0.5 GiB of GPU memory) and seconds at load. 0:
     ``decode_workers`` threads in the engine instead. Unused where uploads decode on the CPU."""
     decode_in_flight: int = Field(default=2, ge=1, le=8)
-    """Batches each decode process holds at once: while it decodes one, the next one's bytes
-    are already in its shared area, so it starts on it as soon as it answers (with one, a
-    process waited 31% of its time for that round trip at 256 clients, BENCHMARKS.md, run
-    40). On an H200, two against one: 4,912 photos/s against 4,352 at 16 a request and 32
-    clients, the same at one a request and 256 clients (3,269 and 3,300; run 44, one round).
+    """Batches each decode process holds and decodes at once, a thread and a stream each in
+    the process (with one, a process waited 31% of its time for the round trip of its answer
+    at 256 clients, BENCHMARKS.md, run 40). On an H200, two against one when the process
+    still decoded them in turn: 4,912 photos/s against 4,352 at 16 a request and 32 clients,
+    the same at one a request and 256 clients (run 44, one round); decoded at once: run 46.
     Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides its
     16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True

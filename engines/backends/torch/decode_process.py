@@ -11,12 +11,13 @@ decoded, and the parent copies the rows out of the buffer on the device (one cop
 for 64 rows on an H200), which frees the buffer for the next batch. Nothing decoded goes
 through the host.
 
-Each process takes ``slots`` batches at once (``models.decode_in_flight``): the next batch's
-bytes and message go while the child decodes the last, so the child starts it as soon as it
-answers, instead of waiting for the answer's round trip through the engine's thread and loop
-(31% of a child's time at 256 clients with one, BENCHMARKS.md, run 40). A slot is a part of
-the input area and of the rows buffer; the child answers in the order it was sent, and each
-caller takes its answer in that order.
+Each process takes ``slots`` batches at once (``models.decode_in_flight``), and decodes them
+at once: a decoder, a stream and a thread a slot in the child. torchvision's decode and the
+resize's kernels leave the GIL often enough that four decoder threads of one process made
+2.0x the photos of one on an H200, where two processes made 1.3x (BENCHMARKS.md, run 45), and
+threads add no CUDA context to time-slice the GPU with. A slot is a part of the input area
+and of the rows buffer; the child answers in the order it was sent (a batch that finishes
+early waits for the ones sent before it), and each caller takes its answer in that order.
 
 A child that dies or hangs costs the batches it held (the callers decode them on the CPU) and is
 started again for the next one; one that cannot start is tried again ``RETRY_S`` later, the
@@ -29,11 +30,13 @@ import contextlib
 import logging
 import mmap
 import os
+import queue
 import signal
 import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
@@ -375,40 +378,62 @@ def _serve(
     try:
         with open(input_path, "r+b") as file:
             area = mmap.mmap(file.fileno(), 0)
-        decoder = TorchImageDecoder(spec, device, decode_jpeg)
+        # A decoder (and its stream) a slot: the slots' batches decode at once, each in a
+        # thread of its own, the parent's answers sent in the order it sent the batches.
+        decoders = [TorchImageDecoder(spec, device, decode_jpeg) for _ in range(slots)]
+        streams = [
+            torch.cuda.Stream(buffer.device) if buffer.is_cuda else None  # type: ignore[no-untyped-call]
+            for _ in range(slots)
+        ]
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
     slot_bytes, slot_rows = len(area) // slots, len(buffer) // slots
     shared_bytes = memoryview(area)
-    while True:
-        try:
-            message = conn.recv()
-            if message is None:
-                return
-            slot, shared, lengths = message
-            blob: bytes | memoryview = (
-                shared_bytes[slot * slot_bytes : (slot + 1) * slot_bytes]
-                if shared
-                else conn.recv_bytes()
-            )
-        except (EOFError, OSError):
-            return
+
+    def decode(slot: int, blob: bytes | memoryview, lengths: list[int | None]) -> tuple[str, Any]:
         try:
             jpegs: list[bytes | memoryview | None] = []
             at = 0
             for length in lengths:
                 jpegs.append(None if length is None else blob[at : at + length])
                 at += 0 if length is None else length
-            rows, ok = decoder.decode(jpegs)
-            buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
-            if buffer.is_cuda:
-                torch.cuda.current_stream(buffer.device).synchronize()
-            answer: tuple[str, Any] = ("ok", ok)
+            rows, ok = decoders[slot].decode(jpegs)
+            stream = streams[slot]
+            with DecodeProcess._on_stream(stream):
+                buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
+            if stream is not None:
+                stream.synchronize()
+            return ("ok", ok)
         except Exception as exc:  # one batch fails; the child serves the next
-            answer = ("error", f"{type(exc).__name__}: {exc}"[:500])
-        try:
-            conn.send(answer)
-        except (OSError, EOFError):
-            return
+            return ("error", f"{type(exc).__name__}: {exc}"[:500])
+
+    answers: queue.SimpleQueue[Future[tuple[str, Any]] | None] = queue.SimpleQueue()
+
+    def answer() -> None:
+        while (future := answers.get()) is not None:
+            try:
+                conn.send(future.result())
+            except (OSError, EOFError):
+                return
+
+    sender = threading.Thread(target=answer, name="decode-answers", daemon=True)
+    sender.start()
+    with ThreadPoolExecutor(slots, thread_name_prefix="decode-slot") as pool:
+        while True:
+            try:
+                message = conn.recv()
+                if message is None:
+                    break
+                slot, shared, lengths = message
+                blob: bytes | memoryview = (
+                    shared_bytes[slot * slot_bytes : (slot + 1) * slot_bytes]
+                    if shared
+                    else conn.recv_bytes()
+                )
+            except (EOFError, OSError):
+                break
+            answers.put(pool.submit(decode, slot, blob, lengths))
+    answers.put(None)
+    sender.join()

@@ -346,3 +346,49 @@ def test_closing_lets_the_batch_in_flight_finish() -> None:
     decoder.close()  # while the child decodes it
     caller.join(timeout=60)
     assert answers == [[True]] and decoder.pid is None
+
+
+PAIRED = threading.Barrier(2)
+
+
+def paired_decode(data: Any, device: Any = None) -> Any:
+    """Pillow once two batches decode at once in the child (each waits for the other there),
+    the larger batch then half a second later: it is sent first and finishes last."""
+    from engines.backends.torch.images import pillow_decode_jpeg
+
+    PAIRED.wait(timeout=60)
+    if isinstance(data, list) and len(data) > 1:
+        time.sleep(0.5)
+    return pillow_decode_jpeg(data, device)
+
+
+def test_the_slots_batches_decode_at_once_and_are_answered_in_the_order_sent() -> None:
+    """Two slots' batches decode side by side in the child (a decoder that waits for a second
+    batch to be decoding would time out in a child that decoded one at a time), and the one
+    that finishes first is still answered second, so each caller gets its own rows."""
+    from engines.backends.torch.decode_process import DecodeProcess
+
+    photos = sample_jpegs()
+    batches: list[list[bytes | None]] = [[photos[0], photos[1]], [photos[2]]]
+    decoder = DecodeProcess(SPEC, "cpu", 2, paired_decode, label="test", slots=2)
+    events: list[tuple[str, int]] = []
+    decoder._conn = Recorded(decoder._conn, events)  # type: ignore[assignment]
+    results: dict[int, tuple[Any, list[bool]]] = {}
+    try:
+        first = threading.Thread(target=lambda: results.setdefault(0, decoder(batches[0])))
+        first.start()
+        deadline = time.monotonic() + 60
+        while not events and time.monotonic() < deadline:  # the first batch is in the child
+            time.sleep(0.01)
+        second = threading.Thread(target=lambda: results.setdefault(1, decoder(batches[1])))
+        second.start()
+        first.join(timeout=120)
+        second.join(timeout=120)
+        assert sorted(results) == [0, 1]
+        for i, batch in enumerate(batches):
+            rows, ok = results[i]
+            assert ok == [True] * len(batch)
+            np.testing.assert_array_equal(np.asarray(rows), in_process(batch)[0])
+        assert decoder.starts == 1
+    finally:
+        decoder.close()
