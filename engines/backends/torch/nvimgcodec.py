@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.dlpack import from_dlpack
 
 _local = threading.local()  # a decoder per thread: one batch at a time on each
 
@@ -57,7 +58,7 @@ def decode_jpeg(
 def _tensor(image: Any, device: torch.device) -> torch.Tensor:
     """The decoded image as a torch tensor sharing its memory (the image lives as long)."""
     if device.type == "cuda":
-        return torch.from_dlpack(image)
+        return from_dlpack(image)
     # a host image's DLPack export asks for CUDA; its array interface does not
     return torch.from_numpy(np.asarray(image))
 
