@@ -183,6 +183,20 @@ DECODE_BATCH_SIZE = Histogram(
     LABELS,
     buckets=BATCH_BUCKETS,
 )
+DECODE_QUEUE_DURATION = CountedHistogram(
+    "stoker_image_decode_queue_duration_seconds",
+    "Per request with JPEG uploads for the GPU: from handing them to the decode queue to the "
+    "start of the batch they joined (waiting for a free decoder).",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
+DECODE_DURATION = CountedHistogram(
+    "stoker_image_decode_duration_seconds",
+    "Per request with JPEG uploads for the GPU: decoding the batch its uploads joined, from "
+    "the batch's start to its rows on the device (in a decode process: the crossings too).",
+    LABELS,
+    buckets=LATENCY_BUCKETS,
+)
 MODEL_UNAVAILABLE = Gauge(
     "stoker_model_unavailable",
     "1 for a configured model version that is not served, by reason: accuracy (it missed "
@@ -326,6 +340,8 @@ class ModelMetrics:
         self._batch = BATCH_SIZE.labels(*labels)
         self._decoded = {d: IMAGES_DECODED.labels(*labels, d) for d in ("gpu", "cpu")}
         self._decode_batch = DECODE_BATCH_SIZE.labels(*labels)
+        self._decode_queue = DECODE_QUEUE_DURATION.labels(*labels)
+        self._decode = DECODE_DURATION.labels(*labels)
         self._pending_sources: list[Callable[[], int]] = []
         # Failure series exist from the start, so a dashboard's rate() sees a zero, not a gap.
         self._reasons = {"invalid", "rejected", "timeout", "cancelled", "backend", "unavailable"}
@@ -352,6 +368,8 @@ class ModelMetrics:
             COMPUTE_INPUT_DURATION,
             COMPUTE_INFER_DURATION,
             COMPUTE_OUTPUT_DURATION,
+            DECODE_QUEUE_DURATION,
+            DECODE_DURATION,
         ):
             histogram.remove(*labels)
         for device in ("gpu", "cpu"):
@@ -393,8 +411,13 @@ class ModelMetrics:
         if count:
             self._decoded[device].inc(count)
 
-    def decode_batch(self, images: int) -> None:
+    def decode_batch(self, images: int, waits: list[float], seconds: float) -> None:
+        """One GPU decode batch of ``images`` uploads, for requests that waited ``waits`` for
+        it to start; it took ``seconds``."""
         self._decode_batch.observe(images)
+        for waited in waits:
+            self._decode_queue.observe(waited)
+        self._decode.observe(seconds, len(waits))
 
     def queued(self, seconds: float, times: int = 1) -> None:
         """``times`` requests waited ``seconds`` in the queue (one gathered entry)."""

@@ -102,4 +102,23 @@ for path in sorted(out.glob("r*_*.json")):
         for step in target["steps"]:
             print(f"| {value} | {round_[1:]} | {target['name']} | {load} | {step['concurrency']} | "
                   f"{step['rows_per_s']:,.0f} | {step['latency_ms']['p99']:.0f} |")
+print()
+print("| server | requests | ms a request | decode queue | decode | batcher queue | infer |"
+      " mean decode batch |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+for path in sorted(out.glob("metrics_*.txt")):
+    sums: dict[str, float] = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            name = key.split("{")[0]
+            sums[name] = sums.get(name, 0.0) + float(value)
+    def mean(name: str) -> float:
+        count = sums.get(f"stoker_{name}_count", 0.0)
+        return sums.get(f"stoker_{name}_sum", 0.0) / count * (1000 if "seconds" in name else 1) if count else 0.0
+    requests = sums.get("stoker_inference_request_duration_seconds_count", 0.0)
+    print(f"| {path.stem[8:]} | {requests:,.0f} | {mean('inference_request_duration_seconds'):.1f} | "
+          f"{mean('image_decode_queue_duration_seconds'):.1f} | {mean('image_decode_duration_seconds'):.1f} | "
+          f"{mean('inference_queue_duration_seconds'):.1f} | {mean('inference_compute_infer_duration_seconds'):.1f} | "
+          f"{mean('image_decode_batch_size'):.1f} |")
 PY

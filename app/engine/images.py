@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -90,6 +91,8 @@ BatchDecode = Callable[[list[bytes | None]], tuple[Rows, list[bool]]]
 """Decodes a batch (None: an upload not for this decoder) into its rows and, for each,
 whether it was decoded."""
 Decoded = tuple[Rows, list[bool]]
+Pending = tuple[list[bytes | None], "asyncio.Future[Decoded | None]", float]
+"""A request's uploads in the decode queue, its answer, and when it came (perf_counter)."""
 
 
 class DecodeQueue:
@@ -110,14 +113,15 @@ class DecodeQueue:
         decode: BatchDecode | Sequence[BatchDecode],
         max_batch: int,
         label: str = "decode",
-        on_batch: Callable[[int], None] | None = None,
+        on_batch: Callable[[int, list[float], float], None] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self._decoders = [decode] if callable(decode) else list(decode)
         self._on_batch = on_batch
         self._on_close = on_close  # after the last batch: what the decoders hold (processes)
         self._max = max(1, max_batch)
-        self._pending: deque[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = deque()
+        # each request's uploads, its answer, and when it came (perf_counter)
+        self._pending: deque[Pending] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._free: asyncio.Queue[int] = asyncio.Queue()
@@ -135,7 +139,7 @@ class DecodeQueue:
         if self._task is None:
             raise RuntimeError("DecodeQueue.start() was not called")
         future: asyncio.Future[Decoded | None] = asyncio.get_running_loop().create_future()
-        self._pending.append((list(uploads), future))
+        self._pending.append((list(uploads), future, time.perf_counter()))
         self._wake.set()
         return await future
 
@@ -145,15 +149,15 @@ class DecodeQueue:
             self._wake.clear()
             while self._pending:
                 index = await self._free.get()  # meanwhile arrivals join the next batch
-                batch: list[tuple[list[bytes | None], asyncio.Future[Decoded | None]]] = []
+                batch: list[Pending] = []
                 images = 0
                 while self._pending and (
                     not batch or images + len(self._pending[0][0]) <= self._max
                 ):
-                    uploads, future = self._pending.popleft()
-                    if not future.done():  # the request went away: skip its uploads
-                        batch.append((uploads, future))
-                        images += len(uploads)
+                    request = self._pending.popleft()
+                    if not request[1].done():  # the request went away: skip its uploads
+                        batch.append(request)
+                        images += len(request[0])
                 if not batch:
                     self._free.put_nowait(index)
                     continue
@@ -161,13 +165,10 @@ class DecodeQueue:
                 self._running.add(task)
                 task.add_done_callback(self._running.discard)
 
-    async def _decode_batch(
-        self,
-        index: int,
-        batch: list[tuple[list[bytes | None], asyncio.Future[Decoded | None]]],
-    ) -> None:
-        joined = [data for uploads, _ in batch for data in uploads]
+    async def _decode_batch(self, index: int, batch: list[Pending]) -> None:
+        joined = [data for uploads, _, _ in batch for data in uploads]
         decoded: Decoded | None
+        started = time.perf_counter()
         try:
             decoded = await asyncio.get_running_loop().run_in_executor(
                 self._executor, self._decoders[index], joined
@@ -180,9 +181,10 @@ class DecodeQueue:
         finally:
             self._free.put_nowait(index)
         if self._on_batch is not None:
-            self._on_batch(len(joined))
+            waits = [started - came for _, _, came in batch]
+            self._on_batch(len(joined), waits, time.perf_counter() - started)
         at = 0
-        for uploads, future in batch:
+        for uploads, future, _ in batch:
             end = at + len(uploads)
             if not future.done():
                 rows, ok = decoded if decoded is not None else (None, None)
@@ -200,7 +202,7 @@ class DecodeQueue:
         for task in list(self._running):
             with contextlib.suppress(Exception):
                 await task
-        for _, future in self._pending:
+        for _, future, _ in self._pending:
             if not future.done():
                 future.set_result(None)
         self._pending.clear()

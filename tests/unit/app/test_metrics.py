@@ -160,8 +160,13 @@ def test_image_decoding_is_counted_by_device() -> None:
     metrics.images_decoded("gpu", 12)
     metrics.images_decoded("cpu", 0)
     metrics.images_decoded("cpu", 3)
-    metrics.decode_batch(12)
+    metrics.decode_batch(12, [0.001, 0.003], 0.02)  # two requests' uploads in one batch
     got = series(model)
+    assert got[("stoker_image_decode_queue_duration_seconds_count", "version=fp32")] == 2
+    waited = got[("stoker_image_decode_queue_duration_seconds_sum", "version=fp32")]
+    assert waited == pytest.approx(0.004)
+    assert got[("stoker_image_decode_duration_seconds_count", "version=fp32")] == 2
+    assert got[("stoker_image_decode_duration_seconds_sum", "version=fp32")] == pytest.approx(0.04)
     assert got[("stoker_image_decode_total", "device=gpu", "version=fp32")] == 12
     assert got[("stoker_image_decode_total", "device=cpu", "version=fp32")] == 3
     assert got[("stoker_image_decode_batch_size_count", "version=fp32")] == 1

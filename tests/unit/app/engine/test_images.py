@@ -134,9 +134,16 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
     decoder = RecordingDecoder(refuse=b"\x07")
 
     observed: list[int] = []
+    waits: list[float] = []
+    durations: list[float] = []
+
+    def on_batch(images: int, waited: list[float], seconds: float) -> None:
+        observed.append(images)
+        waits.extend(waited)
+        durations.append(seconds)
 
     async def scenario() -> list[Decoded | None]:
-        queue = DecodeQueue(decoder, max_batch=8, on_batch=observed.append)
+        queue = DecodeQueue(decoder, max_batch=8, on_batch=on_batch)
         queue.start()
         try:
             requests: list[list[bytes | None]] = [[bytes([i]), bytes([i + 100])] for i in range(20)]
@@ -156,6 +163,10 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
     assert len(decoder.batches) < 40 / 2  # gathered, not one by one
     assert len(decoder.threads) == 1 and next(iter(decoder.threads)).startswith("decode")
     assert observed == decoder.batches  # what the batch-size histogram is fed
+    assert len(waits) == 20 and min(waits) >= 0  # a wait per request
+    # each batch takes the decoder's sleep at least, and later requests waited for earlier
+    # batches: at least one decoder's whole batch
+    assert min(durations) >= decoder.seconds and max(waits) >= decoder.seconds
 
 
 def test_a_request_larger_than_the_batch_limit_is_decoded_alone() -> None:
