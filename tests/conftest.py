@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -26,6 +27,14 @@ os.environ.setdefault("STOKER_SERVER__GRPC_PORT", "0")
 # And one process unless a test asks for front ends: ``front_ends: auto`` would start four per
 # GPU on a GPU machine, where the tests' servers are meant to be the one-process server.
 os.environ.setdefault("STOKER_SERVER__FRONT_ENDS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _thawed_heap() -> Any:
+    """A test that loads models freezes the collector's view of the heap, as the engine does
+    (``app.engine.models.freeze_heap``); the next test starts with it thawed."""
+    yield
+    gc.unfreeze()
 
 
 def run_python(script: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from app.engine.index import (
     not_loaded,
     served_version,
 )
-from app.engine.models import LoadedModel, load, release_memory, source
+from app.engine.models import LoadedModel, freeze_heap, load, release_memory, source
 from app.engine.repository import (
     ConfigError,
     Files,
@@ -115,6 +115,7 @@ class Registry:
             # Nothing to serve: stop (the orchestrator shows a crash loop) rather than stay
             # live and never ready.
             raise RuntimeError(f"no model version could be served: {', '.join(refused_all)}")
+        await asyncio.to_thread(freeze_heap)
         self.loading_done = True
         served = {n: sorted(k.versions) for n, k in self._known.items() if k.versions}
         log.info(

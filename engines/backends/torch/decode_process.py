@@ -27,6 +27,7 @@ batches meanwhile refused at once (decoded on the CPU), not each paying for a st
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import mmap
 import os
@@ -388,6 +389,10 @@ def _serve(
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    # torch's objects out of the collector's sight: a full collection would otherwise scan
+    # them all (over 100 ms) in the middle of a batch (app.engine.models.freeze_heap)
+    gc.collect()
+    gc.freeze()
     conn.send(("ready", None))
     slot_bytes, slot_rows = len(area) // slots, len(buffer) // slots
     shared_bytes = memoryview(area)

@@ -352,3 +352,23 @@ def test_a_first_load_is_loading_until_warm_and_unavailable_with_why_if_it_fails
     assert seen == ["LOADING", "READY"]
     (entry,) = failed
     assert entry["state"] == "UNAVAILABLE" and entry["reason"].startswith("load failed:")
+
+
+def test_loading_leaves_the_heap_frozen(tmp_path: Path) -> None:
+    """What the load made (imports, sessions, compiled graphs on a GPU) is out of the
+    collector's sight once the registry is ready (``app.engine.models.freeze_heap``)."""
+    import gc
+
+    write_tiny(tmp_path / "repo" / "tiny")
+    registry = Registry(settings_for(tmp_path / "repo", tmp_path))
+    gc.unfreeze()
+
+    async def scenario() -> tuple[int, int]:
+        before = gc.get_freeze_count()
+        await registry.load_all()
+        frozen = gc.get_freeze_count()
+        await registry.close()
+        return before, frozen
+
+    before, frozen = asyncio.run(scenario())
+    assert before == 0 and frozen > 0
