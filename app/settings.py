@@ -201,7 +201,8 @@ class ModelRepositorySettings(BaseModel):
     the process (with one, a process waited 31% of its time for the round trip of its answer
     at 256 clients, BENCHMARKS.md, run 40). On an H200, two against one when the process
     still decoded them in turn: 4,912 photos/s against 4,352 at 16 a request and 32 clients,
-    the same at one a request and 256 clients (run 44, one round); decoded at once: run 46.
+    the same at one a request and 256 clients (run 44, one round). Decoded at once, two and
+    four against the same two decoded in turn: no change in the service (run 47, one round).
     Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides its
     16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True

@@ -15,9 +15,11 @@ Each process takes ``slots`` batches at once (``models.decode_in_flight``), and 
 at once: a decoder, a stream and a thread a slot in the child. torchvision's decode and the
 resize's kernels leave the GIL often enough that four decoder threads of one process made
 2.0x the photos of one on an H200, where two processes made 1.3x (BENCHMARKS.md, run 45), and
-threads add no CUDA context to time-slice the GPU with. A slot is a part of the input area
-and of the rows buffer; the child answers in the order it was sent (a batch that finishes
-early waits for the ones sent before it), and each caller takes its answer in that order.
+threads add no CUDA context to time-slice the GPU with (in the service at 256 clients it
+changed nothing measurable, run 47: the decode stage is not bound there by the child's CPU).
+A slot is a part of the input area and of the rows buffer; the child answers in the order it
+was sent (a batch that finishes early waits for the ones sent before it), and each caller
+takes its answer in that order.
 
 A child that dies or hangs costs the batches it held (the callers decode them on the CPU) and is
 started again for the next one; one that cannot start is tried again ``RETRY_S`` later, the
