@@ -37,6 +37,7 @@ from app.engine.handlers import Handler, HandlerContext, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
 from app.errors import BadRequest, Reloaded, client_text
+from app.heap import freeze_heap
 from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
@@ -366,26 +367,6 @@ def release_memory() -> None:
     backends.release_device_memory()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def freeze_heap() -> None:
-    """Take every object alive now (the imports, the loaded engines, torch's compiled graphs)
-    out of the collector's sight (``gc.freeze``), once models are loaded and warm. A full
-    collection, which the garbage of requests triggers now and then under load, then scans
-    what requests made instead of the hundreds of thousands of objects torch and Inductor
-    keep: on a 2-core CPU 136 ms a collection with torch imported, 258 ms after a small
-    compile, 0 ms frozen, every thread of the process stopped meanwhile (the likely cause of
-    the half-second stalls of compiled models on the H200, BENCHMARKS.md, runs 46-47; not
-    measured there). ``release_memory`` thaws them before collecting what an unload freed."""
-    started = time.perf_counter()
-    gc.collect()
-    took = time.perf_counter() - started
-    gc.freeze()
-    log.info(
-        "%d objects frozen out of the collector's sight (a full collection took %.0f ms)",
-        gc.get_freeze_count(),
-        took * 1000,
-    )
 
 
 def handler_context(

@@ -27,7 +27,7 @@ from app.engine.index import (
     not_loaded,
     served_version,
 )
-from app.engine.models import LoadedModel, freeze_heap, load, release_memory, source
+from app.engine.models import LoadedModel, load, release_memory, source
 from app.engine.repository import (
     ConfigError,
     Files,
@@ -39,6 +39,7 @@ from app.engine.repository import (
     parse_config,
 )
 from app.errors import BadRequest, NotFound, Unavailable, client_text
+from app.heap import freeze_heap
 from app.metrics import model_available, model_unavailable
 from app.settings import Settings
 from engines import backends

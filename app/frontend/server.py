@@ -31,6 +31,7 @@ from app.frontend.browser import BrowserGuard, HostPolicy
 from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
 from app.frontend.routes import infer_response, json_response, router
+from app.heap import freeze_heap
 from app.metrics import http_refused
 from app.settings import Settings
 
@@ -289,6 +290,7 @@ def create_app(
         grpc_server = await start_grpc(plane, settings, on_fatal)
         loading = asyncio.create_task(plane.start(), name="load-models")
         watch_loading(loading, plane, on_fatal)
+        freeze_heap()  # the app and its imports; an engine freezes its models once loaded
         try:
             yield
         finally:

@@ -392,7 +392,7 @@ def _serve(
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     # torch's objects out of the collector's sight: a full collection would otherwise scan
-    # them all (over 100 ms) in the middle of a batch (app.engine.models.freeze_heap)
+    # them all (over 100 ms) in the middle of a batch (as app.heap.freeze_heap does)
     gc.collect()
     gc.freeze()
     conn.send(("ready", None))

@@ -254,29 +254,3 @@ def test_a_timeout_of_zero_takes_the_configured_default() -> None:
     assert models.deadline_s(batching, 0) == 2.0
     assert models.deadline_s(batching, 500_000) == 0.5
     assert models.deadline_s(DynamicBatching(default_timeout_us=0), None) is None
-
-
-class Cycle:
-    """An object that refers to itself: freed only by the collector, as an engine is."""
-
-    def __init__(self) -> None:
-        self.me = self
-
-
-def test_the_heap_frozen_at_load_is_thawed_to_free_what_an_unload_left() -> None:
-    """Once loaded, what lives is out of the collector's sight (a full collection skips it);
-    ``release_memory`` after an unload thaws it, collects the cycles that went, and freezes
-    the rest again."""
-    import gc
-    import weakref
-
-    held = Cycle()
-    alive = weakref.ref(held)
-    models.freeze_heap()
-    assert gc.get_freeze_count() > 0 and gc.get_count()[2] == 0
-    del held  # the version is unloaded: its cycle is garbage, but frozen
-    gc.collect()
-    assert alive() is not None  # a full collection did not scan it
-    models.release_memory()
-    assert alive() is None
-    assert gc.get_freeze_count() > 0  # what is left is frozen again
