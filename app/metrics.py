@@ -193,7 +193,8 @@ DECODE_QUEUE_DURATION = CountedHistogram(
 DECODE_DURATION = CountedHistogram(
     "stoker_image_decode_duration_seconds",
     "Per request with JPEG uploads for the GPU: decoding the batch its uploads joined, from "
-    "the batch's start to its rows on the device (in a decode process: the crossings too).",
+    "the batch's start to its rows on the device (in a decode process: the crossings too; "
+    "a batch the device failed, until it failed).",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )

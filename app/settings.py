@@ -170,12 +170,13 @@ class ModelRepositorySettings(BaseModel):
     them with nvJPEG (torchvision) on the model's first GPU; ``auto`` does so when the model
     runs on a GPU backend and torchvision sees CUDA, else on the CPU. Other formats are
     always decoded on the CPU."""
-    jpeg_decoder: Literal["auto", "torchvision", "nvimgcodec"] = "torchvision"
-    """What decodes JPEG uploads on the GPU: torchvision's nvJPEG, or nvImageCodec
-    (``nvidia-nvimgcodec-cu13``, the ``gpu`` extra), which parses a batch without holding the
-    GIL and hands its baseline JPEGs to the GPU's hardware JPEG engines where it has them
-    (A100, H100, H200), leaving the SMs to the model. ``auto``: nvImageCodec where it is
-    installed. Both decode what the other refuses no better: such an image goes to Pillow."""
+    jpeg_decoder: Literal["torchvision", "nvimgcodec"] = "torchvision"
+    """What decodes JPEG uploads on the GPU: torchvision's nvJPEG, or nvImageCodec (the
+    ``nvimgcodec`` extra), which parses a batch without holding the GIL and hands its
+    baseline JPEGs to the GPU's hardware JPEG engines where it has them (A100, H100, H200),
+    leaving the SMs to the model. On an H200 nvImageCodec made 0.56-0.60x torchvision's
+    photos/s in the service and fewer alone in every form (BENCHMARKS.md, runs 45-46). An
+    image the chosen decoder refuses goes to Pillow."""
     jpeg_hardware_share: float = Field(default=1.0, ge=0.0, le=1.0)
     """With nvImageCodec, the share of each batch offered to the hardware JPEG engines (its
     load hint); the rest, and what they cannot take (progressive JPEGs), go to nvJPEG's
@@ -201,8 +202,10 @@ class ModelRepositorySettings(BaseModel):
     the process (with one, a process waited 31% of its time for the round trip of its answer
     at 256 clients, BENCHMARKS.md, run 40). On an H200, two against one when the process
     still decoded them in turn: 4,912 photos/s against 4,352 at 16 a request and 32 clients,
-    the same at one a request and 256 clients (run 44, one round). Decoded at once, two and
-    four against the same two decoded in turn: no change in the service (run 47, one round).
+    the same at one a request and 256 clients (run 44, one round). Decoded at once (since run
+    47): 3,045 photos/s at 256 clients, as 3,058 decoded in turn the hour before (run 46);
+    four slots at once 3,029, and at 64 clients 1,386 (p99 380 ms) against two's 1,894 (74
+    ms): one round each.
     Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides its
     16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True

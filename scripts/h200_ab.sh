@@ -38,10 +38,10 @@ if [ -n "${AB_SETS:-}" ]; then
     var=settings
     values=""
     i=0
-    for set in $AB_SETS; do
+    for words in $AB_SETS; do
         i=$((i + 1))
         values="$values s$i"
-        echo "s$i: ${set//+/ }" | tee -a "$OUT/legend.txt"
+        echo "s$i: ${words//+/ }" | tee -a "$OUT/legend.txt"
     done
 fi
 port=8125
@@ -90,6 +90,9 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         echo "$var=$value round $round done"
     done
 done
+if [ "${MPS:-0}" = 1 ]; then
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe nvidia-cuda-mps-control
+fi
 python3 - "$OUT" "$var" <<'PY'
 import json, sys
 from pathlib import Path

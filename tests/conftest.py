@@ -32,7 +32,7 @@ os.environ.setdefault("STOKER_SERVER__FRONT_ENDS", "1")
 @pytest.fixture(autouse=True)
 def _thawed_heap() -> Any:
     """A test that loads models freezes the collector's view of the heap, as the engine does
-    (``app.engine.models.freeze_heap``); the next test starts with it thawed."""
+    (``engines.heap.freeze_heap``); the next test starts with it thawed."""
     yield
     gc.unfreeze()
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 from app.engine import images
 from app.engine.repository import ModelEntry
@@ -15,6 +15,9 @@ from app.settings import Settings
 from engines import backends
 from engines.devices.options import GPU_BACKENDS
 from engines.preprocess import ImagePreprocess
+
+if TYPE_CHECKING:
+    from engines.backends.torch.images import JpegDecode
 
 log = logging.getLogger(__name__)
 
@@ -49,20 +52,23 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
     ]
 
 
-def jpeg_decode(settings: Settings) -> Any:
+def jpeg_decode(settings: Settings) -> JpegDecode | None:
     """The ``decode_jpeg`` function ``jpeg_decoder`` names (None: torchvision's)."""
+    if settings.models.jpeg_decoder == "torchvision":
+        return None
     from engines.backends.torch import nvimgcodec
 
-    wanted = settings.models.jpeg_decoder
-    if wanted == "torchvision" or (wanted == "auto" and not nvimgcodec.available()):
-        return None
     if not nvimgcodec.available():
         raise RuntimeError("jpeg_decoder is nvimgcodec, but nvidia-nvimgcodec is not installed")
     return partial(nvimgcodec.decode_jpeg, hardware_share=settings.models.jpeg_hardware_share)
 
 
 def decode_processes(
-    prep: ImagePreprocess, device: str, name: str, settings: Settings, decode_jpeg: Any = None
+    prep: ImagePreprocess,
+    device: str,
+    name: str,
+    settings: Settings,
+    decode_jpeg: JpegDecode | None = None,
 ) -> list[images.BatchDecode]:
     """``decode_processes`` children started side by side (each child's import of torch and
     its CUDA context take seconds); if one fails, the others are closed and its error raised.
@@ -98,8 +104,8 @@ def describe_decoding(decoders: list[images.BatchDecode], settings: Settings) ->
     """Where JPEG uploads decode, and with what, for the load's log line."""
     if not decoders:
         return "CPU"
-    library = "torchvision" if jpeg_decode(settings) is None else "nvImageCodec"
-    return f"GPU by {library} ({_where(decoders)})"
+    library = {"torchvision": "torchvision", "nvimgcodec": "nvImageCodec"}
+    return f"GPU by {library[settings.models.jpeg_decoder]} ({_where(decoders)})"
 
 
 def _where(decoders: list[images.BatchDecode]) -> str:

@@ -37,12 +37,12 @@ from app.engine.handlers import Handler, HandlerContext, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
 from app.errors import BadRequest, Reloaded, client_text
-from app.heap import freeze_heap
 from app.metrics import ModelMetrics
 from app.settings import Settings
 from engines import backends
 from engines.backends.onnxruntime import read_spec
 from engines.base import Engine, EngineOptions
+from engines.heap import freeze_heap
 from engines.precision.build import (
     BuildPlan,
     Cancelled,

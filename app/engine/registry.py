@@ -39,11 +39,11 @@ from app.engine.repository import (
     parse_config,
 )
 from app.errors import BadRequest, NotFound, Unavailable, client_text
-from app.heap import freeze_heap
 from app.metrics import model_available, model_unavailable
 from app.settings import Settings
 from engines import backends
 from engines.base import FatalEngineError
+from engines.heap import freeze_heap
 from engines.precision.build import AccuracyBudgetExceeded, BuildCancelled
 from engines.store import EngineStore
 
@@ -289,6 +289,8 @@ class Registry:
                 raise BadRequest(f"model {name!r} did not load: version {default!r}: {why}{on}")
             # No local keeps the versions it replaces: once retired they can be freed.
             await self._retire(name, self._settle(known, entry, versions, refused), versions)
+            if first:  # nothing retired (whose release_memory freezes): what it made, now
+                await asyncio.to_thread(freeze_heap)
             known.files = files
             if generated:
                 known.files = await asyncio.to_thread(fingerprint, entry.folder)

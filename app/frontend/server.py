@@ -31,9 +31,9 @@ from app.frontend.browser import BrowserGuard, HostPolicy
 from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
 from app.frontend.routes import infer_response, json_response, router
-from app.heap import freeze_heap
 from app.metrics import http_refused
 from app.settings import Settings
+from engines.heap import freeze_heap
 
 if TYPE_CHECKING:
     import grpc

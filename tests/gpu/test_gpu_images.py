@@ -66,6 +66,31 @@ def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
     assert host[0].any() and host[2].any() and not host[1].any()
 
 
+@pytest.mark.parametrize("share", [1.0, 0.0])
+def test_nvimgcodec_batches_give_the_pixels_pillow_gives_and_refuse_alone(share: float) -> None:
+    """nvImageCodec on the GPU (``share`` of the batch to the hardware JPEG engines, the rest
+    to CUDA) through the batched decoder: the rows as close to the CPU path's as nvJPEG's
+    (run 45: within 1.2 levels of torchvision's pixels), a broken JPEG refused alone."""
+    pytest.importorskip("nvidia.nvimgcodec", reason="nvidia-nvimgcodec-cu13 is not installed")
+    from functools import partial
+
+    from engines.backends.torch import nvimgcodec
+    from engines.backends.torch.images import TorchImageDecoder
+
+    spec = ImagePreprocess(datatype="UINT8")
+    decode = partial(nvimgcodec.decode_jpeg, hardware_share=share)
+    uploads = [*sample_jpegs(), b"\xff\xd8\xff\xe0" + bytes(200)]
+    rows, ok = TorchImageDecoder(spec, "cuda:0", decode).decode(uploads)
+    assert ok == [True] * (len(uploads) - 1) + [False]
+    assert rows.tensor.device.type == "cuda"
+    host = np.asarray(rows)
+    assert not host[-1].any()
+    for data, row in zip(uploads[:-1], host, strict=False):
+        want = preprocess(Image.open(io.BytesIO(data)).convert("RGB"), spec)
+        diff = np.abs(row.astype(np.int16) - want)
+        assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 8, (diff.mean(), diff.max())
+
+
 def test_a_decode_process_hands_back_the_in_process_decoders_rows_on_the_gpu() -> None:
     """The decoder in a child process writes into CUDA IPC memory the engine allocated; the
     rows come back on the GPU, the same as the decoder in this process gives (same nvJPEG,

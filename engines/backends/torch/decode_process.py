@@ -12,11 +12,11 @@ for 64 rows on an H200), which frees the buffer for the next batch. Nothing deco
 through the host.
 
 Each process takes ``slots`` batches at once (``models.decode_in_flight``), and decodes them
-at once: a decoder, a stream and a thread a slot in the child. torchvision's decode and the
-resize's kernels leave the GIL often enough that four decoder threads of one process made
-2.0x the photos of one on an H200, where two processes made 1.3x (BENCHMARKS.md, run 45), and
-threads add no CUDA context to time-slice the GPU with (in the service at 256 clients it
-changed nothing measurable, run 47: the decode stage is not bound there by the child's CPU).
+at once: a decoder, a stream and a thread a slot in the child. torchvision's nvJPEG calls
+take one lock in a process, so what overlaps is one batch's decode with another's resize,
+copies and Python; four decoder threads of one process still made 2.0x the photos of one on
+an H200, where two processes made 1.3x (BENCHMARKS.md, run 45), and threads add no CUDA
+context. In the service at 256 clients it changed nothing measurable (run 47).
 A slot is a part of the input area and of the rows buffer; the child answers in the order it
 was sent (a batch that finishes early waits for the ones sent before it), and each caller
 takes its answer in that order.
@@ -29,7 +29,6 @@ batches meanwhile refused at once (decoded on the CPU), not each paying for a st
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import mmap
 import os
@@ -48,6 +47,7 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from engines.backends.torch.images import DeviceRows, JpegDecode, TorchImageDecoder
+from engines.heap import freeze_heap
 from engines.preprocess import ImagePreprocess
 from engines.sampler import sampled
 
@@ -391,10 +391,7 @@ def _serve(
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
-    # torch's objects out of the collector's sight: a full collection would otherwise scan
-    # them all (over 100 ms) in the middle of a batch (as app.heap.freeze_heap does)
-    gc.collect()
-    gc.freeze()
+    freeze_heap()  # torch's objects: a full collection would scan them mid-batch
     conn.send(("ready", None))
     slot_bytes, slot_rows = len(area) // slots, len(buffer) // slots
     shared_bytes = memoryview(area)

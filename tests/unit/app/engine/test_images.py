@@ -163,7 +163,7 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
     assert len(decoder.batches) < 40 / 2  # gathered, not one by one
     assert len(decoder.threads) == 1 and next(iter(decoder.threads)).startswith("decode")
     assert observed == decoder.batches  # what the batch-size histogram is fed
-    assert len(waits) == 20 and min(waits) >= 0  # a wait per request
+    assert len(waits) == 20  # a wait per request
     # each batch takes the decoder's sleep at least, and later requests waited for earlier
     # batches: at least one decoder's whole batch
     assert min(durations) >= decoder.seconds and max(waits) >= decoder.seconds

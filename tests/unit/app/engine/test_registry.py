@@ -356,7 +356,7 @@ def test_a_first_load_is_loading_until_warm_and_unavailable_with_why_if_it_fails
 
 def test_loading_leaves_the_heap_frozen(tmp_path: Path) -> None:
     """What the load made (imports, sessions, compiled graphs on a GPU) is out of the
-    collector's sight once the registry is ready (``app.engine.models.freeze_heap``)."""
+    collector's sight once the registry is ready (``engines.heap.freeze_heap``)."""
     import gc
 
     write_tiny(tmp_path / "repo" / "tiny")

@@ -349,17 +349,23 @@ def test_closing_lets_the_batch_in_flight_finish() -> None:
 
 
 PAIRED = threading.Barrier(2)
+SMALLER_DONE = threading.Event()
 
 
 def paired_decode(data: Any, device: Any = None) -> Any:
-    """Pillow once two batches decode at once in the child (each waits for the other there),
-    the larger batch then half a second later: it is sent first and finishes last."""
+    """Pillow once two batches decode at once in the child (each waits for the other there);
+    the larger batch, sent first, then waits until the smaller one is decoded: it finishes
+    last."""
     from engines.backends.torch.images import pillow_decode_jpeg
 
     PAIRED.wait(timeout=60)
     if isinstance(data, list) and len(data) > 1:
-        time.sleep(0.5)
-    return pillow_decode_jpeg(data, device)
+        if not SMALLER_DONE.wait(timeout=60):
+            raise RuntimeError("the smaller batch was never decoded")
+        return pillow_decode_jpeg(data, device)
+    decoded = pillow_decode_jpeg(data, device)
+    SMALLER_DONE.set()
+    return decoded
 
 
 def test_the_slots_batches_decode_at_once_and_are_answered_in_the_order_sent() -> None:

@@ -47,8 +47,9 @@ def test_a_broken_image_is_none_in_its_batch_and_refused_alone() -> None:
     assert decoded[0] is None and decoded[1] is not None
     with pytest.raises(RuntimeError, match="could not decode"):
         nvimgcodec.decode_jpeg(as_tensor(BROKEN), device="cpu")
-    single = nvimgcodec.decode_jpeg(as_tensor(photo), device="cpu")
-    assert torch.equal(single, decoded[1])
+    single = nvimgcodec.decode_jpeg(as_tensor(photo), device="cpu")  # a tensor, not a list
+    pillow = np.asarray(Image.open(io.BytesIO(photo)).convert("RGB")).transpose(2, 0, 1)
+    assert tuple(single.shape) == pillow.shape
 
 
 def test_the_batched_decoder_gives_the_rows_it_gives_with_pillow() -> None:
@@ -67,14 +68,14 @@ def test_the_setting_names_the_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
     def chosen(**models: object) -> object:
         return jpeg_decode(Settings(models=models))  # type: ignore[arg-type]
 
-    assert chosen(jpeg_decoder="torchvision") is None
-    for wanted in ("nvimgcodec", "auto"):  # auto: nvImageCodec, installed here
-        decode = chosen(jpeg_decoder=wanted, jpeg_hardware_share=0.25)
-        assert isinstance(decode, partial)
-        assert decode.func is nvimgcodec.decode_jpeg
-        assert decode.keywords == {"hardware_share": 0.25}
+    assert chosen(jpeg_decoder="torchvision") is None  # torchvision's own, the default
+    assert chosen() is None
+    decode = chosen(jpeg_decoder="nvimgcodec", jpeg_hardware_share=0.25)
+    assert isinstance(decode, partial) and decode.keywords == {"hardware_share": 0.25}
+    photo = sample_jpegs()[1]
+    image = decode(as_tensor(photo), device="cpu")
+    assert tuple(image.shape) == (3, 400, 600)  # coffee: 600x400
 
     monkeypatch.setattr(nvimgcodec, "available", lambda: False)
-    assert chosen(jpeg_decoder="auto") is None  # torchvision's where it is not installed
     with pytest.raises(RuntimeError, match="nvidia-nvimgcodec is not installed"):
         chosen(jpeg_decoder="nvimgcodec")

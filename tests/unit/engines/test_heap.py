@@ -10,7 +10,7 @@ from pathlib import Path
 
 from app.engine import models
 from app.frontend.server import create_app
-from app.heap import freeze_heap
+from engines.heap import freeze_heap
 from tests.unit.app.engine.test_models import settings_for, write_tiny
 
 
