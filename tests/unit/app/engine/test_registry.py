@@ -360,15 +360,19 @@ def test_loading_leaves_the_heap_frozen(tmp_path: Path) -> None:
     import gc
 
     write_tiny(tmp_path / "repo" / "tiny")
+    write_tiny(tmp_path / "repo" / "later", autoload=False)  # loaded only when asked
     registry = Registry(settings_for(tmp_path / "repo", tmp_path))
     gc.unfreeze()
 
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, int, int]:
         before = gc.get_freeze_count()
         await registry.load_all()
         frozen = gc.get_freeze_count()
+        gc.unfreeze()
+        await registry.load("later")  # a first load while serving: nothing retired
+        again = gc.get_freeze_count()
         await registry.close()
-        return before, frozen
+        return before, frozen, again
 
-    before, frozen = asyncio.run(scenario())
-    assert before == 0 and frozen > 0
+    before, frozen, again = asyncio.run(scenario())
+    assert before == 0 and frozen > 0 and again > 0
