@@ -58,28 +58,12 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     started: list[str] = []
 
     class Refused:
-        def __init__(
-            self,
-            spec: object,
-            device: str,
-            rows: int,
-            decode_jpeg: object = None,
-            label: str = "",
-            slots: int = 1,
-        ) -> None:
+        def __init__(self, *given: object, label: str = "", slots: int = 1, **_: object) -> None:
             started.append(label)
             raise RuntimeError(f"decode process {label} did not start: no /dev/shm")
 
     class Started(decode_process.DecodeProcess):
-        def __init__(
-            self,
-            spec: object,
-            device: str,
-            rows: int,
-            decode_jpeg: object = None,
-            label: str = "",
-            slots: int = 1,
-        ) -> None:
+        def __init__(self, *given: object, label: str = "", slots: int = 1, **_: object) -> None:
             started.append(label)
             self.slots = slots
 
