@@ -209,7 +209,7 @@ def test_a_request_a_front_end_refuses_is_counted_by_the_engine(front_ends: Serv
             json={"inputs": [{"name": "x", "datatype": "INT8", "shape": [1, 4], "data": [1] * 4}]},
         )
         assert bad.status_code == 400 and "datatype INT8" in bad.json()["error"]
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while metric_samples(front_ends).get(key, 0.0) - before < 3:
         assert time.monotonic() < deadline, "the front end's refusals never reached /metrics"
         time.sleep(0.1)
@@ -282,7 +282,7 @@ def test_metrics_keep_one_set_of_totals_across_front_ends(front_ends: Server) ->
     assert seen == {40.0}
     # Their durations, timed in the front ends, reach the engine's histogram with the poll.
     timed = ("stoker_inference_request_duration_seconds_count", key[1])
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while metric_samples(front_ends).get(timed, 0.0) - durations_before < 40:
         assert time.monotonic() < deadline, "the front ends' durations never reached /metrics"
         time.sleep(0.1)
@@ -423,7 +423,7 @@ def test_a_front_ends_refusals_reach_the_engines_metrics(front_ends: Server) -> 
         sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + fields + b"\r\n")
         assert sock.recv(100).startswith(b"HTTP/1.1 431 ")
     key = ("stoker_http_refusals_total", (("reason", "header_count"), ("status", "431")))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while metric_samples(front_ends).get(key, 0) < 1:
         assert time.monotonic() < deadline, "the refusal never reached /metrics"
         time.sleep(0.1)

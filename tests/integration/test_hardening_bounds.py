@@ -360,7 +360,7 @@ def test_wrong_keys_cost_at_most_a_log_line_a_second(server: Server) -> None:
         lines = len(re.findall(rb"401 invalid API key for /v2/models/tiny from 127\.0\.0\.1", text))
         return lines, lines + sum(int(n) for n in SUPPRESSED.findall(text)), text
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound for a busy machine, not a timing
     while (counts := accounted())[1] < 2000:  # the last second's count is logged as it ends
         assert time.monotonic() < deadline, counts[:2]
         time.sleep(0.1)

@@ -271,7 +271,7 @@ def busy_m(hardened: Server) -> int:
 
 
 async def wait_pending(server: Server, at_least: int, model: str = "slow") -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     async with httpx.AsyncClient(timeout=5) as http:
         while True:
             text = (await http.get(f"{server.url}/metrics")).text
@@ -519,7 +519,7 @@ def test_a_client_gone_mid_body_costs_one_log_line(hardened: Server) -> None:
             sock.sendall(head + b'{"inputs": [' * 10)
     with client(hardened) as http:
         assert http.get("/v2/health/ready").status_code == 200
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         added = hardened.log.read_text()[len(before) :]
         if added.count("went away mid-request") == 20:
@@ -750,7 +750,7 @@ def test_a_disconnected_client_is_dropped_before_compute(hardened: Server, busy_
 
     blocker = asyncio.run(scenario())
     assert blocker.status_code == 200
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60
     while failures(metric_samples(hardened), "slow", "cancelled") == failures(
         counted_before, "slow", "cancelled"
     ):
