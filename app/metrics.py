@@ -173,9 +173,10 @@ BATCH_SIZE = Histogram(
 
 IMAGES_DECODED = Counter(
     "stoker_image_decode",
-    "Uploaded images decoded, by device: gpu (nvJPEG, in batches) or cpu (Pillow: formats "
-    "other than JPEG, GPU decoding off, or an image nvJPEG refused).",
-    (*LABELS, "device"),
+    "Uploaded images decoded, by device and decoder: gpu (in batches, by torchvision's nvJPEG "
+    "or nvImageCodec: models.jpeg_decoder) or cpu (pillow: formats other than JPEG, GPU "
+    "decoding off, or an image the GPU's decoder refused).",
+    (*LABELS, "device", "decoder"),
 )
 DECODE_BATCH_SIZE = Histogram(
     "stoker_image_decode_batch_size",
@@ -316,6 +317,8 @@ class ModelMetrics:
 
     model: str
     version: str
+    jpeg_decoder: str = "torchvision"
+    """What decodes the version's JPEG uploads on the GPU (``models.jpeg_decoder``)."""
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
@@ -339,7 +342,11 @@ class ModelMetrics:
         self._infer = COMPUTE_INFER_DURATION.labels(*labels)
         self._output = COMPUTE_OUTPUT_DURATION.labels(*labels)
         self._batch = BATCH_SIZE.labels(*labels)
-        self._decoded = {d: IMAGES_DECODED.labels(*labels, d) for d in ("gpu", "cpu")}
+        self._decoders = {"gpu": self.jpeg_decoder, "cpu": "pillow"}
+        self._decoded = {
+            device: IMAGES_DECODED.labels(*labels, device, decoder)
+            for device, decoder in self._decoders.items()
+        }
         self._decode_batch = DECODE_BATCH_SIZE.labels(*labels)
         self._decode_queue = DECODE_QUEUE_DURATION.labels(*labels)
         self._decode = DECODE_DURATION.labels(*labels)
@@ -373,9 +380,9 @@ class ModelMetrics:
             DECODE_DURATION,
         ):
             histogram.remove(*labels)
-        for device in ("gpu", "cpu"):
+        for device, decoder in self._decoders.items():
             with contextlib.suppress(KeyError):
-                IMAGES_DECODED.remove(*labels, device)
+                IMAGES_DECODED.remove(*labels, device, decoder)
         for reason in self._reasons:
             with contextlib.suppress(KeyError):
                 REQUEST_FAILURE.remove(*labels, reason)

@@ -413,7 +413,7 @@ async def load(
     handler: Handler | None = None
     decoder: images.DecodeQueue | None = None
     if metrics is None:
-        metrics = ModelMetrics(config.name, precision)
+        metrics = ModelMetrics(config.name, precision, settings.models.jpeg_decoder)
     labels = entry.labels()
     try:
         runners = config.runner_count(backends.resolve(backend))

@@ -302,7 +302,9 @@ def uploads_answer_espresso_all_on_the_gpu(server: Server, coffee_jpeg: bytes, c
     labels = {"model": "efficientnet_lite0", "version": "fp32"}
 
     def decoded(device: str) -> float:
-        key = ("stoker_image_decode_total", tuple(sorted({**labels, "device": device}.items())))
+        decoder = {"gpu": "torchvision", "cpu": "pillow"}[device]
+        named = {**labels, "device": device, "decoder": decoder}
+        key = ("stoker_image_decode_total", tuple(sorted(named.items())))
         return metric_samples(server).get(key, 0.0)
 
     before = decoded("gpu"), decoded("cpu")

@@ -164,11 +164,13 @@ def test_infer_upload_answers_espresso(server: Server, coffee_jpeg: bytes) -> No
 def test_decoded_uploads_are_counted_by_device(
     server: Server, coffee_jpeg: bytes, astronaut_png: bytes
 ) -> None:
-    """No GPU here: every image is decoded on the CPU and counted there; the gpu series
+    """No GPU here: every image is decoded on the CPU (Pillow) and counted there; the gpu series
     exists at zero from the start, and an image that fails to decode is not counted."""
 
     def key(device: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        decoder = {"gpu": "torchvision", "cpu": "pillow"}[device]
         labels = {"model": "efficientnet_lite0", "version": "fp32", "device": device}
+        labels["decoder"] = decoder
         return "stoker_image_decode_total", tuple(sorted(labels.items()))
 
     before = metric_samples(server)

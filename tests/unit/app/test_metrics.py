@@ -154,7 +154,7 @@ def test_pending_requests_are_read_from_their_owner_at_each_scrape() -> None:
     assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 1
 
 
-def test_image_decoding_is_counted_by_device() -> None:
+def test_image_decoding_is_counted_by_device_and_decoder() -> None:
     model = unique_model()
     metrics = ModelMetrics(model, "fp32")
     metrics.images_decoded("gpu", 12)
@@ -167,11 +167,19 @@ def test_image_decoding_is_counted_by_device() -> None:
     assert waited == pytest.approx(0.004)
     assert got[("stoker_image_decode_duration_seconds_count", "version=fp32")] == 2
     assert got[("stoker_image_decode_duration_seconds_sum", "version=fp32")] == pytest.approx(0.04)
-    assert got[("stoker_image_decode_total", "device=gpu", "version=fp32")] == 12
-    assert got[("stoker_image_decode_total", "device=cpu", "version=fp32")] == 3
+    gpu = ("stoker_image_decode_total", "decoder=torchvision", "device=gpu", "version=fp32")
+    assert got[gpu] == 12
+    assert got[("stoker_image_decode_total", "decoder=pillow", "device=cpu", "version=fp32")] == 3
     assert got[("stoker_image_decode_batch_size_count", "version=fp32")] == 1
     assert got[("stoker_image_decode_batch_size_bucket", "le=8.0", "version=fp32")] == 0
     assert got[("stoker_image_decode_batch_size_bucket", "le=12.0", "version=fp32")] == 1
+    other = unique_model()
+    ModelMetrics(other, "fp32", "nvimgcodec").images_decoded("gpu", 5)
+    decoded = {k: v for k, v in series(other).items() if k[0] == "stoker_image_decode_total"}
+    assert decoded == {
+        ("stoker_image_decode_total", "decoder=nvimgcodec", "device=gpu", "version=fp32"): 5,
+        ("stoker_image_decode_total", "decoder=pillow", "device=cpu", "version=fp32"): 0,
+    }
 
 
 def test_an_unserved_version_is_flagged_with_its_reason() -> None:
