@@ -1,12 +1,15 @@
 """JPEG decoding with NVIDIA's nvImageCodec, in torchvision's ``decode_jpeg`` signature.
 
-torchvision's batched ``decode_jpeg`` holds the GIL while it parses each image (86 us an
-image on an H200's host, BENCHMARKS.md, run 26), which is why a decoder thread shares badly
-with the engine's loop and runners. nvImageCodec parses and decodes a batch in C++ with the
-GIL released, and on a GPU with hardware JPEG engines (A100, H100, H200) hands the baseline
-JPEGs to them, leaving the SMs to the model. ``hardware_share`` is nvImageCodec's load hint:
-the share of every batch offered to the hardware engines, the rest (and whatever they cannot
-take: progressive, unusual subsampling) going to nvJPEG's CUDA decoder, then its hybrid one.
+torchvision's batched ``decode_jpeg`` spends about 86 us of the calling thread's CPU an
+image parsing (an H200's host, BENCHMARKS.md, run 26) and takes one lock a process.
+nvImageCodec parses and decodes a batch in C++ with the GIL released, and on a GPU with
+hardware JPEG engines (A100, H100, H200) hands the baseline JPEGs to them, leaving the SMs to
+the model. On the H200 it made fewer photos/s than torchvision in every form, alone and in
+the service (runs 45-46): ``models.jpeg_decoder`` offers it, torchvision stays the default.
+
+``hardware_share`` is nvImageCodec's load hint: the share of every batch offered to the
+hardware engines, the rest (and whatever they cannot take: progressive, unusual subsampling)
+going to nvJPEG's CUDA decoder, then its hybrid one.
 An image none of them decodes comes back as None in a batch (the caller decodes it on the
 CPU), as RuntimeError alone, as torchvision refuses.
 
