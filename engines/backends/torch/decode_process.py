@@ -422,6 +422,7 @@ def _serve(
             except (OSError, EOFError):
                 return
 
+    # This thread reads the pipe, the sender writes it: each direction has one user.
     sender = threading.Thread(target=answer, name="decode-answers", daemon=True)
     sender.start()
     with ThreadPoolExecutor(slots, thread_name_prefix="decode-slot") as pool:
