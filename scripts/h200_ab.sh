@@ -13,7 +13,9 @@
 # each word one server, named s1, s2... in the table (the legend first). COMPILE: the served
 # model's gpu.compile (none; default compiles its buckets at the first start, the engine
 # store keeps them for the next). MPS=1 starts CUDA's MPS daemon first (a word of AB_SETS
-# with CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe runs under it; the rest do not).
+# with CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe runs under it; the rest do not), and after each
+# server's loads prints the processes the MPS server serves (none: MPS was not in use).
+# After each server stops, each decode process's time a batch (decode, resize, handover).
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
 #   MPS=1 AB_SETS="STOKER_MODELS__JPEG_DECODER=torchvision CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe" \
@@ -85,8 +87,18 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         done
         curl -s "$url/metrics" >"$OUT/metrics_$name.txt"
         grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
+        if [ "${MPS:-0}" = 1 ]; then  # which processes MPS serves: none means it was not used
+            mps=$(echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe nvidia-cuda-mps-control)
+            for pid in $mps; do
+                clients=$(echo "get_client_list $pid" | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe \
+                    nvidia-cuda-mps-control | tr '\n' ' ')
+                echo "MPS server $pid serves: ${clients:-none}"
+            done
+            [ -z "$mps" ] && echo "MPS: no server running"
+        fi
         kill -TERM $server 2>/dev/null
         wait $server
+        grep -h "decode process .*: .*batch" "$OUT/server_$name.log" | cut -c1-240
         echo "$var=$value round $round done"
     done
 done

@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
@@ -46,7 +47,7 @@ from typing import Any, NoReturn
 import torch
 import torch.multiprocessing as torch_mp
 
-from engines.backends.torch.images import DeviceRows, JpegDecode, TorchImageDecoder
+from engines.backends.torch.images import DecodeTimes, DeviceRows, JpegDecode, TorchImageDecoder
 from engines.heap import freeze_heap
 from engines.preprocess import ImagePreprocess
 from engines.sampler import sampled
@@ -62,6 +63,9 @@ INPUT_BYTES = 16 << 20
 # After a start that failed, batches go to the CPU for this long before the next try.
 RETRY_S = 30.0
 SHM_ROOT = Path("/dev/shm")
+# A child's answer to a batch: ("ok", whether each image decoded, the batch's times) or
+# ("error", why, None).
+Answer = tuple[str, Any, DecodeTimes | None]
 
 
 class DecodeProcess:
@@ -109,6 +113,7 @@ class DecodeProcess:
         self._closed = False
         self._retry_at = 0.0
         self.starts = 0
+        self.times = DecodeTimes()  # the children's batches, summed; logged at close
         self._start()
 
     @property
@@ -195,7 +200,7 @@ class DecodeProcess:
             try:
                 if not conn.poll(BATCH_TIMEOUT_S):
                     raise TimeoutError(f"no answer in {BATCH_TIMEOUT_S:g} s")
-                kind, value = conn.recv()
+                kind, value, times = conn.recv()
             except (OSError, EOFError, TimeoutError) as exc:
                 process = self._process
                 if self._turns is turns and process is not None:
@@ -204,6 +209,8 @@ class DecodeProcess:
                     process.kill()
                 with self._lock:
                     self._failed(turns, exc)
+            if times is not None:
+                self.times.add(times)  # in turn: one answer at a time
         finally:
             turns.done()
         if kind != "ok":
@@ -316,6 +323,7 @@ class DecodeProcess:
                 self._slot_free.wait()
         with self._lock:
             self._stop()
+        log.info("decode process %s: %s", self.label, self.times.describe())
 
     @staticmethod
     def _on_stream(stream: Any) -> contextlib.AbstractContextManager[object]:
@@ -396,24 +404,36 @@ def _serve(
     slot_bytes, slot_rows = len(area) // slots, len(buffer) // slots
     shared_bytes = memoryview(area)
 
-    def decode(slot: int, blob: bytes | memoryview, lengths: list[int | None]) -> tuple[str, Any]:
+    def decode(slot: int, blob: bytes | memoryview, lengths: list[int | None]) -> Answer:
         try:
             jpegs: list[bytes | memoryview | None] = []
             at = 0
             for length in lengths:
                 jpegs.append(None if length is None else blob[at : at + length])
                 at += 0 if length is None else length
-            rows, ok = decoders[slot].decode(jpegs)
+            decoder = decoders[slot]
+            before = replace(decoder.times)
+            rows, ok = decoder.decode(jpegs)
+            handover = time.perf_counter()
             stream = streams[slot]
             with DecodeProcess._on_stream(stream):
                 buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
             if stream is not None:
                 stream.synchronize()
-            return ("ok", ok)
+            times = decoder.times
+            spent = DecodeTimes(
+                1,
+                len(jpegs),
+                times.decode - before.decode,
+                times.resize - before.resize,
+                times.wait - before.wait,
+                time.perf_counter() - handover,
+            )
+            return ("ok", ok, spent)
         except Exception as exc:  # one batch fails; the child serves the next
-            return ("error", f"{type(exc).__name__}: {exc}"[:500])
+            return ("error", f"{type(exc).__name__}: {exc}"[:500], None)
 
-    answers: queue.SimpleQueue[Future[tuple[str, Any]] | None] = queue.SimpleQueue()
+    answers: queue.SimpleQueue[Future[Answer] | None] = queue.SimpleQueue()
 
     def answer() -> None:
         while (future := answers.get()) is not None:

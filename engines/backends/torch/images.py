@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Any
 
@@ -95,6 +97,38 @@ class DeviceRows:
         self.tensor[row].copy_(torch.from_numpy(np.ascontiguousarray(value)))
 
 
+@dataclass
+class DecodeTimes:
+    """Where a decoder's batches spent their time, summed (seconds): ``decode`` in the JPEG
+    decoder's call (nvJPEG waits for its own stream), ``resize`` launching the resize and
+    crop, ``wait`` for them on the device; ``handover``: a decode process's copy of the rows
+    to the parent's buffer. For diagnosis (logged when a decode process stops)."""
+
+    batches: int = 0
+    images: int = 0
+    decode: float = 0.0
+    resize: float = 0.0
+    wait: float = 0.0
+    handover: float = 0.0
+
+    def add(self, other: DecodeTimes) -> None:
+        for name in ("batches", "images", "decode", "resize", "wait", "handover"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def describe(self) -> str:
+        if not self.batches:
+            return "no batch"
+        each = {
+            name: 1000 * getattr(self, name) / self.batches
+            for name in ("decode", "resize", "wait", "handover")
+        }
+        return (
+            f"{self.batches} batches of {self.images / self.batches:.1f} images; a batch: "
+            f"decode {each['decode']:.2f} ms, resize launched {each['resize']:.2f} ms, "
+            f"waited for {each['wait']:.2f} ms, handed over {each['handover']:.2f} ms"
+        )
+
+
 class TorchImageDecoder:
     """Decodes batches of JPEG bytes into UINT8 model rows; used by one thread at a time.
 
@@ -120,6 +154,7 @@ class TorchImageDecoder:
             else None
         )
         self._lock = threading.Lock()
+        self.times = DecodeTimes()
         self._weights = lru_cache(maxsize=CACHED_WEIGHTS)(self._weights_on_device)
 
     def decode(self, jpegs: Sequence[bytes | memoryview | None]) -> tuple[DeviceRows, list[bool]]:
@@ -128,8 +163,10 @@ class TorchImageDecoder:
         refused, whose row is left for the caller to fill (``DeviceRows.put``)."""
         crop = self.spec.crop
         with self._lock, torch.no_grad(), self._on_stream():
+            started = time.perf_counter()
             batch = torch.zeros((len(jpegs), 3, crop, crop), dtype=torch.uint8, device=self.device)
             images = self._decode_all(jpegs)
+            decoded = time.perf_counter()
             groups = self._groups(images)
             order = [i for group in groups for i in group]
             # Each group's rows go to a slice of ``grouped`` in turn; one scatter then puts
@@ -144,9 +181,16 @@ class TorchImageDecoder:
                 batch.index_copy_(0, self._to_device(np.asarray(order)), grouped)
             if self.spec.layout == "NHWC":
                 batch = batch.permute(0, 2, 3, 1).contiguous()
+            launched = time.perf_counter()
             if self._stream is not None:
                 # Before the rows are handed out: the runner's stream reads them next.
                 self._stream.synchronize()
+            times = self.times
+            times.batches += 1
+            times.images += len(jpegs)
+            times.decode += decoded - started
+            times.resize += launched - decoded
+            times.wait += time.perf_counter() - launched
         return DeviceRows(batch), [image is not None for image in images]
 
     def _resize_group(

@@ -77,6 +77,21 @@ def test_a_batch_larger_than_the_buffer_goes_through_it_in_parts(process: Any) -
             assert not host[i].any()  # left for the caller's CPU decode
 
 
+def test_the_childs_time_is_summed_by_part_and_images() -> None:
+    """Each part a child decodes adds its batch, its images and its seconds to the parent's
+    ``times`` (logged at close): 5 images through a buffer of 2 rows are 3 parts."""
+    decoder = start(rows=2)
+    try:
+        decoder(sample_jpegs()[:5])
+        decoder([sample_jpegs()[0]])
+        times = decoder.times
+        assert (times.batches, times.images) == (4, 6)
+        assert times.decode > 0 and times.resize > 0 and times.handover >= 0
+        assert "4 batches of 1.5 images" in times.describe()
+    finally:
+        decoder.close()
+
+
 def test_parts_fit_the_shared_input_and_a_larger_image_goes_over_the_pipe(
     process: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
