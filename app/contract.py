@@ -20,6 +20,7 @@ import numpy as np
 from app.errors import BadRequest, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
+from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
 # Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
@@ -60,6 +61,9 @@ class Contract:
     """Names the contract's terms (``serial_of``: equal terms, equal serial, in every engine
     process): an engine serving other terms since a reload checks a request decoded against
     these before it runs it (``app.errors.Reloaded`` if it does not fit). 0: unnamed."""
+    uploads: ImagePreprocess | None = None
+    """How a front end may make the model's input rows of its uploads itself (UINT8): set
+    where the engine would decode them on the CPU (``LoadedModel.upload_rows``)."""
 
     def as_json(self) -> dict[str, Any]:
         def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
@@ -76,6 +80,7 @@ class Contract:
             "pixels": self.pixels,
             "priority_levels": self.priority_levels,
             "serial": self.serial,
+            "uploads": None if self.uploads is None else self.uploads.model_dump(mode="json"),
         }
 
     @classmethod
@@ -96,6 +101,7 @@ class Contract:
             value["pixels"],
             value["priority_levels"],
             value.get("serial", 0),
+            None if value.get("uploads") is None else ImagePreprocess(**value["uploads"]),
         )
 
 
@@ -257,6 +263,9 @@ class Uploads:
     k: int | None
     client: str
     counts: tuple[int, ...] = ()
+    rows: ImagePreprocess | None = None
+    """Set where the front end made each image a model input row with this preprocessing
+    (``Contract.uploads``): the images are those rows (UINT8), not files."""
 
     def requests(self) -> list[Sequence[bytes | memoryview]]:
         """Each request's images."""

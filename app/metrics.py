@@ -174,8 +174,9 @@ BATCH_SIZE = Histogram(
 IMAGES_DECODED = Counter(
     "stoker_image_decode",
     "Uploaded images decoded, by device and decoder: gpu (in batches, by torchvision's nvJPEG "
-    "or nvImageCodec: models.jpeg_decoder) or cpu (pillow: formats other than JPEG, GPU "
-    "decoding off, or an image the GPU's decoder refused).",
+    "or nvImageCodec: models.jpeg_decoder) or cpu (pillow, in the engine: formats other than "
+    "JPEG, GPU decoding off, or an image the GPU's decoder refused; pillow_front_ends: made "
+    "rows by the front ends, server.decode_uploads_in_front_ends).",
     (*LABELS, "device", "decoder"),
 )
 DECODE_BATCH_SIZE = Histogram(
@@ -342,10 +343,15 @@ class ModelMetrics:
         self._infer = COMPUTE_INFER_DURATION.labels(*labels)
         self._output = COMPUTE_OUTPUT_DURATION.labels(*labels)
         self._batch = BATCH_SIZE.labels(*labels)
-        self._decoders = {"gpu": self.jpeg_decoder, "cpu": "pillow"}
+        # where an image was decoded: its device and decoder labels
+        self._decoders = {
+            "gpu": ("gpu", self.jpeg_decoder),
+            "cpu": ("cpu", "pillow"),
+            "front_ends": ("cpu", "pillow_front_ends"),
+        }
         self._decoded = {
-            device: IMAGES_DECODED.labels(*labels, device, decoder)
-            for device, decoder in self._decoders.items()
+            where: IMAGES_DECODED.labels(*labels, *device_decoder)
+            for where, device_decoder in self._decoders.items()
         }
         self._decode_batch = DECODE_BATCH_SIZE.labels(*labels)
         self._decode_queue = DECODE_QUEUE_DURATION.labels(*labels)
@@ -380,9 +386,9 @@ class ModelMetrics:
             DECODE_DURATION,
         ):
             histogram.remove(*labels)
-        for device, decoder in self._decoders.items():
+        for device_decoder in self._decoders.values():
             with contextlib.suppress(KeyError):
-                IMAGES_DECODED.remove(*labels, device, decoder)
+                IMAGES_DECODED.remove(*labels, *device_decoder)
         for reason in self._reasons:
             with contextlib.suppress(KeyError):
                 REQUEST_FAILURE.remove(*labels, reason)
@@ -415,9 +421,11 @@ class ModelMetrics:
         REQUEST_FAILURE.labels(self.model, self.version, reason).inc(times)
         self.fail.add(seconds, times)
 
-    def images_decoded(self, device: str, count: int) -> None:
+    def images_decoded(self, where: str, count: int) -> None:
+        """``count`` images decoded on the ``gpu``, the engine's ``cpu``, or by the
+        ``front_ends`` (rows made there)."""
         if count:
-            self._decoded[device].inc(count)
+            self._decoded[where].inc(count)
 
     def decode_batch(self, images: int, waits: list[float], seconds: float) -> None:
         """One GPU decode batch of ``images`` uploads, for requests that waited ``waits`` for

@@ -137,9 +137,10 @@ class State(_Message, frozen=True, tag=Op.STATE.value):
 
 
 class Describe(_Message, frozen=True, tag=Op.DESCRIBE.value):
-    """The contract of a model version (``app.contract.Contract``)."""
+    """The contract of a model version (``app.contract.Contract``); ``name`` None: the
+    default model's (the one ``POST /infer`` serves)."""
 
-    name: str
+    name: str | None
     version: str | None = None
 
 
@@ -192,6 +193,9 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     client: str
     slot: SlotRef | None = None
     counts: tuple[int, ...] = ()
+    rows: dict[str, Any] | None = None
+    """Set where the front end made each image an input row itself: the preprocessing it
+    used (``ImagePreprocess`` as JSON), each image then a UINT8 row."""
 
 
 class Metrics(_Message, frozen=True, tag=Op.METRICS.value):

@@ -2,16 +2,20 @@
 
 Part of a model's definition (its config says how), shared by the service's uploads, the
 calibration sets and the accuracy report, so all three feed the model the same pixels.
+Pillow is imported where pixels are made, not here: a front end reads a model's
+``ImagePreprocess`` from its contract without loading it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 class ImagePreprocess(BaseModel):
@@ -45,6 +49,8 @@ class ImagePreprocess(BaseModel):
 
 def preprocess(image: Image.Image, spec: ImagePreprocess) -> np.ndarray:
     """One model input row from an RGB image."""
+    from PIL import Image
+
     width, height, left, top = crop_box(*image.size, spec)
     resized = image.resize((width, height), Image.Resampling.BILINEAR)
     cropped = resized.crop((left, top, left + spec.crop, top + spec.crop))
@@ -76,5 +82,7 @@ def normalize(pixels: np.ndarray, spec: ImagePreprocess, dtype: np.dtype[Any]) -
 
 def load_image(path: Path) -> Image.Image:
     """An RGB image from a trusted local file (calibration and evaluation sets)."""
+    from PIL import Image
+
     with Image.open(path) as image:
         return image.convert("RGB")

@@ -53,7 +53,13 @@ Shaped = list[tuple[RequestedOutput, np.ndarray]]
 def contract_of(model: LoadedModel) -> Contract:
     levels = model.entry.config.dynamic_batching.priority_levels
     return Contract(
-        model.name, model.version, model.spec, model.inputs.pixels, levels, model.serial
+        model.name,
+        model.version,
+        model.spec,
+        model.inputs.pixels,
+        levels,
+        model.serial,
+        model.upload_rows,
     )
 
 
@@ -61,6 +67,7 @@ class LocalEngine:
     def __init__(self, settings: Settings, one_device: bool = False) -> None:
         self.settings = settings
         self.frames_in_flight = 0  # in process, a frame costs nothing to cross
+        self.in_process = True
         self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
         self.drain_state = Drain(settings.server.drain_timeout_s)
@@ -145,8 +152,9 @@ class LocalEngine:
         """Raise what a request to this model would get (404, 503) before its body is read."""
         self.models.get(name, version)
 
-    async def contract(self, name: str, version: str | None = None) -> Contract:
-        return contract_of(self.models.get(name, version))
+    async def contract(self, name: str | None, version: str | None = None) -> Contract:
+        """The model version's contract (``name`` None: the default model's, for uploads)."""
+        return contract_of(self._upload_model(name, version))
 
     def admit(self, contract: Contract, requests: int = 1) -> None:
         """Refuse now (503, 429) what the model's batcher would refuse, before decoding."""

@@ -33,7 +33,7 @@ from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.decoders import decode_queue, describe_decoding, gpu_decoders
-from app.engine.handlers import Handler, HandlerContext, handler_for
+from app.engine.handlers import Handler, HandlerContext, ImageClassifier, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
 from app.errors import BadRequest, Reloaded, client_text
@@ -301,6 +301,10 @@ class LoadedModel:
     inputs: InputPolicy
     handler: Handler | None = None
     """What ``POST /infer`` does with uploads; None: the model takes V2 tensors only."""
+    upload_rows: ImagePreprocess | None = None
+    """How a front end may make this model's input rows of its uploads itself (UINT8), set
+    where the engine would decode them on the CPU (the image classifier, no device
+    decoder): the engine then takes the rows (``ImageClassifier.rows``). None: files only."""
     replaced_by: LoadedModel | None = None
     """The version that serves in its place since a reload switched to it."""
 
@@ -445,6 +449,19 @@ async def load(
         describe_decoding(decoders, settings),
         time.perf_counter() - started,
     )
+    upload_rows = (
+        handler.preprocess if isinstance(handler, ImageClassifier) and decoder is None else None
+    )
     return LoadedModel(
-        entry, precision, spec, backend, pool, batcher, metrics, labels, policy, handler
+        entry,
+        precision,
+        spec,
+        backend,
+        pool,
+        batcher,
+        metrics,
+        labels,
+        policy,
+        handler,
+        upload_rows,
     )

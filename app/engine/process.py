@@ -38,6 +38,7 @@ from app.metrics import http_refused
 from app.protocol import RequestedOutput
 from app.settings import Settings
 from app.tensor_data import pack_tensor, unpack_tensor
+from engines.preprocess import ImagePreprocess
 
 log = logging.getLogger(__name__)
 
@@ -311,8 +312,9 @@ class EngineServer:
         for size in call.sizes:
             uploads.append(source[at : at + size])
             at += size
+        rows = None if call.rows is None else ImagePreprocess(**call.rows)
         classified = await self.engine.classify(
-            Uploads(call.name, call.version, uploads, call.k, call.client, call.counts)
+            Uploads(call.name, call.version, uploads, call.k, call.client, call.counts, rows)
         )
         answers = [
             {"error": a.message, "status": a.status, "reason": a.reason}

@@ -2,9 +2,10 @@
 
 The upload path beside the V2 one: each request's images are checked against the limits,
 decoded by the model's handler (the device decoder's queue joins the requests the data
-plane gathered), run through the batcher in as few entries as the max batch allows, and
-encoded by the handler in one call for all of them (top-k labels for the image
-classifier). An upload that is not an image fails its own request alone, counted as it fails.
+plane gathered; rows a front end made of its uploads are only stacked), run through the
+batcher in as few entries as the max batch allows, and encoded by the handler in one call
+for all of them (top-k labels for the image classifier). An upload that is not an image
+fails its own request alone, counted as it fails.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import numpy as np
 
 from app.contract import Classified, Uploads, batch_key
 from app.engine.batch import Tensors, time_left
-from app.engine.handlers import check_uploads
+from app.engine.handlers import ImageClassifier, check_uploads
 from app.engine.models import LoadedModel
-from app.errors import BadRequest, StokerError
+from app.errors import BadRequest, Reloaded, StokerError
 from app.settings import LimitSettings
 
 
@@ -46,6 +47,9 @@ async def classify_uploads(
     handler = model.handler
     if handler is None:
         raise BadRequest(f"model {model.name!r} does not take image uploads")
+    if uploads.rows is not None and uploads.rows != model.upload_rows:
+        # Made for a contract a reload replaced: nothing ran, the front end makes them again.
+        raise Reloaded(f"model {model.name!r} was reloaded; its uploads are decoded again")
     top = uploads.k if uploads.k is not None else limits.default_top_k
     if top < 1:
         raise BadRequest("k must be at least 1")
@@ -67,12 +71,18 @@ async def classify_uploads(
         except StokerError as error:
             failed(i, error)
 
+    async def decode(images: list[bytes]) -> dict[str, Any]:
+        if uploads.rows is None:
+            return await handler.decode(images)
+        assert isinstance(handler, ImageClassifier)  # a model with ``upload_rows`` has one
+        return handler.rows(images)
+
     async def work() -> None:
         arrived = time.monotonic()
         model.batcher.admit(len(live))
         decoding = list(live)
         decoded = await asyncio.gather(
-            *(handler.decode(requests[i]) for i in decoding), return_exceptions=True
+            *(decode(requests[i]) for i in decoding), return_exceptions=True
         )
         blocks: list[tuple[int, dict[str, Any]]] = []
         for i, inputs in zip(decoding, decoded, strict=True):

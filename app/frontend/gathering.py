@@ -28,6 +28,7 @@ from app.errors import Reloaded, StokerError
 from app.frontend.client import EngineClient
 from app.protocol import RequestedOutput
 from app.settings import Settings
+from engines.preprocess import ImagePreprocess
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,6 +135,8 @@ class UploadGathering:
     version: str | None
     k: int | None
     client: str
+    rows: ImagePreprocess | None = None
+    """The preprocessing that made each image a row in this front end (None: files)."""
     images: list[bytes] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     callers: Callers[Classified] = field(default_factory=Callers)
@@ -329,18 +332,19 @@ class Gatherer:
         uploads: Sequence[bytes],
         k: int | None,
         client: str,
+        rows: ImagePreprocess | None = None,
     ) -> tuple[Classified, int]:
-        """Gather uploads with the others for the same model, ``k`` and client into one
-        engine call (up to ``models.decode_batch`` images); the call's answer and this
-        request's index in it."""
-        key = (name, version, k, client)
+        """Gather uploads with the others for the same model, ``k`` and client (and the same
+        ``rows``: files, or rows made with that preprocessing) into one engine call (up to
+        ``models.decode_batch`` images); the call's answer and this request's index in it."""
+        key = (name, version, k, client, rows)
         gathering = self._uploads.get(key)
         bound = max(self.settings.models.decode_batch, len(uploads))
         if gathering is not None and len(gathering.images) + len(uploads) > bound:
             self._send_uploads(key)
             gathering = None
         if gathering is None:
-            gathering = UploadGathering(name, version, k, client)
+            gathering = UploadGathering(name, version, k, client, rows)
             self._uploads[key] = gathering
             self._flush_soon()
         gathering.images.extend(uploads)
@@ -359,6 +363,7 @@ class Gatherer:
             gathering.k,
             gathering.client,
             tuple(gathering.counts),
+            gathering.rows,
         )
         self._sent(len(gathering.counts))
         gathering.callers.send(partial(again_if_reloaded, partial(self.client.classify, uploads)))

@@ -115,8 +115,16 @@ def classify_call(uploads: Uploads, slot: Slot | None) -> tuple[wire.Classify, b
         place = wire.SlotRef(slot.offset, len(slot.view))
     else:
         payload = b"".join(uploads.images)
+    rows = None if uploads.rows is None else uploads.rows.model_dump(mode="json")
     call = wire.Classify(
-        uploads.name, uploads.version, uploads.k, sizes, uploads.client, place, uploads.counts
+        uploads.name,
+        uploads.version,
+        uploads.k,
+        sizes,
+        uploads.client,
+        place,
+        uploads.counts,
+        rows,
     )
     return call, payload
 

@@ -22,6 +22,7 @@ from typing import Any
 from app.contract import (
     ENGINE_REGIONS,
     Answer,
+    Classified,
     Contract,
     ForwardToEngine,
     Part,
@@ -36,6 +37,7 @@ from app.drain import Drain
 from app.errors import Reloaded, StokerError
 from app.frontend.client import EngineClient
 from app.frontend.gathering import Gatherer, again_if_reloaded
+from app.frontend.upload_rows import RowMaker
 from app.image_header import screen_upload
 from app.metrics import http_refused
 from app.protocol import encode_response
@@ -51,6 +53,12 @@ class DataPlane:
         self.failed: BaseException | None = None
         self.drain_state = Drain(settings.server.drain_timeout_s)
         self.gatherer = Gatherer(settings, client)
+        self.row_maker = (
+            RowMaker(settings)
+            if settings.server.decode_uploads_in_front_ends and not client.in_process
+            else None
+        )
+        """Makes uploads rows here where the engine would decode them on its CPU."""
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -84,6 +92,8 @@ class DataPlane:
     async def stop(self) -> None:
         self.begin_drain()
         await self.client.stop()
+        if self.row_maker is not None:
+            self.row_maker.close()
 
     # -- state --------------------------------------------------------------------------
 
@@ -253,7 +263,8 @@ class DataPlane:
         labels for the image classifier). ``name`` None: the default model. Each upload's
         header is screened here (``screen_upload``); the uploads of one turn of the loop for
         the same model, ``k`` and client go to the engine as one call, whose handler reads
-        them (only it knows what an upload must be)."""
+        them (only it knows what an upload must be), or, where the engine publishes the
+        model's preprocessing (it would decode on its CPU), as the rows made here of them."""
         with self.drain_state.in_flight():
             if self.draining:
                 raise draining()
@@ -264,8 +275,39 @@ class DataPlane:
                 except StokerError as error:
                     http_refused(error.status, "image_header")
                     raise
-            classified, index = await self.gatherer.classify(name, version, uploads, k, client)
+            try:
+                classified, index = await self._classify(name, version, uploads, k, client)
+            except StokerError as error:
+                if error.reason != Reloaded.reason:
+                    raise
+                # Rows made for a contract a reload replaced: made again for the new one.
+                classified, index = await self._classify(name, version, uploads, k, client)
             answer = classified.answers[index]
             if isinstance(answer, StokerError):
                 raise answer
             return classified.model, classified.version, answer
+
+    async def _classify(
+        self,
+        name: str | None,
+        version: str | None,
+        uploads: Sequence[bytes],
+        k: int | None,
+        client: str,
+    ) -> tuple[Classified, int]:
+        """The gathered engine call of these uploads (as rows where the contract says how
+        to make them and this front end makes them), and this request's index in it."""
+        maker = self.row_maker
+        contract = None if maker is None else await self.client.contract(name, version)
+        if maker is None or contract is None or contract.uploads is None:
+            return await self.gatherer.classify(name, version, uploads, k, client)
+        prep = contract.uploads
+        started = time.perf_counter()
+        try:
+            rows = await maker.rows(uploads, prep)
+        except StokerError as error:  # not an image, or too large: counted as the engine would
+            seconds = time.perf_counter() - started
+            self.client.count_failures(contract.model, contract.version, error.reason, 1, seconds)
+            error.counted = True
+            raise
+        return await self.gatherer.classify(name, version, rows, k, client, prep)

@@ -72,12 +72,15 @@ class RemoteEngine:
     ) -> None:
         self.settings = settings
         self.frames_in_flight = settings.server.frames_in_flight
+        self.in_process = False
         self._links = [EngineLink(label, Path(control)) for label, control in engines]
         front = settings.server
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
         self._bypass_logged = False
         self._stopping = False
-        self._contracts: dict[tuple[str, str | None], tuple[Contract, frozenset[int], Epoch]] = {}
+        self._contracts: dict[
+            tuple[str | None, str | None], tuple[Contract, frozenset[int], Epoch]
+        ] = {}
         """Per model version asked for, its contract, the engines ready when it was asked
         (by index: an engine ready since may take more rows) and each engine's generation
         then (a load or unload since drops it)."""
@@ -301,7 +304,7 @@ class RemoteEngine:
 
     # -- inference
 
-    async def contract(self, name: str, version: str | None = None) -> Contract:
+    async def contract(self, name: str | None, version: str | None = None) -> Contract:
         """The model version's contract, asked of the engines once (a loaded version's
         tensors never change while the engine lives; refusals are not kept), and again when
         an engine has become ready since."""
@@ -314,15 +317,15 @@ class RemoteEngine:
         # Engines may have shrunk the version to different max batches: the contract is that
         # of the one taking the most rows, and a request larger than another's max batch is
         # routed past that one (``_choose``), not refused.
-        concrete = found.version
+        model, concrete = found.model, found.version  # named: ``name`` None is the default
         best = max(
             (self._links[i] for i in ready),
-            key=lambda link: link.max_batch(name, concrete),
+            key=lambda link: link.max_batch(model, concrete),
             default=None,
         )
-        if best is not None and best.max_batch(name, concrete) > found.spec.max_batch_size:
+        if best is not None and best.max_batch(model, concrete) > found.spec.max_batch_size:
             try:
-                described = await best.call(wire.Describe(name, concrete), wire.Value)
+                described = await best.call(wire.Describe(model, concrete), wire.Value)
                 found = Contract.from_json(described.value)
             except StokerError:  # gone meanwhile: the first answer holds, not kept
                 return found

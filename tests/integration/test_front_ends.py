@@ -78,7 +78,7 @@ def front_ends(
 def coffee(efficientnet_dir: Path, coffee_jpeg: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The coffee photo as UINT8 pixels and as normalised FP32 rows, and ONNX Runtime's
     logits for it: what every answer about it is checked against."""
-    from app.engine.images import decode
+    from app.image_pixels import decode
 
     pixels = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess(datatype="UINT8"))[None]
     floats = preprocess(decode(coffee_jpeg, 10**8), ImagePreprocess())[None]
@@ -236,6 +236,82 @@ def test_uploads_errors_and_metadata_come_from_the_engine(
     assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
     assert httpx.get(f"{front_ends.url}/v2/models/tiny/ready").json()["ready"] is True
     assert httpx.get(f"{front_ends.url}/v2/health/live").status_code == 200
+
+
+def decoded_where(server: Server) -> dict[str, float]:
+    """The efficientnet model's decoded images by decoder label (``pillow``: in the engine,
+    ``pillow_front_ends``: made rows by the front ends)."""
+    found = {}
+    for (name, labels), value in metric_samples(server).items():
+        named = dict(labels)
+        if name == "stoker_image_decode_total" and named["model"] == "efficientnet_lite0":
+            found[named["decoder"]] = value
+    return found
+
+
+def test_uploads_are_made_rows_in_the_front_ends_on_a_cpu_machine(
+    front_ends: Server,
+    coffee_jpeg: bytes,
+    astronaut_png: bytes,
+    coffee: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> None:
+    """No GPU decoder: the front ends decode, resize and crop the uploads and the engine only
+    runs the rows. The answer is ONNX Runtime's on the CPU path's rows, the images are counted
+    as the front ends', and a broken JPEG is refused there (400) and counted by the engine."""
+    before = decoded_where(front_ends)
+    files = [
+        ("image", ("a.jpg", coffee_jpeg, "image/jpeg")),
+        ("image", ("b.png", astronaut_png, "image/png")),
+    ]
+    answer = httpx.post(f"{front_ends.url}/infer?k=3", files=files, timeout=60)
+    assert answer.status_code == 200, answer.text
+    coffee_top, astronaut_top = answer.json()["predictions"]
+    logits = coffee[2][0].astype(np.float64)
+    softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert [p["index"] for p in coffee_top] == list(np.argsort(-softmax)[:3])
+    assert coffee_top[0]["probability"] == pytest.approx(softmax.max(), abs=1e-4)
+    assert len(astronaut_top) == 3
+    after = decoded_where(front_ends)
+    assert after["pillow_front_ends"] - before["pillow_front_ends"] == 2
+    assert after["pillow"] == before["pillow"]
+    failed = (
+        "stoker_inference_request_failure_total",
+        (("model", "efficientnet_lite0"), ("reason", "invalid"), ("version", "fp32")),
+    )
+    refused = metric_samples(front_ends).get(failed, 0.0)
+    broken = httpx.post(
+        f"{front_ends.url}/infer", content=coffee_jpeg[:600], headers={"Content-Type": "image/jpeg"}
+    )
+    assert broken.status_code == 400 and "cannot decode image" in broken.json()["error"]
+    deadline = time.monotonic() + 60
+    while metric_samples(front_ends).get(failed, 0.0) - refused < 1:
+        assert time.monotonic() < deadline, "the front end's refusal never reached /metrics"
+        time.sleep(0.1)
+
+
+def test_with_front_end_decoding_off_the_engine_decodes_the_files(
+    tmp_path: Path, efficientnet_dir: Path, front_ends: Server, coffee_jpeg: bytes
+) -> None:
+    """``server.decode_uploads_in_front_ends`` false: the files cross and the engine decodes
+    them, to the answer the rows a front end makes get (the front_ends fixture's)."""
+    repo = tmp_path / "repository"
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})
+    env = front_end_env(STOKER_SERVER__DECODE_UPLOADS_IN_FRONT_ENDS="false")
+    server = start_server(repo, tmp_path / "server.log", env)
+    jpeg = {"Content-Type": "image/jpeg"}
+    try:
+        answer = httpx.post(f"{server.url}/infer", content=coffee_jpeg, headers=jpeg)
+        assert answer.status_code == 200, answer.text
+        decoded = decoded_where(server)
+        assert (decoded["pillow"], decoded["pillow_front_ends"]) == (1, 0)
+    finally:
+        assert stop_server(server) == 0
+    made_rows = httpx.post(f"{front_ends.url}/infer", content=coffee_jpeg, headers=jpeg)
+    engine_top, rows_top = answer.json()["predictions"][0], made_rows.json()["predictions"][0]
+    assert [p["index"] for p in engine_top] == [p["index"] for p in rows_top]
+    for engine, rows in zip(engine_top, rows_top, strict=True):
+        assert engine["probability"] == pytest.approx(rows["probability"], abs=1e-6)
 
 
 def test_concurrent_uploads_through_front_ends_fail_alone(

@@ -39,7 +39,7 @@ from onnx import TensorProto, helper
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
-from app.engine.images import decode
+from app.image_pixels import decode
 from bench import cli
 from bench.launch import free_port
 from engines.preprocess import ImagePreprocess, preprocess

@@ -14,7 +14,7 @@ import pytest
 import tritonclient.http as triton
 from PIL import Image
 
-from app.engine.images import decode
+from app.image_pixels import decode
 from engines.preprocess import ImagePreprocess, preprocess
 from tests.integration.conftest import BODY_LIMIT, Server, metric_samples
 

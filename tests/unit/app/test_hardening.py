@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.engine import images
+from app import image_pixels
 from app.engine.batcher import Batcher
 from app.engine.pool import RunnerPool
 from app.engine.repository import ConfigError, DynamicBatching, discover
@@ -167,18 +167,18 @@ def test_a_decompression_bomb_is_refused_from_its_header(bomb: bytes) -> None:
     started = time.perf_counter()
     # Pillow's own guard (twice its MAX_IMAGE_PIXELS) or ours, whichever speaks first.
     with pytest.raises(PayloadTooLarge, match=r"30000x30000|900000000 pixels"):
-        images.decode(bomb, LimitSettings().max_image_pixels)
+        image_pixels.decode(bomb, LimitSettings().max_image_pixels)
     assert time.perf_counter() - started < 0.5, "refused before decoding"
 
 
 def test_the_pixel_limit_is_a_setting() -> None:
     buffer = io.BytesIO()
     Image.new("RGB", (200, 100)).save(buffer, format="PNG")
-    assert images.decode(buffer.getvalue(), 20_000).size == (200, 100)
+    assert image_pixels.decode(buffer.getvalue(), 20_000).size == (200, 100)
     with pytest.raises(PayloadTooLarge, match="limit is 19999"):
-        images.decode(buffer.getvalue(), 19_999)
+        image_pixels.decode(buffer.getvalue(), 19_999)
     with pytest.raises(BadRequest):
-        images.decode(buffer.getvalue()[:40], 20_000)
+        image_pixels.decode(buffer.getvalue()[:40], 20_000)
 
 
 def test_limits_have_safe_defaults() -> None:
@@ -260,9 +260,9 @@ def test_an_aspect_ratio_bomb_is_refused_from_its_header() -> None:
         with pytest.raises(PayloadTooLarge, match=r"aspect ratio over 32:1"):
             read_header(data, LimitSettings().max_image_pixels, limit)
         with pytest.raises(PayloadTooLarge, match=r"aspect ratio"):
-            images.decode(data, LimitSettings().max_image_pixels, limit)
+            image_pixels.decode(data, LimitSettings().max_image_pixels, limit)
     # A panorama within the limit decodes.
-    assert images.decode(png_of(3200, 100), 40_000_000, limit).size == (3200, 100)
+    assert image_pixels.decode(png_of(3200, 100), 40_000_000, limit).size == (3200, 100)
 
 
 def test_only_photo_formats_are_decoded() -> None:
@@ -270,11 +270,11 @@ def test_only_photo_formats_are_decoded() -> None:
     first bytes; the listed formats decode."""
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
     with pytest.raises(BadRequest, match=r"not an image format this server reads \(JPEG, PNG"):
-        images.decode(eps, 1_000_000)
+        image_pixels.decode(eps, 1_000_000)
     for fmt in UPLOAD_FORMATS:
         buffer = io.BytesIO()
         Image.new("RGB", (8, 6), (1, 2, 3)).save(buffer, format=fmt)
-        assert images.decode(buffer.getvalue(), 1_000_000).size == (8, 6), fmt
+        assert image_pixels.decode(buffer.getvalue(), 1_000_000).size == (8, 6), fmt
 
 
 def test_a_front_end_screens_images_and_leaves_the_rest_to_the_handler(bomb: bytes) -> None:

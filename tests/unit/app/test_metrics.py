@@ -160,6 +160,7 @@ def test_image_decoding_is_counted_by_device_and_decoder() -> None:
     metrics.images_decoded("gpu", 12)
     metrics.images_decoded("cpu", 0)
     metrics.images_decoded("cpu", 3)
+    metrics.images_decoded("front_ends", 4)
     metrics.decode_batch(12, [0.001, 0.003], 0.02)  # two requests' uploads in one batch
     got = series(model)
     assert got[("stoker_image_decode_queue_duration_seconds_count", "version=fp32")] == 2
@@ -170,6 +171,8 @@ def test_image_decoding_is_counted_by_device_and_decoder() -> None:
     gpu = ("stoker_image_decode_total", "decoder=torchvision", "device=gpu", "version=fp32")
     assert got[gpu] == 12
     assert got[("stoker_image_decode_total", "decoder=pillow", "device=cpu", "version=fp32")] == 3
+    made = ("stoker_image_decode_total", "decoder=pillow_front_ends", "device=cpu", "version=fp32")
+    assert got[made] == 4
     assert got[("stoker_image_decode_batch_size_count", "version=fp32")] == 1
     assert got[("stoker_image_decode_batch_size_bucket", "le=8.0", "version=fp32")] == 0
     assert got[("stoker_image_decode_batch_size_bucket", "le=12.0", "version=fp32")] == 1
@@ -179,6 +182,7 @@ def test_image_decoding_is_counted_by_device_and_decoder() -> None:
     assert decoded == {
         ("stoker_image_decode_total", "decoder=nvimgcodec", "device=gpu", "version=fp32"): 5,
         ("stoker_image_decode_total", "decoder=pillow", "device=cpu", "version=fp32"): 0,
+        ("stoker_image_decode_total", "decoder=pillow_front_ends", "device=cpu", "version=fp32"): 0,
     }
 
 

@@ -34,6 +34,7 @@ CALLS: list[wire.Call] = [
     ),
     wire.Infer("m", "int8", 120, "c", SLOT, 300),
     wire.Classify(None, None, 5, (100, 200), "c"),
+    wire.Classify("m", None, None, (150528,), "c", SLOT, (1,), {"crop": 224, "layout": "NCHW"}),
     wire.Metrics(),
     wire.ModelMetadata("m"),
     wire.VersionReady("m", "fp16"),

@@ -17,7 +17,7 @@ from PIL import Image
 from skimage import data
 
 import zoo
-from app.engine import images
+from app import image_pixels
 from engines.preprocess import ImagePreprocess, preprocess
 from zoo import resnet50
 from zoo.checkpoint import UnsafePickleError, load_torch_checkpoint
@@ -27,7 +27,7 @@ def coffee_row() -> np.ndarray:
     """scikit-image's coffee photo as the server would feed it: JPEG, decoded, preprocessed."""
     jpeg = io.BytesIO()
     Image.fromarray(data.coffee()).save(jpeg, format="JPEG", quality=95)
-    image = images.decode(jpeg.getvalue(), max_pixels=10_000_000)
+    image = image_pixels.decode(jpeg.getvalue(), max_pixels=10_000_000)
     return preprocess(image, ImagePreprocess())
 
 

@@ -251,6 +251,60 @@ def test_uploads_go_through_the_models_handler(tmp_path: Path, efficientnet_dir:
     assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1
 
 
+def test_rows_a_front_end_makes_answer_as_the_engines_decode_and_are_made_again_on_reload(
+    tmp_path: Path, efficientnet_dir: Path
+) -> None:
+    """An engine that decodes on the CPU publishes the model's preprocessing; a front end's
+    plane (an engine not in its process) makes the rows itself, to the answers the engine's
+    own decoding gives. Rows made with a replaced preprocessing are refused by the engine as
+    reloaded (nothing ran) and made again with the contract asked anew."""
+    import dataclasses
+    import shutil
+
+    from app.frontend.upload_rows import RowMaker
+    from tests.conftest import sample_jpegs
+
+    shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    configure(tmp_path / "repo" / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8
+    photos = sample_jpegs()[:3]
+
+    async def scenario(plane: DataPlane) -> Any:
+        contract = await plane.client.contract(None)
+        assert contract.uploads is not None and contract.uploads.datatype == "UINT8"
+        assert plane.row_maker is None  # in one process nothing is gained
+        _, _, by_engine = await plane.classify_images(None, None, photos, 3)
+        plane.row_maker = RowMaker(plane.settings)
+        sent: list[Any] = []
+        real_classify, real_contract = plane.client.classify, plane.client.contract
+
+        async def classify(uploads: Any) -> Any:
+            sent.append(uploads.rows)
+            return await real_classify(uploads)
+
+        stale = [
+            dataclasses.replace(
+                contract, uploads=contract.uploads.model_copy(update={"resize_shorter": 300})
+            )
+        ]
+
+        async def described(name: Any, version: Any = None) -> Any:
+            return stale.pop() if stale else await real_contract(name, version)
+
+        plane.client.classify = classify  # type: ignore[method-assign]
+        plane.client.contract = described  # type: ignore[method-assign]
+        try:
+            _, _, by_rows = await plane.classify_images(None, None, photos, 3)
+        finally:
+            plane.row_maker.close()
+        return contract, by_engine, by_rows, sent
+
+    contract, by_engine, by_rows, sent = with_plane(tmp_path, scenario)
+    assert by_rows == by_engine
+    stale = contract.uploads.model_copy(update={"resize_shorter": 300})
+    # the stale rows twice (the gatherer's own retry, then refused), then the right ones
+    assert sent == [stale, stale, contract.uploads]
+
+
 def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(
     tmp_path: Path, efficientnet_dir: Path
 ) -> None:

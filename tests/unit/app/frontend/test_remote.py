@@ -7,6 +7,7 @@ decoded by the real V2 codec from bodies read into a lent slot, as a front end r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from app.frontend.remote import RemoteEngine
 from app.protocol import RequestedOutput
 from app.settings import Settings
 from app.tensor_data import unpack_tensor
+from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_onnx
 
@@ -287,6 +289,10 @@ def test_a_request_naming_a_shared_memory_region_goes_to_the_engine() -> None:
 def test_a_contract_survives_the_trip_to_a_front_end() -> None:
     again = Contract.from_json(orjson.loads(orjson.dumps(CONTRACT.as_json())))
     assert again == CONTRACT
+    prep = ImagePreprocess(resize_shorter=300, crop=240, layout="NHWC", datatype="UINT8")
+    with_uploads = dataclasses.replace(CONTRACT, uploads=prep)
+    again = Contract.from_json(orjson.loads(orjson.dumps(with_uploads.as_json())))
+    assert again == with_uploads and again.uploads == prep
 
 
 def test_slot_copies_that_do_not_fit_go_in_the_payload() -> None:
