@@ -6,10 +6,12 @@ crop_box``) of images of different sizes are then two batched matrix products: P
 resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
 keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of every
 size go through those two products together: padded with zeros to the group's largest
-height and width, image and weights alike (each size's weights made once and cached on the
-device, padded in one call a group). A batch of photos is one group (a few kernels, not a
-few per image or per size); an image that would pad the others more than ``PAD_RATIO``
-times their area starts a group of its own, and a group holds at most ``GROUP_PIXELS``.
+height and width, image and weights alike (the images in one call; the weights of every
+image made on the device in one batched computation from its size and crop, the columns
+past its size zero). A batch of photos is one group (a few kernels, not a few per image or
+per size, and no Python per image but its crop box); an image that would pad the others
+more than ``PAD_RATIO`` times their area starts a group of its own, and a group holds at
+most ``GROUP_PIXELS``.
 The UINT8 batch stays on the device (``DeviceRows``) and the runner copies it into its input
 buffer there: nothing but the JPEG bytes crosses PCIe.
 The same code runs on the CPU (``device="cpu"`` with another JPEG decoder), which is how it
@@ -25,7 +27,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -41,9 +43,6 @@ BUCKET = 32
 # An image joins a group only if the group's padded area is at most this many times its own
 # (photos of one camera or data set, both orientations, pad to well under 2x).
 PAD_RATIO = 4.0
-# Weight matrices kept on the device, by (size, resized size, crop start, crop): one an axis
-# and image size, at most crop x size floats each.
-CACHED_WEIGHTS = 1024
 
 
 JpegDecode = Callable[..., Any]
@@ -155,7 +154,6 @@ class TorchImageDecoder:
         )
         self._lock = threading.Lock()
         self.times = DecodeTimes()
-        self._weights = lru_cache(maxsize=CACHED_WEIGHTS)(self._weights_on_device)
 
     def decode(self, jpegs: Sequence[bytes | memoryview | None]) -> tuple[DeviceRows, list[bool]]:
         """The batch's rows on the device, in the spec's layout, and for each whether it was
@@ -200,48 +198,30 @@ class TorchImageDecoder:
         float tensor, then ``Wy @ x @ Wx.T`` as two batched products (rounded between them,
         as Pillow rounds between its two passes). Images of one size share their weights
         (broadcast); images of several sizes are padded with zeros to the group's size
-        (``bucket`` of its largest height and width), and so are their weights, in one call
-        each (``padded``): zero rows and columns add nothing to a product."""
+        (``bucket`` of its largest height and width) in one call (``padded``), and their
+        weights are made that wide (``bilinear_weights``): zero rows and columns add nothing
+        to a product."""
         crop = self.spec.crop
-        sizes = [tuple(images[i].shape[1:]) for i in group]  # type: ignore[union-attr]
-        chosen = [images[i] for i in group]
+        chosen: list[torch.Tensor] = [images[i] for i in group]  # type: ignore[misc]
+        sizes = [(int(image.shape[1]), int(image.shape[2])) for image in chosen]
         if len(set(sizes)) == 1:
-            h, w = sizes[0]
-            new_w, new_h, left, top = crop_box(w, h, self.spec)
-            x = torch.stack(chosen).to(torch.float32)  # type: ignore[arg-type]
-            wy = self._weights(h, new_h, top, crop)[None, None]
-            wx = self._weights(w, new_w, left, crop).T[None, None]
+            height, width = sizes[0]
+            x = torch.stack(chosen).to(torch.float32)
+            sizes = sizes[:1]  # their weights broadcast
         else:
-            height = max(h for h, _ in sizes)
-            width = max(w for _, w in sizes)
-            height, width = bucket(height, width)
-            x = padded(chosen, height, width).to(torch.float32)  # type: ignore[arg-type]
-            boxes = [crop_box(w, h, self.spec) for h, w in sizes]
-            wy = padded_matrices(
-                [
-                    self._weights(h, new_h, top, crop)
-                    for (h, _), (_, new_h, _, top) in zip(sizes, boxes, strict=True)
-                ],
-                crop,
-                height,
-            )[:, None]
-            wx = padded_matrices(
-                [
-                    self._weights(w, new_w, left, crop)
-                    for (_, w), (new_w, _, left, _) in zip(sizes, boxes, strict=True)
-                ],
-                crop,
-                width,
-            ).transpose(1, 2)[:, None]
+            height, width = bucket(max(h for h, _ in sizes), max(w for _, w in sizes))
+            x = padded(chosen, height, width).to(torch.float32)
+        axes = []
+        for h, w in sizes:
+            new_w, new_h, left, top = crop_box(w, h, self.spec)
+            axes.append((h, new_h, top, w, new_w, left))
+        on_device = self._to_device(np.asarray(axes, dtype=np.float64))
+        wy = bilinear_weights(on_device[:, :3], crop, height)[:, None]  # (n, 1, crop, height)
+        wx = bilinear_weights(on_device[:, 3:], crop, width).transpose(1, 2)[:, None]
         # Halves round up, as Pillow's fixed point does (an upscale makes many exact halves).
         across = torch.matmul(x, wx).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, height, crop)
         rows = torch.matmul(wy, across).add_(0.5).floor_().clamp_(0, 255)  # (n, 3, crop, crop)
         out.copy_(rows)
-
-    def _weights_on_device(self, size: int, resized: int, start: int, count: int) -> torch.Tensor:
-        """``bilinear_weights`` on the device (``count`` x ``size``)."""
-        weights = bilinear_weights(size, resized, start, count)
-        return torch.from_numpy(weights).to(self.device)  # once a size: cached
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         """``array`` on the device without waiting for the stream: a copy from pageable
@@ -329,42 +309,38 @@ def bucket(height: int, width: int) -> tuple[int, int]:
 def padded(images: list[torch.Tensor], height: int, width: int) -> torch.Tensor:
     """(n, 3, height, width) UINT8, each image in its top-left corner, zeros around: one call
     through a nested tensor where the device has it, else a copy per image."""
-    return _padded(images, (len(images), 3, height, width))
-
-
-def padded_matrices(matrices: list[torch.Tensor], rows: int, columns: int) -> torch.Tensor:
-    """(n, rows, columns): each (rows x its width) weight matrix, zero columns after it."""
-    return _padded(matrices, (len(matrices), rows, columns))
-
-
-def _padded(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    shape = (len(images), 3, height, width)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # nested tensors: "prototype stage"
-            nested = torch.nested.nested_tensor(tensors)
+            nested = torch.nested.nested_tensor(images)
             return nested.to_padded_tensor(0, shape)
     except (RuntimeError, NotImplementedError):
-        out = tensors[0].new_zeros(shape)
-        for slot, tensor in enumerate(tensors):
-            corner: tuple[int | slice, ...] = (slot, *(slice(0, n) for n in tensor.shape))
-            out[corner].copy_(tensor)
+        out = images[0].new_zeros(shape)
+        for slot, image in enumerate(images):
+            out[slot, :, : image.shape[1], : image.shape[2]].copy_(image)
         return out
 
 
-def bilinear_weights(size: int, resized: int, start: int, count: int) -> np.ndarray:
-    """Pillow's BILINEAR resampling of one axis from ``size`` to ``resized`` pixels as a
-    (``count`` x ``size``) matrix, the output pixels ``start`` to ``start + count`` of it
-    (the crop). The triangle filter widens by the scale as it shrinks (antialiasing), and
-    each output pixel's taps are normalised to sum to one, as ``ImagingResample`` does."""
+def bilinear_weights(axes: torch.Tensor, count: int, columns: int) -> torch.Tensor:
+    """Pillow's BILINEAR resampling of one axis of each image as a (``count`` x ``columns``)
+    matrix: ``axes`` holds a row (size, resized size, start) an image (float64, on the
+    device the weights are made on), and its matrix resamples ``size`` pixels to ``resized``
+    and keeps outputs ``start`` to ``start + count`` (the crop), the columns past ``size``
+    zero (padding). The triangle filter widens by the scale as it shrinks (antialiasing),
+    and each output pixel's taps are normalised to sum to one, as ``ImagingResample`` does.
+    Every image of a batch in the same few kernels, computed in float64 as Pillow computes
+    its coefficients in double, then float32."""
+    size, resized, start = (axes[:, k, None, None] for k in range(3))  # (n, 1, 1) each
     scale = size / resized
-    filter_scale = max(scale, 1.0)
-    support = filter_scale  # the triangle's support of 1, widened
-    center = (np.arange(start, start + count) + 0.5) * scale
-    low = np.maximum((center - support + 0.5).astype(np.int64), 0)  # C's (int): toward zero
-    high = np.minimum((center + support + 0.5).astype(np.int64), size)
-    taps = np.arange(size)[None, :]
-    weights = np.maximum(0.0, 1.0 - np.abs((taps - center[:, None] + 0.5) / filter_scale))
-    weights *= (taps >= low[:, None]) & (taps < high[:, None])
-    totals = weights.sum(axis=1, keepdims=True)
-    np.divide(weights, totals, out=weights, where=totals != 0)
-    return weights.astype(np.float32)
+    filter_scale = scale.clamp(min=1.0)  # also the triangle's support of 1, widened
+    outputs = torch.arange(count, dtype=torch.float64, device=axes.device)[None, :, None]
+    center = (start + outputs + 0.5) * scale  # (n, count, 1)
+    low = (center - filter_scale + 0.5).trunc().clamp(min=0)  # C's (int): toward zero
+    high = torch.minimum((center + filter_scale + 0.5).trunc(), size)
+    taps = torch.arange(columns, dtype=torch.float64, device=axes.device)[None, None, :]
+    weights = (1.0 - ((taps - center + 0.5) / filter_scale).abs()).clamp(min=0.0)
+    weights = weights * ((taps >= low) & (taps < high))
+    totals = weights.sum(dim=2, keepdim=True)
+    weights = torch.where(totals != 0, weights / totals, weights)
+    return weights.to(torch.float32)

@@ -108,8 +108,7 @@ def test_images_grouped_together_give_what_each_alone_gives() -> None:
 def test_padding_in_one_call_or_image_by_image_gives_the_same_batch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The nested tensor's padding and the copy per image (where a device lacks it), of
-    images and of weight matrices."""
+    """The nested tensor's padding and the copy per image (where a device lacks it)."""
     import torch
 
     from engines.backends.torch import images as torch_images
@@ -124,19 +123,12 @@ def test_padding_in_one_call_or_image_by_image_gives_the_same_batch(
     for i, picture in enumerate(pictures):
         by_image[i, :, : picture.shape[1], : picture.shape[2]] = picture
     assert torch.equal(one_call, by_image)
-    matrices = [torch.rand(4, 5), torch.rand(4, 2)]
-    weights = torch_images.padded_matrices(matrices, 4, 6)
-    assert weights.shape == (2, 4, 6)
-    assert not weights[0, :, 5:].any() and not weights[1, :, 2:].any()
-    assert torch.equal(weights[0, :, :5], matrices[0])
-    assert torch.equal(weights[1, :, :2], matrices[1])
 
     def refused(tensors: object) -> object:
         raise NotImplementedError("no nested tensors on this device")
 
     monkeypatch.setattr(torch.nested, "nested_tensor", refused)
     assert torch.equal(torch_images.padded(pictures, 8, 8), by_image)
-    assert torch.equal(torch_images.padded_matrices(matrices, 4, 6), weights)
 
 
 def within_a_level(row: np.ndarray, alone: np.ndarray) -> bool:
@@ -147,14 +139,40 @@ def within_a_level(row: np.ndarray, alone: np.ndarray) -> bool:
     return bool(diff.max() <= 1 and diff.mean() < 0.005)
 
 
-def test_bilinear_weights_are_pillows_filter() -> None:
-    """Each output pixel's taps sum to one; shrinking widens the triangle (antialiasing)."""
+def pillow_filter(size: int, resized: int, start: int, count: int) -> np.ndarray:
+    """Pillow's BILINEAR coefficients of one axis, written out from ``ImagingResample``'s
+    ``precompute_coeffs`` loop by loop (a (count x size) matrix): the reference for the
+    batched weights."""
+    scale = size / resized
+    filterscale = max(scale, 1.0)
+    support = 1.0 * filterscale
+    matrix = np.zeros((count, size))
+    for row, out in enumerate(range(start, start + count)):
+        center = (out + 0.5) * scale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), size)
+        taps = [max(0.0, 1.0 - abs((x - center + 0.5) / filterscale)) for x in range(xmin, xmax)]
+        total = sum(taps)
+        for x, weight in zip(range(xmin, xmax), taps, strict=True):
+            matrix[row, x] = weight / total if total else weight
+    return matrix
+
+
+def test_bilinear_weights_are_pillows_filter_for_every_image_of_a_batch() -> None:
+    """Images of several sizes (shrunk, grown, cropped) in one call: each image's matrix is
+    Pillow's coefficients for its own axis, zero past its size; taps sum to one and
+    shrinking widens the triangle (antialiasing)."""
+    import torch
+
     from engines.backends.torch.images import bilinear_weights
 
-    shrink = bilinear_weights(500, 250, 0, 250)
-    grow = bilinear_weights(100, 300, 0, 300)
-    np.testing.assert_allclose(shrink.sum(axis=1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(grow.sum(axis=1), 1.0, rtol=1e-6)
-    assert (shrink[100] > 0).sum() == 4 and (grow[150] > 0).sum() == 2
-    crop = bilinear_weights(500, 250, 13, 224)
-    np.testing.assert_array_equal(crop, shrink[13 : 13 + 224])
+    axes = [(500, 250, 0), (100, 300, 0), (500, 250, 13), (37, 256, 16)]
+    weights = bilinear_weights(torch.tensor(axes, dtype=torch.float64), 224, 512).numpy()
+    assert weights.shape == (4, 224, 512) and weights.dtype == np.float32
+    for matrix, (size, resized, start) in zip(weights, axes, strict=True):
+        np.testing.assert_allclose(
+            matrix[:, :size], pillow_filter(size, resized, start, 224), rtol=1e-6, atol=1e-7
+        )
+        assert not matrix[:, size:].any()
+        np.testing.assert_allclose(matrix.sum(axis=1), 1.0, rtol=1e-5)
+    assert (weights[0][100] > 0).sum() == 4 and (weights[1][150] > 0).sum() == 2
