@@ -4,14 +4,21 @@ rows left on the device), at several batch sizes, on a folder of real photos; th
 profiler over one batch (CPU time per op: what the decoder thread pays in Python/launches);
 then 1-4 decoders side by side in threads of this process, and in processes of their own;
 for each decoder named (torchvision's, nvImageCodec's with a share to the hardware engines).
+With ``--baseline`` (``git show REV:engines/backends/torch/images.py > FILE``), that version's
+``TorchImageDecoder`` beside this one, on batches of sizes seen before (the same batch again)
+and of sizes never seen (every photo cropped to a size of its own and encoded again), as
+uploads from many sources are.
 
     python3 scripts/jpeg_decode_bench.py PHOTOS [--batches 64,128,256] [--processes 1,2,3,4]
         [--decoders torchvision,nvimgcodec,nvimgcodec:0.5,nvimgcodec:0] [--threads 1,2,4]
+        [--baseline FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import io
 import statistics
 import sys
 import threading
@@ -88,6 +95,53 @@ def cpu_per_image(fn, images: int) -> float:  # type: ignore[no-untyped-def]
     return (time.thread_time() - started) / (3 * images) * 1e6
 
 
+def unseen_batches(datas: list[bytes], count: int, size: int) -> list[list[bytes]]:
+    """``count`` batches of ``size`` JPEGs, each photo cropped by an amount of its own (so
+    sizes hardly repeat) and encoded again."""
+    from PIL import Image
+
+    batches, k = [], 0
+    for b in range(count):
+        batch = []
+        for i in range(size):
+            image = Image.open(io.BytesIO(datas[(b * size + i) % len(datas)])).convert("RGB")
+            k += 1
+            width, height = image.size
+            cropped = image.crop((0, 0, width - k % 97 - 1, height - k // 97 - 1))
+            encoded = io.BytesIO()
+            cropped.save(encoded, format="JPEG", quality=90)
+            batch.append(encoded.getvalue())
+        batches.append(batch)
+    return batches
+
+
+def against_baseline(path: Path, datas: list[bytes], prep: ImagePreprocess) -> list[tuple]:  # type: ignore[type-arg]
+    """(version, sizes, img/s) of this TorchImageDecoder and the one in ``path``, batches of
+    64: the same batch again (median of 7), and batches of sizes never seen (median of 7
+    batches after 2, a fresh decoder each)."""
+    spec = importlib.util.spec_from_file_location("baseline_images", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    unseen = unseen_batches(datas, 9, 64)
+    seen = [datas[i % len(datas)] for i in range(64)]
+    found = []
+    for version, cls in (("this tree", TorchImageDecoder), (path.name, module.TorchImageDecoder)):
+        decoder = cls(prep, "cuda:0")
+        found.append((version, "seen", 64 / timed(lambda: decoder.decode(seen))))  # noqa: B023
+        fresh = cls(prep, "cuda:0")
+        times = []
+        for batch in unseen:
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            fresh.decode(batch)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        found.append((version, "never seen", 64 / statistics.median(times[2:])))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("photos", type=Path)
@@ -99,6 +153,7 @@ def main() -> None:
         "--decoders", default="torchvision", help="torchvision, nvimgcodec, nvimgcodec:SHARE"
     )
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--baseline", type=Path, help="another images.py to measure beside")
     args = parser.parse_args()
     datas = [p.read_bytes() for p in sorted(args.photos.glob("*.JPEG"))]
     prep = ImagePreprocess(datatype="UINT8")
@@ -159,6 +214,7 @@ def main() -> None:
             args.out.mkdir(parents=True, exist_ok=True)
             (args.out / "jpeg_decode_profile.txt").write_text(table)
         print(table)
+    compared = [] if args.baseline is None else against_baseline(args.baseline, datas, prep)
     print(f"{len(datas)} photos, mean {sum(map(len, datas)) / len(datas) / 1000:.0f} KB")
     print(
         "| decoder | batch | decode alone img/s | decode+resize+crop img/s | us per image "
@@ -171,6 +227,11 @@ def main() -> None:
     print("| --- | ---: | --- | ---: |")
     for name, where, workers, rate in parallel:
         print(f"| {name} | {workers} | {where} | {rate:,.0f} |")
+    if compared:
+        print("| TorchImageDecoder of | image sizes | decode+resize+crop img/s, batches of 64 |")
+        print("| --- | --- | ---: |")
+        for version, sizes, rate in compared:
+            print(f"| {version} | {sizes} | {rate:,.0f} |")
 
 
 if __name__ == "__main__":
