@@ -130,6 +130,10 @@ def build_settings(args: argparse.Namespace) -> Settings:
     merged = settings.model_dump()
     for section, values in overrides.items():
         merged[section].update({k: v for k, v in values.items() if v is not None})
+    if overrides["server"]["front_ends"] is not None:
+        from app import settings as settings_module
+
+        settings_module.AUTO_FRONT_ENDS = None  # ``auto`` was the default's, not what serves
     return Settings.model_validate(merged)
 
 
