@@ -61,9 +61,9 @@ class Contract:
     """Names the contract's terms (``serial_of``: equal terms, equal serial, in every engine
     process): an engine serving other terms since a reload checks a request decoded against
     these before it runs it (``app.errors.Reloaded`` if it does not fit). 0: unnamed."""
-    uploads: ImagePreprocess | None = None
+    row_preprocess: ImagePreprocess | None = None
     """How a front end may make the model's input rows of its uploads itself (UINT8): set
-    where the engine would decode them on the CPU (``LoadedModel.upload_rows``)."""
+    where the engine would decode them on the CPU (``LoadedModel.row_preprocess``)."""
 
     def as_json(self) -> dict[str, Any]:
         def tensors(specs: Sequence[TensorSpec]) -> list[list[Any]]:
@@ -80,7 +80,9 @@ class Contract:
             "pixels": self.pixels,
             "priority_levels": self.priority_levels,
             "serial": self.serial,
-            "uploads": None if self.uploads is None else self.uploads.model_dump(mode="json"),
+            "row_preprocess": None
+            if self.row_preprocess is None
+            else self.row_preprocess.model_dump(mode="json"),
         }
 
     @classmethod
@@ -101,7 +103,9 @@ class Contract:
             value["pixels"],
             value["priority_levels"],
             value.get("serial", 0),
-            None if value.get("uploads") is None else ImagePreprocess(**value["uploads"]),
+            None
+            if value.get("row_preprocess") is None
+            else ImagePreprocess(**value["row_preprocess"]),
         )
 
 
@@ -263,9 +267,9 @@ class Uploads:
     k: int | None
     client: str
     counts: tuple[int, ...] = ()
-    rows: ImagePreprocess | None = None
+    row_preprocess: ImagePreprocess | None = None
     """Set where the front end made each image a model input row with this preprocessing
-    (``Contract.uploads``): the images are those rows (UINT8), not files."""
+    (``Contract.row_preprocess``): the images are those rows (UINT8), not files."""
 
     def requests(self) -> list[Sequence[bytes | memoryview]]:
         """Each request's images."""

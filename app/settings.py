@@ -109,12 +109,14 @@ class ServerSettings(BaseModel):
         return value
 
     decode_uploads_in_front_ends: bool = True
-    """With front ends (``front_ends`` > 1), uploads for a model whose engine decodes them
-    on the CPU (no GPU decoder: ``models.image_decode``) are decoded, resized and cropped
-    in the front ends, in parallel across their processes, each with a share of the cores
-    in threads, and cross to the engine as UINT8 rows (150 KB for 224x224, more than most
-    photos' files) that it only batches and runs. Off: the files cross and the engine
-    decodes them in its own process. Uploads decoded on a GPU always cross as files."""
+    """Where front ends and engines are processes (``front_ends`` > 1 or ``engine_gpus``), uploads
+    for a model whose engine decodes them on the CPU (no GPU decoder:
+    ``models.image_decode``) are decoded, resized and cropped in the front ends, in parallel
+    across their processes, each with a share of the cores in threads (8 at most, each
+    holding one decoded image: 240 MB at most at the default ``limits.max_image_pixels``),
+    and cross to the engine as UINT8 rows (150 KB for 224x224, more than most photos' files)
+    that it only batches and runs. Off: the files cross and the engine decodes them in its
+    own process. Uploads decoded on a GPU always cross as files."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """One engine process per listed GPU, each serving every model on that GPU alone (its
     ``CUDA_VISIBLE_DEVICES`` is that GPU; the models' own ``gpus`` are then not used), behind

@@ -193,7 +193,7 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     client: str
     slot: SlotRef | None = None
     counts: tuple[int, ...] = ()
-    rows: dict[str, Any] | None = None
+    row_preprocess: dict[str, Any] | None = None
     """Set where the front end made each image an input row itself: the preprocessing it
     used (``ImagePreprocess`` as JSON), each image then a UINT8 row."""
 

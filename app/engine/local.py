@@ -59,7 +59,7 @@ def contract_of(model: LoadedModel) -> Contract:
         model.inputs.pixels,
         levels,
         model.serial,
-        model.upload_rows,
+        model.row_preprocess,
     )
 
 

@@ -301,7 +301,7 @@ class LoadedModel:
     inputs: InputPolicy
     handler: Handler | None = None
     """What ``POST /infer`` does with uploads; None: the model takes V2 tensors only."""
-    upload_rows: ImagePreprocess | None = None
+    row_preprocess: ImagePreprocess | None = None
     """How a front end may make this model's input rows of its uploads itself (UINT8), set
     where the engine would decode them on the CPU (the image classifier, no device
     decoder): the engine then takes the rows (``ImageClassifier.rows``). None: files only."""
@@ -449,7 +449,7 @@ async def load(
         describe_decoding(decoders, settings),
         time.perf_counter() - started,
     )
-    upload_rows = (
+    row_preprocess = (
         handler.preprocess if isinstance(handler, ImageClassifier) and decoder is None else None
     )
     return LoadedModel(
@@ -463,5 +463,5 @@ async def load(
         labels,
         policy,
         handler,
-        upload_rows,
+        row_preprocess,
     )

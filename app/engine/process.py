@@ -312,7 +312,8 @@ class EngineServer:
         for size in call.sizes:
             uploads.append(source[at : at + size])
             at += size
-        rows = None if call.rows is None else ImagePreprocess(**call.rows)
+        made = call.row_preprocess
+        rows = None if made is None else ImagePreprocess(**made)
         classified = await self.engine.classify(
             Uploads(call.name, call.version, uploads, call.k, call.client, call.counts, rows)
         )

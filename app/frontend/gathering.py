@@ -135,7 +135,7 @@ class UploadGathering:
     version: str | None
     k: int | None
     client: str
-    rows: ImagePreprocess | None = None
+    row_preprocess: ImagePreprocess | None = None
     """The preprocessing that made each image a row in this front end (None: files)."""
     images: list[bytes] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
@@ -332,19 +332,19 @@ class Gatherer:
         uploads: Sequence[bytes],
         k: int | None,
         client: str,
-        rows: ImagePreprocess | None = None,
+        row_preprocess: ImagePreprocess | None = None,
     ) -> tuple[Classified, int]:
         """Gather uploads with the others for the same model, ``k`` and client (and the same
-        ``rows``: files, or rows made with that preprocessing) into one engine call (up to
+        ``row_preprocess``: files, or rows made with it) into one engine call (up to
         ``models.decode_batch`` images); the call's answer and this request's index in it."""
-        key = (name, version, k, client, rows)
+        key = (name, version, k, client, row_preprocess)
         gathering = self._uploads.get(key)
         bound = max(self.settings.models.decode_batch, len(uploads))
         if gathering is not None and len(gathering.images) + len(uploads) > bound:
             self._send_uploads(key)
             gathering = None
         if gathering is None:
-            gathering = UploadGathering(name, version, k, client, rows)
+            gathering = UploadGathering(name, version, k, client, row_preprocess)
             self._uploads[key] = gathering
             self._flush_soon()
         gathering.images.extend(uploads)
@@ -363,7 +363,11 @@ class Gatherer:
             gathering.k,
             gathering.client,
             tuple(gathering.counts),
-            gathering.rows,
+            gathering.row_preprocess,
         )
         self._sent(len(gathering.counts))
-        gathering.callers.send(partial(again_if_reloaded, partial(self.client.classify, uploads)))
+        call = partial(self.client.classify, uploads)
+        # Rows made with a preprocessing a reload replaced would be refused again: the data
+        # plane makes them anew instead; files are sent once more as they are.
+        made = gathering.row_preprocess is not None
+        gathering.callers.send(call if made else partial(again_if_reloaded, call))

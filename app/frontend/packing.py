@@ -115,7 +115,8 @@ def classify_call(uploads: Uploads, slot: Slot | None) -> tuple[wire.Classify, b
         place = wire.SlotRef(slot.offset, len(slot.view))
     else:
         payload = b"".join(uploads.images)
-    rows = None if uploads.rows is None else uploads.rows.model_dump(mode="json")
+    made = uploads.row_preprocess
+    row_preprocess = None if made is None else made.model_dump(mode="json")
     call = wire.Classify(
         uploads.name,
         uploads.version,
@@ -124,7 +125,7 @@ def classify_call(uploads: Uploads, slot: Slot | None) -> tuple[wire.Classify, b
         uploads.client,
         place,
         uploads.counts,
-        rows,
+        row_preprocess,
     )
     return call, payload
 

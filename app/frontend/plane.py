@@ -91,9 +91,11 @@ class DataPlane:
 
     async def stop(self) -> None:
         self.begin_drain()
-        await self.client.stop()
-        if self.row_maker is not None:
-            self.row_maker.close()
+        try:
+            await self.client.stop()
+        finally:
+            if self.row_maker is not None:
+                self.row_maker.close()
 
     # -- state --------------------------------------------------------------------------
 
@@ -275,39 +277,57 @@ class DataPlane:
                 except StokerError as error:
                     http_refused(error.status, "image_header")
                     raise
-            try:
-                classified, index = await self._classify(name, version, uploads, k, client)
-            except StokerError as error:
-                if error.reason != Reloaded.reason:
-                    raise
-                # Rows made for a contract a reload replaced: made again for the new one.
-                classified, index = await self._classify(name, version, uploads, k, client)
+            started = time.perf_counter()
+            maker, made = self.row_maker, False
+            contract = None if maker is None else await self.client.contract(name, version)
+            if maker is not None and contract is not None and contract.row_preprocess is not None:
+                classified, index, made = await self._as_rows(maker, contract, uploads, k, client)
+            else:
+                classified, index = await self.gatherer.classify(name, version, uploads, k, client)
             answer = classified.answers[index]
             if isinstance(answer, StokerError):
                 raise answer
+            if made:  # the engine timed the rest; the rows were made here, before it saw them
+                seconds = time.perf_counter() - started
+                self.client.request_timed(classified.model, classified.version, seconds)
             return classified.model, classified.version, answer
 
-    async def _classify(
+    async def _as_rows(
         self,
-        name: str | None,
-        version: str | None,
+        maker: RowMaker,
+        contract: Contract,
         uploads: Sequence[bytes],
         k: int | None,
         client: str,
-    ) -> tuple[Classified, int]:
-        """The gathered engine call of these uploads (as rows where the contract says how
-        to make them and this front end makes them), and this request's index in it."""
-        maker = self.row_maker
-        contract = None if maker is None else await self.client.contract(name, version)
-        if maker is None or contract is None or contract.uploads is None:
-            return await self.gatherer.classify(name, version, uploads, k, client)
-        prep = contract.uploads
+    ) -> tuple[Classified, int, bool]:
+        """The uploads made rows with the contract's preprocessing, gathered into an engine
+        call: its answer, this request's index in it, and whether rows went (not files).
+        Rows made for a preprocessing a reload replaced are refused by the engine as
+        reloaded (nothing ran) and made once more with the contract asked again. A refusal
+        here (not an image, too large, reloaded twice) is counted here: no engine counted
+        the request."""
         started = time.perf_counter()
-        try:
-            rows = await maker.rows(uploads, prep)
-        except StokerError as error:  # not an image, or too large: counted as the engine would
-            seconds = time.perf_counter() - started
-            self.client.count_failures(contract.model, contract.version, error.reason, 1, seconds)
-            error.counted = True
-            raise
-        return await self.gatherer.classify(name, version, rows, k, client, prep)
+        reloaded = False
+        while True:
+            model, version, prep = contract.model, contract.version, contract.row_preprocess
+            if prep is None:  # the engine decodes this model's uploads itself now
+                return *await self.gatherer.classify(model, version, uploads, k, client), False
+            try:
+                rows = await maker.rows(uploads, prep)
+            except StokerError as error:  # not an image, or too large
+                self._refused(contract, error, started)
+                raise
+            try:
+                return *await self.gatherer.classify(model, version, rows, k, client, prep), True
+            except StokerError as error:
+                if error.reason != Reloaded.reason:
+                    raise
+                if reloaded:
+                    self._refused(contract, error, started)
+                    raise
+            reloaded = True
+            contract = await self.client.contract(model, version)
+
+    def _refused(self, contract: Contract, error: StokerError, started: float) -> None:
+        seconds = time.perf_counter() - started
+        self.client.count_failures(contract.model, contract.version, error.reason, 1, seconds)

@@ -1,13 +1,13 @@
 """Uploads made model input rows in a front end, where the engine would decode them on the CPU.
 
 An engine with no device decoder for a model publishes the model's preprocessing in its
-contract (``Contract.uploads``). A front end then decodes, resizes and crops its own
+contract (``Contract.row_preprocess``). A front end then decodes, resizes and crops its own
 uploads with Pillow (``app.image_pixels``, the engine's own CPU path: the same rows) in
-threads of its own, which Pillow leaves as it decodes and resizes, and hands the engine
-UINT8 rows that it only stacks, batches and runs: N front ends decode in N processes at
-once, beside the engine's inference, not in its process. ``server.
-decode_uploads_in_front_ends`` turns it off. Pillow is loaded at the first upload, not
-with the front end.
+threads of its own (``RowMaker``), which Pillow leaves as it decodes and resizes, and hands
+the engine UINT8 rows that it only stacks, batches and runs: N front ends decode in N
+processes at once, beside the engine's inference, not in its process. ``server.
+decode_uploads_in_front_ends`` turns it off. Pillow is loaded at the first upload, not with
+the front end.
 """
 
 from __future__ import annotations
@@ -20,17 +20,31 @@ from concurrent.futures import ThreadPoolExecutor
 from app.settings import Settings
 from engines.preprocess import ImagePreprocess
 
+# Threads a front end decodes in at most: each holds one decoded image (and Pillow's RGB
+# copy of it) until its row is cut, up to 2 x 3 x ``limits.max_image_pixels`` bytes.
+MAX_THREADS = 8
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a container's cpuset), not the
+    machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
 
 class RowMaker:
-    """Makes the rows of a front end's uploads, at most ``threads`` images at once (each
-    decoded image held until its row is cut: the threads bound that memory): the cores
-    shared out among the front ends, one at least."""
+    """Makes the rows of a front end's uploads, at most ``threads`` images at once: the
+    usable cores shared out among the front ends, one at least and ``MAX_THREADS`` at most,
+    which bounds the decoded images a front end holds (``MAX_THREADS``). Uploads past them
+    wait as the bytes they came as."""
 
     def __init__(self, settings: Settings) -> None:
         limits = settings.limits
         self._max_pixels = limits.max_image_pixels
         self._max_aspect = limits.max_image_aspect_ratio
-        self.threads = max(1, (os.cpu_count() or 1) // settings.server.front_ends)
+        shared = usable_cores() // settings.server.front_ends
+        self.threads = min(MAX_THREADS, max(1, shared))
         self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="upload-rows")
 
     async def rows(self, uploads: Sequence[bytes], spec: ImagePreprocess) -> list[bytes]:

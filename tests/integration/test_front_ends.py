@@ -257,8 +257,12 @@ def test_uploads_are_made_rows_in_the_front_ends_on_a_cpu_machine(
 ) -> None:
     """No GPU decoder: the front ends decode, resize and crop the uploads and the engine only
     runs the rows. The answer is ONNX Runtime's on the CPU path's rows, the images are counted
-    as the front ends', and a broken JPEG is refused there (400) and counted by the engine."""
+    as the front ends', the request is timed once, and a broken JPEG is refused there (400)
+    and counted once."""
+    labels = (("model", "efficientnet_lite0"), ("version", "fp32"))
+    timed = ("stoker_inference_request_duration_seconds_count", labels)
     before = decoded_where(front_ends)
+    timed_before = metric_samples(front_ends).get(timed, 0.0)
     files = [
         ("image", ("a.jpg", coffee_jpeg, "image/jpeg")),
         ("image", ("b.png", astronaut_png, "image/png")),
@@ -284,9 +288,16 @@ def test_uploads_are_made_rows_in_the_front_ends_on_a_cpu_machine(
     )
     assert broken.status_code == 400 and "cannot decode image" in broken.json()["error"]
     deadline = time.monotonic() + 60
-    while metric_samples(front_ends).get(failed, 0.0) - refused < 1:
-        assert time.monotonic() < deadline, "the front end's refusal never reached /metrics"
+    while (
+        metric_samples(front_ends).get(failed, 0.0) - refused < 1
+        or metric_samples(front_ends).get(timed, 0.0) - timed_before < 1
+    ):
+        assert time.monotonic() < deadline, "the refusal or the timing never reached /metrics"
         time.sleep(0.1)
+    time.sleep(0.6)  # counted once, not again at the next poll
+    after_all = metric_samples(front_ends)
+    assert after_all[failed] - refused == 1
+    assert after_all[timed] - timed_before == 1
 
 
 def test_with_front_end_decoding_off_the_engine_decodes_the_files(

@@ -64,6 +64,26 @@ def test_the_classifier_decodes_crops_and_normalises_uploads() -> None:
     assert asyncio.run(untouched.decode([png(grey)]))["input"].dtype == np.uint8
 
 
+def test_rows_a_front_end_made_are_stacked_normalised_and_counted_as_its() -> None:
+    """Two UINT8 rows of the preprocessing's shape become the model's FP32 input, normalised
+    as the handler's own decoding normalises (a flat 200 is (200 - 127) / 128), counted as
+    made by the front ends; a row of another size is the front end's fault (500)."""
+    from tests.unit.app.test_metrics import series
+
+    made = context()
+    classifier = ImageClassifier(made)
+    flat = np.full((3, 32, 32), 200, np.uint8).tobytes()
+    ramp = np.arange(3 * 32 * 32, dtype=np.uint32).astype(np.uint8).tobytes()
+    batch = classifier.rows([flat, ramp])["input"]
+    assert batch.shape == (2, 3, 32, 32) and batch.dtype == np.float32
+    np.testing.assert_allclose(batch[0], (200 - 127) / 128, rtol=1e-6)
+    assert batch[1, 0, 0, 5] == pytest.approx((5 - 127) / 128)
+    key = ("stoker_image_decode_total", "decoder=pillow_front_ends", "device=cpu", "version=fp32")
+    assert series(made.metrics.model)[key] == 2
+    with pytest.raises(RuntimeError, match="rows of 3072 bytes expected"):
+        classifier.rows([flat[:-1]])
+
+
 def test_the_classifier_refuses_what_is_not_an_image() -> None:
     with pytest.raises(BadRequest, match="not an image format this server reads"):
         asyncio.run(ImageClassifier(context()).decode([b"plain text, not a picture"]))

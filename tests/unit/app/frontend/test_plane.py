@@ -270,7 +270,8 @@ def test_rows_a_front_end_makes_answer_as_the_engines_decode_and_are_made_again_
 
     async def scenario(plane: DataPlane) -> Any:
         contract = await plane.client.contract(None)
-        assert contract.uploads is not None and contract.uploads.datatype == "UINT8"
+        prep = contract.row_preprocess
+        assert prep is not None and prep.datatype == "UINT8"
         assert plane.row_maker is None  # in one process nothing is gained
         _, _, by_engine = await plane.classify_images(None, None, photos, 3)
         plane.row_maker = RowMaker(plane.settings)
@@ -278,12 +279,12 @@ def test_rows_a_front_end_makes_answer_as_the_engines_decode_and_are_made_again_
         real_classify, real_contract = plane.client.classify, plane.client.contract
 
         async def classify(uploads: Any) -> Any:
-            sent.append(uploads.rows)
+            sent.append(uploads.row_preprocess)
             return await real_classify(uploads)
 
         stale = [
             dataclasses.replace(
-                contract, uploads=contract.uploads.model_copy(update={"resize_shorter": 300})
+                contract, row_preprocess=prep.model_copy(update={"resize_shorter": 300})
             )
         ]
 
@@ -300,9 +301,10 @@ def test_rows_a_front_end_makes_answer_as_the_engines_decode_and_are_made_again_
 
     contract, by_engine, by_rows, sent = with_plane(tmp_path, scenario)
     assert by_rows == by_engine
-    stale = contract.uploads.model_copy(update={"resize_shorter": 300})
-    # the stale rows twice (the gatherer's own retry, then refused), then the right ones
-    assert sent == [stale, stale, contract.uploads]
+    stale = contract.row_preprocess.model_copy(update={"resize_shorter": 300})
+    # the stale rows once (refused as reloaded, not sent again as they were), then the
+    # rows made with the contract asked anew
+    assert sent == [stale, contract.row_preprocess]
 
 
 def test_uploads_of_one_turn_are_one_engine_call_and_a_bad_one_fails_alone(

@@ -290,9 +290,9 @@ def test_a_contract_survives_the_trip_to_a_front_end() -> None:
     again = Contract.from_json(orjson.loads(orjson.dumps(CONTRACT.as_json())))
     assert again == CONTRACT
     prep = ImagePreprocess(resize_shorter=300, crop=240, layout="NHWC", datatype="UINT8")
-    with_uploads = dataclasses.replace(CONTRACT, uploads=prep)
-    again = Contract.from_json(orjson.loads(orjson.dumps(with_uploads.as_json())))
-    assert again == with_uploads and again.uploads == prep
+    with_rows = dataclasses.replace(CONTRACT, row_preprocess=prep)
+    again = Contract.from_json(orjson.loads(orjson.dumps(with_rows.as_json())))
+    assert again == with_rows and again.row_preprocess == prep
 
 
 def test_slot_copies_that_do_not_fit_go_in_the_payload() -> None:
