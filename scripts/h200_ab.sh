@@ -88,7 +88,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
         curl -s "$url/metrics" >"$OUT/metrics_$name.txt"
         grep -h "decode process\|decoded on the" "$OUT/server_$name.log" | head -3
         if [ "${MPS:-0}" = 1 ]; then  # which processes MPS serves: none means it was not used
-            mps=$(echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe nvidia-cuda-mps-control)
+            mps=$(echo get_server_list | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe \
+                nvidia-cuda-mps-control 2>/dev/null | grep -E '^[0-9]+$')
             for pid in $mps; do
                 clients=$(echo "get_client_list $pid" | CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe \
                     nvidia-cuda-mps-control | tr '\n' ' ')

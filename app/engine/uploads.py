@@ -76,7 +76,7 @@ async def classify_uploads(
         if made is None:
             return await handler.decode(images)
         assert isinstance(handler, ImageClassifier)  # a model with ``row_preprocess`` has one
-        return handler.rows(images)
+        return await asyncio.to_thread(handler.rows, images)  # megabytes joined, normalised
 
     async def work() -> None:
         arrived = time.monotonic()
