@@ -18,7 +18,7 @@ import asyncio
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -49,6 +49,23 @@ class Handler(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class RowsHandler(Handler, Protocol):
+    """A handler that also takes rows a front end made of its uploads with its preprocessing
+    (where the engine would decode them on the CPU): the image classifier, and any handler
+    of the user's that offers the two."""
+
+    @property
+    def row_preprocess(self) -> ImagePreprocess:
+        """What makes an upload's row (UINT8): how a front end makes them."""
+        ...
+
+    def rows(self, uploads: Sequence[bytes | memoryview]) -> dict[str, Any]:
+        """Every model input from those rows, as ``decode`` gives them for the uploads; called
+        in a worker thread."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -150,7 +167,7 @@ class ImageClassifier:
         self._output = spec.outputs[0].name
 
     @property
-    def preprocess(self) -> ImagePreprocess:
+    def row_preprocess(self) -> ImagePreprocess:
         """What makes a row of an upload (UINT8): how a front end makes them (``rows``)."""
         return self._prep
 
@@ -159,7 +176,7 @@ class ImageClassifier:
         return upload_row(data, self._prep, limits.max_image_pixels, limits.max_image_aspect_ratio)
 
     def rows(self, uploads: Sequence[bytes | memoryview]) -> dict[str, Any]:
-        """Every model input from rows a front end made of its uploads with ``preprocess``
+        """Every model input from rows a front end made of its uploads with ``row_preprocess``
         (UINT8, each of the row's size): what ``decode`` gives for those uploads, on the
         CPU. A row of another size is the front end's fault: 500, not the client's."""
         shape = self._prep.row_shape()

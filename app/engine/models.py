@@ -33,7 +33,7 @@ from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.decoders import decode_queue, describe_decoding, gpu_decoders
-from app.engine.handlers import Handler, HandlerContext, ImageClassifier, handler_for
+from app.engine.handlers import Handler, HandlerContext, RowsHandler, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry
 from app.errors import BadRequest, Reloaded, client_text
@@ -301,12 +301,17 @@ class LoadedModel:
     inputs: InputPolicy
     handler: Handler | None = None
     """What ``POST /infer`` does with uploads; None: the model takes V2 tensors only."""
-    row_preprocess: ImagePreprocess | None = None
-    """How a front end may make this model's input rows of its uploads itself (UINT8), set
-    where the engine would decode them on the CPU (the image classifier, no device
-    decoder): the engine then takes the rows (``ImageClassifier.rows``). None: files only."""
+    rows_handler: RowsHandler | None = None
+    """The handler, where a front end may make this model's input rows of its uploads
+    itself: one that takes rows (``RowsHandler``), the engine decoding on the CPU (no device
+    decoder). None: uploads cross as files."""
     replaced_by: LoadedModel | None = None
     """The version that serves in its place since a reload switched to it."""
+
+    @property
+    def row_preprocess(self) -> ImagePreprocess | None:
+        """How a front end makes this model's rows of its uploads (None: it sends files)."""
+        return None if self.rows_handler is None else self.rows_handler.row_preprocess
 
     @property
     def name(self) -> str:
@@ -449,9 +454,7 @@ async def load(
         describe_decoding(decoders, settings),
         time.perf_counter() - started,
     )
-    row_preprocess = (
-        handler.preprocess if isinstance(handler, ImageClassifier) and decoder is None else None
-    )
+    rows_handler = handler if isinstance(handler, RowsHandler) and decoder is None else None
     return LoadedModel(
         entry,
         precision,
@@ -463,5 +466,5 @@ async def load(
         labels,
         policy,
         handler,
-        row_preprocess,
+        rows_handler,
     )

@@ -19,7 +19,7 @@ import numpy as np
 
 from app.contract import Classified, Uploads, batch_key
 from app.engine.batch import Tensors, time_left
-from app.engine.handlers import ImageClassifier, check_uploads
+from app.engine.handlers import check_uploads
 from app.engine.models import LoadedModel
 from app.errors import BadRequest, Reloaded, StokerError
 from app.settings import LimitSettings
@@ -75,8 +75,9 @@ async def classify_uploads(
     async def decode(images: list[bytes]) -> dict[str, Any]:
         if made is None:
             return await handler.decode(images)
-        assert isinstance(handler, ImageClassifier)  # a model with ``row_preprocess`` has one
-        return await asyncio.to_thread(handler.rows, images)  # megabytes joined, normalised
+        taking = model.rows_handler
+        assert taking is not None  # ``row_preprocess`` equal to the model's: it has one
+        return await asyncio.to_thread(taking.rows, images)  # megabytes joined, normalised
 
     async def work() -> None:
         arrived = time.monotonic()

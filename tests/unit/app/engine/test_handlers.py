@@ -84,6 +84,33 @@ def test_rows_a_front_end_made_are_stacked_normalised_and_counted_as_its() -> No
         classifier.rows([flat[:-1]])
 
 
+def test_a_handler_takes_rows_made_by_front_ends_when_it_offers_them() -> None:
+    """The capability the engine reads at load (``RowsHandler``): the image classifier has
+    it; a handler of the user's has it only with both ``row_preprocess`` and ``rows``."""
+    from app.engine.handlers import RowsHandler
+
+    class FilesOnly:
+        async def decode(self, uploads: Sequence[bytes]) -> dict[str, Any]:
+            return {}
+
+        def encode(self, outputs: Mapping[str, np.ndarray], k: int) -> list[Any]:
+            return []
+
+        async def close(self) -> None:
+            return None
+
+    class WithRows(FilesOnly):
+        row_preprocess = PREP
+
+        def rows(self, uploads: Sequence[bytes | memoryview]) -> dict[str, Any]:
+            return {}
+
+    assert isinstance(ImageClassifier(context()), RowsHandler)
+    assert ImageClassifier(context()).row_preprocess == PREP
+    assert isinstance(WithRows(), RowsHandler)
+    assert not isinstance(FilesOnly(), RowsHandler)
+
+
 def test_the_classifier_refuses_what_is_not_an_image() -> None:
     with pytest.raises(BadRequest, match="not an image format this server reads"):
         asyncio.run(ImageClassifier(context()).decode([b"plain text, not a picture"]))
