@@ -304,8 +304,7 @@ class DataPlane:
         call: its answer, this request's index in it, and whether rows went (not files).
         Rows made for a preprocessing a reload replaced are refused by the engine as
         reloaded (nothing ran) and made once more with the contract asked again. A refusal
-        here (not an image, too large, reloaded twice) is counted here: no engine counted
-        the request."""
+        here (not an image, too large) is counted here (``_count``): no engine saw it."""
         started = time.perf_counter()
         reloaded = False
         while True:
@@ -315,19 +314,12 @@ class DataPlane:
             try:
                 rows = await maker.rows(uploads, prep)
             except StokerError as error:  # not an image, or too large
-                self._refused(contract, error, started)
+                self._count(contract, error, started)
                 raise
             try:
                 return *await self.gatherer.classify(model, version, rows, k, client, prep), True
             except StokerError as error:
-                if error.reason != Reloaded.reason:
-                    raise
-                if reloaded:
-                    self._refused(contract, error, started)
+                if error.reason != Reloaded.reason or reloaded:
                     raise
             reloaded = True
             contract = await self.client.contract(model, version)
-
-    def _refused(self, contract: Contract, error: StokerError, started: float) -> None:
-        seconds = time.perf_counter() - started
-        self.client.count_failures(contract.model, contract.version, error.reason, 1, seconds)

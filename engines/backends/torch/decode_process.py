@@ -412,7 +412,6 @@ def _serve(
                 jpegs.append(None if length is None else blob[at : at + length])
                 at += 0 if length is None else length
             decoder = decoders[slot]
-            before = replace(decoder.times)
             rows, ok = decoder.decode(jpegs)
             handover = time.perf_counter()
             stream = streams[slot]
@@ -420,16 +419,7 @@ def _serve(
                 buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
             if stream is not None:
                 stream.synchronize()
-            times = decoder.times
-            spent = DecodeTimes(
-                1,
-                len(jpegs),
-                times.decode - before.decode,
-                times.resize - before.resize,
-                times.wait - before.wait,
-                time.perf_counter() - handover,
-            )
-            return ("ok", ok, spent)
+            return ("ok", ok, replace(decoder.last, handover=time.perf_counter() - handover))
         except Exception as exc:  # one batch fails; the child serves the next
             return ("error", f"{type(exc).__name__}: {exc}"[:500], None)
 

@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any
 
@@ -98,10 +98,11 @@ class DeviceRows:
 
 @dataclass
 class DecodeTimes:
-    """Where a decoder's batches spent their time, summed (seconds): ``decode`` in the JPEG
-    decoder's call (nvJPEG waits for its own stream), ``resize`` launching the resize and
-    crop, ``wait`` for them on the device; ``handover``: a decode process's copy of the rows
-    to the parent's buffer. For diagnosis (logged when a decode process stops)."""
+    """Where decode batches spent their time (seconds): one batch's
+    (``TorchImageDecoder.last``) or a decode process's, summed (``DecodeProcess.times``,
+    logged when it stops). ``decode`` in the JPEG decoder's call (nvJPEG waits for its own
+    stream), ``resize`` launching the resize and crop, ``wait`` for them on the device;
+    ``handover``: a decode process's copy of the rows to the parent's buffer."""
 
     batches: int = 0
     images: int = 0
@@ -111,7 +112,7 @@ class DecodeTimes:
     handover: float = 0.0
 
     def add(self, other: DecodeTimes) -> None:
-        for name in ("batches", "images", "decode", "resize", "wait", "handover"):
+        for name in (field.name for field in fields(self)):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def describe(self) -> str:
@@ -153,7 +154,7 @@ class TorchImageDecoder:
             else None
         )
         self._lock = threading.Lock()
-        self.times = DecodeTimes()
+        self.last = DecodeTimes()  # the last batch's
 
     def decode(self, jpegs: Sequence[bytes | memoryview | None]) -> tuple[DeviceRows, list[bool]]:
         """The batch's rows on the device, in the spec's layout, and for each whether it was
@@ -183,12 +184,13 @@ class TorchImageDecoder:
             if self._stream is not None:
                 # Before the rows are handed out: the runner's stream reads them next.
                 self._stream.synchronize()
-            times = self.times
-            times.batches += 1
-            times.images += len(jpegs)
-            times.decode += decoded - started
-            times.resize += launched - decoded
-            times.wait += time.perf_counter() - launched
+            self.last = DecodeTimes(
+                1,
+                len(jpegs),
+                decoded - started,
+                launched - decoded,
+                time.perf_counter() - launched,
+            )
         return DeviceRows(batch), [image is not None for image in images]
 
     def _resize_group(
