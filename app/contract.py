@@ -32,6 +32,22 @@ def draining() -> Unavailable:
     return Unavailable("server is shutting down; retry on another replica")
 
 
+def control_refusal(mode: str) -> BadRequest | None:
+    """What a model load or unload gets where ``models.control`` is ``mode`` (None: taken):
+    the data plane refuses with it before reading the body, the engine again on arrival."""
+    if mode == "none":
+        return BadRequest(
+            "model control is off (models.control is none: the models are fixed at "
+            "start); set STOKER_MODELS__CONTROL=explicit to load and unload models"
+        )
+    if mode == "poll":
+        return BadRequest(
+            "explicit model load / unload is not allowed in poll mode (models.control "
+            "is poll: changes to the repository's files load and unload models)"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class Answer:
     """What one V2 request gets: which model and version answered, and the encoded body."""

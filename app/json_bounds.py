@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from app.errors import PayloadTooLarge
+from app.errors import BadRequest, PayloadTooLarge
 from engines.spec import ModelSpec
 
 T = TypeVar("T")
@@ -33,11 +33,14 @@ STRUCTURE = 1024
 
 def json_part(body: bytes | bytearray | memoryview, header_length: int | None) -> memoryview:
     """The JSON of a V2 body: all of it, or its first ``header_length`` bytes (none for a
-    raw binary body, ``header_length`` 0; a length past the body is the decoder's 400)."""
+    raw binary body, ``header_length`` 0); 400 for a length past the body, before any size
+    check counts what is there (that is no request's fault of size)."""
     view = memoryview(body)
     if header_length is None:
         return view
-    return view[: min(header_length, len(view))]
+    if header_length > len(view):
+        raise BadRequest("Inference-Header-Content-Length is larger than the body")
+    return view[:header_length]
 
 
 def count_byte(data: memoryview, byte: bytes) -> int:

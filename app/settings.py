@@ -313,6 +313,11 @@ class LimitSettings(BaseModel):
     """Deepest nesting of lists in a JSON tensor's ``data``. The default admits data nested
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole
     documents nested past 1024 levels are refused by the JSON parser whatever this says."""
+    max_control_body_bytes: int = Field(default=64 * 1024, ge=1024, le=512 * 1024)
+    """Largest body of a model load or unload and of a shared-memory registration, refused
+    with 413 from its ``Content-Length`` or as it streams, before any parsing. Such a body
+    is a few hundred bytes (a load's ``parameters.config`` a few KiB); it crosses to the
+    engine whole in one control frame, so the cap stays well under the frame's 1 MiB."""
 
 
 class AuthSettings(BaseModel):

@@ -30,6 +30,7 @@ from app.contract import (
     Raw,
     Uploads,
     batch_key,
+    control_refusal,
     decode_infer_async,
     draining,
 )
@@ -40,7 +41,7 @@ from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
 from app.engine.uploads import classify_uploads
 from app.engine.watch import watch
-from app.errors import BadRequest, Reloaded, StokerError
+from app.errors import Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
 from engines.spec import TensorSpec
@@ -93,16 +94,19 @@ class LocalEngine:
         return task
 
     def begin_drain(self) -> None:
-        """New requests get 503 and a build running in a worker thread stops. Plain
-        attributes only: a signal handler may call it."""
+        """Readiness turns false and a build running in a worker thread stops; requests are
+        still taken until ``drain``: what the data plane (or a front end) accepted before
+        its own door closed reaches the engine after. Plain attributes only: a signal
+        handler may call it."""
         self.models.stopping.set()
         self.drain_state.begin()
 
     async def drain(self) -> None:
-        """Wait until every accepted request has its answer or the drain timeout passes,
-        then fail what is still queued with 503 (a batch already running finishes: a
-        runner's thread cannot be interrupted)."""
+        """Refuse new requests with 503, wait until every accepted one has its answer or the
+        drain timeout passes, then fail what is still queued with 503 (a batch already
+        running finishes: a runner's thread cannot be interrupted)."""
         self.begin_drain()
+        self.drain_state.close()
         left = self.drain_state.time_left()
         if not await self.drain_state.all_answered(left):
             log.warning("drain timeout: %d request(s) still in flight", self.drain_state.active)
@@ -228,17 +232,9 @@ class LocalEngine:
     def _controllable(self) -> None:
         """Refuse a load or unload the mode does not take, or one that comes while the
         server drains."""
-        mode = self.settings.models.control
-        if mode == "none":
-            raise BadRequest(
-                "model control is off (models.control is none: the models are fixed at "
-                "start); set STOKER_MODELS__CONTROL=explicit to load and unload models"
-            )
-        if mode == "poll":
-            raise BadRequest(
-                "explicit model load / unload is not allowed in poll mode (models.control "
-                "is poll: changes to the repository's files load and unload models)"
-            )
+        refused = control_refusal(self.settings.models.control)
+        if refused is not None:
+            raise refused
         if self.drain_state.draining:
             raise draining()
 
@@ -322,7 +318,7 @@ class LocalEngine:
         started = time.perf_counter()
         count = requests if callable(requests) else (lambda: requests)
         try:
-            if self.drain_state.draining:
+            if self.drain_state.refuses():
                 raise draining()
             with self.drain_state.in_flight():
                 result = await work()

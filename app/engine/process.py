@@ -6,8 +6,10 @@ body is read where the front end wrote it, decoded and run exactly as in one pro
 (``DataPlane.infer``), and the encoded answer is written back into the same slot. The engine
 is the one source of metrics, readiness and liveness.
 
-SIGTERM drains: new requests get 503 at once, accepted ones run to their answer within
-``server.drain_timeout_s``, then the process waits for its front ends to hang up and stops.
+SIGTERM drains: readiness turns false at once; the requests the front ends accepted before
+their own drains closed their doors are taken until they hang up, within
+``server.drain_timeout_s``; then new requests get 503, what is left is answered or failed,
+and the process stops.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import orjson
 
 from app import wire
-from app.channel import ChannelClosed, Sender, receive
+from app.channel import ChannelClosed, FrameTooLarge, Sender, receive
 from app.child import profiled, supervised, watch_loading
 from app.contract import Frame, Part, Raw, Uploads
 from app.engine.local import LocalEngine
@@ -97,10 +99,16 @@ class Connection:
         return memoryview(self.arena)[offset : offset + size]
 
     def send(self, number: int, reply: wire.Reply, data: bytes = b"") -> None:
-        """Send one answer, once (``answered``: a cancelled call is not answered twice)."""
+        """Send one answer, once (``answered``: a cancelled call is not answered twice); one
+        too large for the channel is answered with why instead."""
         self.answered.add(number)
-        if not self.writer.is_closing():
+        if self.writer.is_closing():
+            return
+        try:
             self.writer.send(wire.encode_answer(number, reply), data)
+        except FrameTooLarge as too_large:
+            log.error("an answer to a front end was not sent: %s", too_large)
+            self.writer.send(wire.encode_answer(number, wire.Failure(too_large.message, 500)))
 
     def close(self) -> None:
         if self.pinned:
@@ -166,7 +174,13 @@ class EngineServer:
         self.none_connected.clear()
         try:
             while True:
-                header, payload = await receive(reader)
+                try:
+                    header, payload = await receive(reader)
+                except FrameTooLarge as too_large:
+                    log.error("a call from a front end was refused: %s", too_large)
+                    reply = wire.Failure(too_large.message, too_large.status, too_large.reason)
+                    connection.send(too_large.number, reply)
+                    continue
                 try:
                     number, call = wire.decode_call(header)
                 except wire.BadFrame as bad:
@@ -415,15 +429,22 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
         loading.cancel()
     await asyncio.gather(loading, return_exceptions=True)
     if not failed:
+        # What the front ends accepted before their own doors closed still comes: it is
+        # taken until they hang up, their drains done (or this one's timeout passes).
+        await hung_up(channel, engine.drain_state.time_left())
         await engine.drain()
-        # The front ends are answering their last requests; wait for them to hang up.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(engine.drain_state.time_left() + 5.0):
-                await channel.none_connected.wait()
+        await hung_up(channel, 5.0)  # the front ends are sending their last answers
     server.close()
     await engine.stop()
     await asyncio.to_thread(control.unlink, missing_ok=True)
     return 1 if failed else 0
+
+
+async def hung_up(channel: EngineServer, timeout_s: float) -> None:
+    """Wait until no front end is connected, for at most ``timeout_s``."""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await channel.none_connected.wait()
 
 
 def visible_device(gpu: int, inherited: str | None) -> str:

@@ -4,8 +4,11 @@ with limits on headers, time and connections (``limits`` in the settings).
 uvicorn's httptools protocol reads headers without bound and keeps a connection that never
 sends a request open forever. This subclass answers, like nginx and Envoy:
 
+- **400** with a JSON body when the bytes are not HTTP/1.1 (a garbage request line, a
+  negative or overflowing ``Content-Length``), where uvicorn answers ``text/plain``;
 - **431** when a request's URL and headers exceed ``max_header_bytes`` or ``max_headers``
-  (counted as they arrive, so a 159 MiB header is refused at 64 KiB, not buffered);
+  (counted as they arrive, so a 159 MiB header is refused at 64 KiB, not buffered, and an
+  unterminated one as soon as its bytes pass the limit);
 - **408** (or a plain close when nothing was sent) when a connection has not sent a
   request's headers within ``header_timeout_s``: a new connection from its start, a request
   from its first byte (slow-loris);
@@ -14,7 +17,13 @@ sends a request open forever. This subclass answers, like nginx and Envoy:
   so probes keep answering while the server is full. A connection over either cap is not
   counted against them: one address's idle connections never crowd the others out. The
   probes of those have their own budget, ``HEALTH_CONNECTIONS`` at once, and their
-  connection closes after the answer, so they cannot pile up past the cap either.
+  connection closes after the answer, so they cannot pile up past the cap either. When that
+  budget is full, a new connection closes the oldest of it that is not answering a probe
+  (silent ones first to go): a prober whose address also holds thousands of silent
+  connections (kubelet behind SNAT) is still answered.
+
+Each request's scope carries ``BEGAN``, when its first bytes were read: a drain answers the
+requests that began before its door closed (``app.drain``).
 
 A cap that stays full turns readiness off (``Saturation``): the orchestrator stops routing
 to a process that would refuse what it gets.
@@ -36,6 +45,7 @@ from app.metrics import http_refused
 from app.settings import LimitSettings
 
 _REASONS = {
+    400: b"Bad Request",
     408: b"Request Timeout",
     431: b"Request Header Fields Too Large",
     503: b"Service Unavailable",
@@ -43,8 +53,14 @@ _REASONS = {
 HEALTH_PREFIX = b"/v2/health/"
 REFUSAL_LINGER_S = 1.0
 HEALTH_CONNECTIONS = 64
-"""Connections over the caps open at once (each may ask ``/v2/health/*`` once); more are
-closed as they come, so a client cannot hold sockets past the caps by never sending."""
+"""Connections over the caps open at once (each may ask ``/v2/health/*`` once); past it the
+oldest not answering a probe is closed, so a client cannot hold sockets past the caps by
+never sending, nor keep probes out by it."""
+BEGAN = "stoker.began"
+"""The scope key of when a request's first bytes were read (``time.monotonic``)."""
+# What httptools does not hand over of a request line: the spaces, "HTTP/1.1", its CRLF
+# and the CRLF that ends the head.
+REQUEST_LINE_BYTES = 14
 
 
 class Saturation:
@@ -79,7 +95,8 @@ class Admitted:
     def __init__(self, saturation: Saturation | None = None) -> None:
         self.total = 0
         self.by_address: dict[str, int] = {}
-        self.over = 0
+        self.over: dict[GuardedHttpTools, None] = {}
+        """The connections over the caps, oldest first."""
         self.saturation = saturation
 
     def admit(self, address: str, limits: LimitSettings) -> bool:
@@ -105,6 +122,20 @@ class Admitted:
         if self.saturation is not None:
             self.saturation.note("connection", self.total >= limits.max_connections)
 
+    def take_over(self, connection: GuardedHttpTools) -> bool:
+        """Count ``connection`` among those over the caps, closing the oldest of them that is
+        not answering a probe when there are ``HEALTH_CONNECTIONS``; False: all of those are
+        answering probes, and ``connection`` is not counted."""
+        if len(self.over) >= HEALTH_CONNECTIONS:
+            oldest = next((c for c in self.over if not c.probing), None)
+            if oldest is None:
+                return False
+            del self.over[oldest]
+            http_refused(503, "connections")
+            oldest.transport.close()
+        self.over[connection] = None
+        return True
+
 
 class GuardedHttpTools(HttpToolsProtocol):
     limits: LimitSettings = LimitSettings()
@@ -113,8 +144,9 @@ class GuardedHttpTools(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._header_bytes = 0  # the URL and the complete headers, exactly
-        self._partial_bytes = 0  # what the reads of a still-incomplete head brought
-        self._began_in_read = False
+        self._head_received = 0  # the bytes of a still-incomplete head, in earlier reads
+        self._in_read = 0  # the bytes of this read that httptools has handed over
+        self._began_at: int | None = None  # where in this read a request began, about
         self._header_count = 0
         self._refused = False
         self._over_capacity = False
@@ -122,8 +154,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._headers_done = True
         self._address: str | None = None
         """The client's address while this connection counts against the caps."""
-        self._over_counted = False
-        """Whether this connection counts among those over the caps (``HEALTH_CONNECTIONS``)."""
+        self.probing = False
+        """Whether this connection, over the caps, is answering a ``/v2/health/*`` probe."""
 
     # -- the header timer
 
@@ -145,6 +177,14 @@ class GuardedHttpTools(HttpToolsProtocol):
         else:
             limit = self.limits.header_timeout_s
             self._refuse(408, f"request headers not received within {limit:g} s", "header_timeout")
+
+    def send_400_response(self, msg: str) -> None:
+        # uvicorn's own answer to bytes httptools cannot parse is text/plain; ours is JSON.
+        self._refuse(
+            400,
+            "not a valid HTTP/1.1 request (its request line, a header or its Content-Length)",
+            "http_parse",
+        )
 
     def _refuse(self, status: int, message: str, reason: str) -> None:
         if self._refused or self.transport.is_closing():
@@ -169,13 +209,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._over_capacity = not self.admitted.admit(address, self.limits)
         if not self._over_capacity:
             self._address = address
-        elif self.admitted.over >= HEALTH_CONNECTIONS:
+        elif not self.admitted.take_over(self):
             http_refused(503, "connections")
             transport.close()
             return
-        else:
-            self.admitted.over += 1
-            self._over_counted = True
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -183,30 +220,28 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._address is not None:
             self.admitted.release(self._address, self.limits)
             self._address = None
-        if self._over_counted:
-            self.admitted.over -= 1
-            self._over_counted = False
+        self.admitted.over.pop(self, None)
         super().connection_lost(exc)
 
-    def _check_size(self) -> None:
-        if self._header_bytes + self._partial_bytes > self.limits.max_header_bytes:
+    def _check_size(self, received: int) -> None:
+        if received > self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
             self._refuse(431, f"the request line and headers exceed {limit} bytes", "header_bytes")
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
-        self._began_in_read = False
+        self._in_read = 0
+        self._began_at = None
         super().data_received(data)
         if self._refused:
             return
         if not self._headers_done:
             # httptools hands a header over only once it is complete, so a head that is
-            # still incomplete is also counted by the bytes its reads brought (not in the
-            # read where it began, which may hold the end of the previous request's body).
-            if not self._began_in_read:
-                self._partial_bytes += len(data)
-            self._check_size()
+            # still incomplete is counted by the bytes its reads brought: in the read where
+            # it began, those after what the previous request had in it (its body's end).
+            self._head_received += len(data) - (self._began_at or 0)
+            self._check_size(self._head_received)
         elif (
             self._header_timer is None
             and self.timeout_keep_alive_task is None
@@ -218,32 +253,36 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope[BEGAN] = time.monotonic()  # type: ignore[literal-required]
         self._header_bytes = 0
-        self._partial_bytes = 0
-        self._began_in_read = True
+        self._head_received = 0
+        self._began_at = self._in_read
         self._header_count = 0
         self._headers_done = False
         self._arm()
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
-        self._check_size()
+        self._in_read += len(url)
+        self._check_size(self._header_bytes)
         if not self._refused:
             super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         self._header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        self._in_read += len(name) + len(value) + 4
         if self._header_count > self.limits.max_headers:
             limit = self.limits.max_headers
             self._refuse(431, f"more than {limit} request headers", "header_count")
             return
-        self._check_size()
+        self._check_size(self._header_bytes)
         if not self._refused:
             super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        self._in_read += len(self.parser.get_method()) + REQUEST_LINE_BYTES
         self._disarm()
         if self._refused:
             return
@@ -256,11 +295,14 @@ class GuardedHttpTools(HttpToolsProtocol):
                 "connections",
             )
             return
+        if self._over_capacity:
+            self.probing = True  # answered, then closed (keep_alive below): not evicted
         super().on_headers_complete()
         if self._over_capacity and self.cycle is not None:
-            self.cycle.keep_alive = False  # a probe over the caps: answered, then closed
+            self.cycle.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
+        self._in_read += len(body)
         if not self._refused:
             super().on_body(body)
 

@@ -12,6 +12,7 @@ Created in the lifespan (never at import); lives in ``app.state.plane``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -30,11 +31,12 @@ from app.contract import (
     Slot,
     check_window,
     checked,
+    control_refusal,
     decode_infer_async,
     draining,
 )
 from app.drain import Drain
-from app.errors import Reloaded, StokerError
+from app.errors import NotFound, Reloaded, StokerError, client_text
 from app.frontend.client import EngineClient
 from app.frontend.gathering import Gatherer, again_if_reloaded
 from app.frontend.upload_rows import RowMaker
@@ -44,6 +46,10 @@ from app.protocol import encode_response
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+DOOR_TURNS = 4
+"""Turns of the event loop between a drain's start and its door closing: in the first, the
+connections that were readable are read and the pending ones accepted; a new connection's
+reader is added in the next, and its bytes read in the one after."""
 
 
 class DataPlane:
@@ -71,19 +77,36 @@ class DataPlane:
         return self.drain_state.draining
 
     def begin_drain(self) -> None:
-        """From now on readiness is false and new requests get 503; the drain timeout
-        starts. Plain attributes only: a signal handler may call it."""
+        """From now on readiness is false and the drain timeout runs; new requests get 503
+        once this process has read what its sockets held at the call, ``DOOR_TURNS`` turns
+        of its event loop later (``_close_door``): a request whose bytes arrived before a
+        SIGTERM is answered. A signal handler may call it: it sets plain attributes and
+        schedules the rest with ``call_soon_threadsafe``."""
         self.drain_state.begin()
         self.client.begin_drain()
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop to read anything more: shut at once
+            self.drain_state.close()
+            return
+        loop.call_soon_threadsafe(self._close_door, DOOR_TURNS)
+
+    def _close_door(self, turns: int) -> None:
+        if turns:
+            asyncio.get_running_loop().call_soon(self._close_door, turns - 1)
+        else:
+            self.drain_state.close()
 
     def drain_time_left(self) -> float:
         return self.drain_state.time_left()
 
     async def drain(self) -> None:
-        """Begin draining, wait until every accepted request has its answer or the drain
-        timeout passes, then let the engine client drain (in one process: fail what is
-        still queued with 503; an engine process drains itself on its own SIGTERM)."""
+        """Begin draining; once the door has closed, wait until every accepted request has
+        its answer or the drain timeout passes, then let the engine client drain (in one
+        process: fail what is still queued with 503; an engine process drains itself on its
+        own SIGTERM)."""
         self.begin_drain()
+        await self.drain_state.door_closed()
         if not await self.drain_state.all_answered(self.drain_time_left()):
             log.warning("drain timeout: %d request(s) still in flight", self.drain_state.active)
         self.gatherer.log_totals()
@@ -140,6 +163,18 @@ class DataPlane:
     async def repository_index(self) -> list[dict[str, str]]:
         return await self.client.repository_index()
 
+    async def check_control(self, name: str) -> None:
+        """Raise what a load or unload of ``name`` gets whatever its body says, before the
+        body is read: model control off or in poll mode (400), a drain (503), no model of
+        that name in the repository (404)."""
+        refused = control_refusal(self.settings.models.control)
+        if refused is not None:
+            raise refused
+        if self.draining:
+            raise draining()
+        if all(entry.get("name") != name for entry in await self.client.repository_index()):
+            raise NotFound(f"no model '{client_text(name)}' in the repository")
+
     async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
         """Load or reload a model on every engine (``config``: in place of its config.yaml);
         refused while draining, and where ``models.control`` does not take it."""
@@ -188,11 +223,14 @@ class DataPlane:
         header_length: int | None,
         slot: Slot | None = None,
         client: str = "",
+        began: float | None = None,
     ) -> Answer:
         """Decode a V2 request, validate it against the model's contract, run it (gathered
         with others that may share its batch: ``app.frontend.gathering``) and encode its
         answer. ``slot``:
-        the piece of the engine client's arena the body was read into, if any. A request
+        the piece of the engine client's arena the body was read into, if any; ``began``:
+        when its first bytes were read (``time.monotonic``; None: now), which a drain's door
+        is judged by (``Drain.refuses``). A request
         decoded against a contract that a reload replaced meanwhile is checked against the
         new one and sent again, once."""
         arrived = time.monotonic()
@@ -200,7 +238,7 @@ class DataPlane:
         started = time.perf_counter()
         with self.drain_state.in_flight():
             try:
-                if self.draining:
+                if self.drain_state.refuses(began):
                     raise draining()
                 # Under overload most requests are refused: refuse before decoding, not after.
                 self.client.admit(contract)
@@ -260,6 +298,7 @@ class DataPlane:
         uploads: Sequence[bytes],
         k: int | None,
         client: str = "",
+        began: float | None = None,
     ) -> tuple[str, str, list[Any]]:
         """Uploads through the model's handler and batcher: one answer per upload (top-k
         labels for the image classifier). ``name`` None: the default model. Each upload's
@@ -268,7 +307,7 @@ class DataPlane:
         them (only it knows what an upload must be), or, where the engine publishes the
         model's preprocessing (it would decode on its CPU), as the rows made here of them."""
         with self.drain_state.in_flight():
-            if self.draining:
+            if self.drain_state.refuses(began):
                 raise draining()
             limits = self.settings.limits
             for data in uploads:  # a bomb or broken header never crosses to the engine

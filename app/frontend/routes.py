@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.errors import BadRequest, client_text
-from app.frontend.http_limits import Saturation
+from app.errors import BadRequest, PayloadTooLarge, client_text
+from app.frontend.http_limits import BEGAN, Saturation
 from app.frontend.plane import DataPlane
+from app.metrics import http_refused
 from app.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
@@ -258,18 +259,42 @@ LOAD_PARAMETERS = frozenset({"config"})
 UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 
 
+async def control_body(request: Request) -> bytes:
+    """The body of a model-control or shared-memory registration request, refused with 413
+    past ``limits.max_control_body_bytes`` before any of it is parsed: at once when its
+    ``Content-Length`` says so, else as soon as the streamed bytes pass it."""
+    limit = plane_of(request).settings.limits.max_control_body_bytes
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        http_refused(413, "control_body_bytes")
+        raise PayloadTooLarge(f"a control request's body of {int(declared)} bytes exceeds {limit}")
+    parts: list[bytes] = []
+    received = 0
+    async for chunk in request.stream():
+        received += len(chunk)
+        if received > limit:
+            http_refused(413, "control_body_bytes")
+            raise PayloadTooLarge(f"a control request's body exceeds {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 @router.post("/v2/repository/models/{name}/load")
 async def load_model(request: Request, name: str) -> Response:
-    parameters = control_parameters(await request.body(), LOAD_PARAMETERS)
-    await plane_of(request).load_model(name, config_override(parameters))
+    plane = plane_of(request)
+    await plane.check_control(name)  # mode, drain, unknown model: before the body is read
+    parameters = control_parameters(await control_body(request), LOAD_PARAMETERS)
+    await plane.load_model(name, config_override(parameters))
     return json_response({})
 
 
 @router.post("/v2/repository/models/{name}/unload")
 async def unload_model(request: Request, name: str) -> Response:
+    plane = plane_of(request)
+    await plane.check_control(name)
     # unload_dependents is accepted as Triton's clients send it; no model depends on another.
-    control_parameters(await request.body(), UNLOAD_PARAMETERS)
-    await plane_of(request).unload_model(name)
+    control_parameters(await control_body(request), UNLOAD_PARAMETERS)
+    await plane.unload_model(name)
     return json_response({})
 
 
@@ -298,7 +323,7 @@ class RegionRegistration(BaseModel):
 async def shm_register(request: Request, name: str) -> Response:
     # tritonclient sends the JSON without a Content-Type: parsed here, not by FastAPI.
     try:
-        region = RegionRegistration.model_validate_json(await request.body())
+        region = RegionRegistration.model_validate_json(await control_body(request))
     except ValidationError as error:
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
@@ -383,15 +408,18 @@ async def infer_response(request: Request, name: str, version: str | None) -> Re
     the route's work, which ``app.frontend.server.InferFastPath`` calls without FastAPI's
     routing."""
     plane = plane_of(request)
-    await plane.check(name, version)  # 404 or 503 before the body is read
-    length = header_length(request)
-    declared = request.headers.get("content-length")
-    async with plane.body_buffer(
-        int(declared) if declared and declared.isdigit() else None, client_of(request)
-    ) as slot:
-        body = await read_body(request, slot.view if slot is not None else None)
-        work = plane.infer(name, version, body, length, slot, client_of(request))
-        answer = await unless_disconnected(request, work)
+    # Counted from its start: a drain waits for a request whose body is still arriving.
+    with plane.drain_state.in_flight():
+        await plane.check(name, version)  # 404 or 503 before the body is read
+        length = header_length(request)
+        declared = request.headers.get("content-length")
+        async with plane.body_buffer(
+            int(declared) if declared and declared.isdigit() else None, client_of(request)
+        ) as slot:
+            body = await read_body(request, slot.view if slot is not None else None)
+            began = request.scope.get(BEGAN)
+            work = plane.infer(name, version, body, length, slot, client_of(request), began)
+            answer = await unless_disconnected(request, work)
     if answer is None:
         return CLIENT_GONE
     content, headers = answer.encode()
@@ -450,16 +478,18 @@ async def classify_upload(
     request: Request, name: str | None = None, version: str | None = None, k: int | None = None
 ) -> Response:
     plane = plane_of(request)
-    if name is not None:
-        await plane.check(name, version)  # 404 or 503 before the uploads are read
-    uploads, form_k = await uploaded_images(request, plane.max_images)
-    if form_k is not None:
-        try:
-            k = int(form_k)
-        except ValueError:
-            raise BadRequest("k must be an integer") from None
-    work = plane.classify_images(name, version, uploads, k, client_of(request))
-    answer = await unless_disconnected(request, work)
+    with plane.drain_state.in_flight():  # from its start, as ``infer_response``
+        if name is not None:
+            await plane.check(name, version)  # 404 or 503 before the uploads are read
+        uploads, form_k = await uploaded_images(request, plane.max_images)
+        if form_k is not None:
+            try:
+                k = int(form_k)
+            except ValueError:
+                raise BadRequest("k must be an integer") from None
+        began = request.scope.get(BEGAN)
+        work = plane.classify_images(name, version, uploads, k, client_of(request), began)
+        answer = await unless_disconnected(request, work)
     if answer is None:
         return CLIENT_GONE
     model, answered_version, predictions = answer

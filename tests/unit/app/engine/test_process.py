@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from app import wire
-from app.channel import Sender, receive
+from app.channel import MAX_HEADER_BYTES, FrameTooLarge, Sender, receive
 from app.engine.local import LocalEngine
 from app.engine.process import EngineServer, visible_device
 from app.settings import Settings
@@ -201,3 +201,29 @@ def test_an_engine_sees_its_gpu_within_the_mask_it_inherited(
 def test_an_engine_gpu_outside_the_inherited_mask_is_refused() -> None:
     with pytest.raises(ValueError, match=r"names GPU 2, but CUDA_VISIBLE_DEVICES='4,5' shows 2"):
         visible_device(2, "4,5")
+
+
+def test_a_frame_too_large_is_refused_by_its_number_and_the_channel_keeps_serving(
+    tmp_path: Path,
+) -> None:
+    """A load whose config is 1.1 MB: the front end's ``Sender`` will not send it (413 to its
+    caller); written raw, the engine reads past it, answers its number with 413 and goes on
+    (it used to close the channel, which cost the front end its life)."""
+    lengths = struct.Struct("!II")
+    config = {"labels": ["x" * 100] * 11_000}
+    header = wire.encode_call(1, wire.Load("tiny", config))
+    assert len(header) > MAX_HEADER_BYTES
+
+    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+        with pytest.raises(FrameTooLarge) as refused:
+            Sender(writer).send(header)
+        assert refused.value.status == 413
+        writer.write(lengths.pack(len(header), 3) + header + b"abc")
+        writer.write(lengths.pack(len(state := wire.encode_call(2, wire.State())), 0) + state)
+        return await replies(reader, 2)
+
+    got = with_engine(tmp_path, talk)
+    too_large = got[1].reply
+    assert isinstance(too_large, wire.Failure) and too_large.status == 413
+    assert f"exceeds the {MAX_HEADER_BYTES} bytes" in too_large.error
+    assert isinstance(got[2].reply, wire.EngineState) and got[2].reply.alive

@@ -129,14 +129,22 @@ def test_a_deadline_spent_before_the_queue_is_a_504(tmp_path: Path) -> None:
 
 
 def test_a_draining_plane_refuses_new_requests_and_is_not_ready(tiny_repo: Path) -> None:
-    async def scenario(plane: DataPlane) -> tuple[bool, bool]:
-        plane.begin_drain()
-        with pytest.raises(Unavailable, match="shutting down"):
-            await plane.infer("tiny", None, v2_body(np.zeros((1, 4), np.float32)), None)
-        await plane.drain()
-        return plane.is_ready, plane.alive
+    """Readiness goes at once; the door closes a few turns of the loop later, and from then
+    on only a request that began before it is answered."""
 
-    assert with_plane(tiny_repo, scenario) == (False, True)
+    async def scenario(plane: DataPlane) -> tuple[str, bool, bool]:
+        body = v2_body(np.zeros((1, 4), np.float32))
+        began = time.monotonic()
+        plane.begin_drain()
+        assert not plane.is_ready
+        await plane.drain_state.door_closed()
+        with pytest.raises(Unavailable, match="shutting down"):
+            await plane.infer("tiny", None, body, None)
+        answered = await plane.infer("tiny", None, body, None, began=began)
+        await plane.drain()
+        return answered.model, plane.is_ready, plane.alive
+
+    assert with_plane(tiny_repo, scenario) == ("tiny", False, True)
 
 
 @pytest.mark.parametrize(
