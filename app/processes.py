@@ -31,7 +31,7 @@ from types import FrameType
 from fastapi import FastAPI
 
 from app.child import profiled, supervised
-from app.frontend.http_limits import guarded
+from app.frontend.http_limits import guarded, unread
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,11 @@ def run_server(
                 return
             # A signal handler: only plain attributes here; the waiting starts on the loop.
             self.drain_requested = True
-            plane.begin_drain()
+            plane.begin_drain(self.unread_bytes)
+
+        def unread_bytes(self) -> bool:
+            listeners = [sock for server in self.servers for sock in server.sockets]
+            return unread(listeners, self.server_state.connections)
 
         async def on_tick(self, counter: int) -> bool:
             if self.drain_requested and self.drain is None:

@@ -34,8 +34,9 @@ Idle kept-alive connections close after ``server.keep_alive_s`` (uvicorn's own t
 from __future__ import annotations
 
 import asyncio
+import select
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
@@ -316,3 +317,20 @@ def guarded(limits: LimitSettings, saturation: Saturation | None = None) -> type
     is noted in ``saturation``."""
     admitted = Admitted(saturation)
     return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": admitted})
+
+
+def unread(listeners: Iterable[Any], connections: Iterable[Any]) -> bool:
+    """Whether the kernel holds what this process has not read yet: a connection waiting on
+    one of ``listeners`` to be accepted, or bytes on one of ``connections`` (protocols with a
+    ``transport``). A drain's door waits for them (``DataPlane.begin_drain``)."""
+    poller = select.poll()
+    for sock in listeners:
+        poller.register(sock.fileno(), select.POLLIN)
+    for protocol in connections:
+        transport = getattr(protocol, "transport", None)
+        if transport is None or transport.is_closing():
+            continue
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.fileno() >= 0:
+            poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))

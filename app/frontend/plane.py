@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
@@ -47,9 +47,13 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 DOOR_TURNS = 4
-"""Turns of the event loop between a drain's start and its door closing: in the first, the
-connections that were readable are read and the pending ones accepted; a new connection's
-reader is added in the next, and its bytes read in the one after."""
+"""Turns of the event loop in a row that find nothing unread before a drain's door closes:
+a connection accepted in one turn has its reader added in the next and is read after."""
+DOOR_WAIT_S = 0.001
+"""How long a drain's door waits before looking again while the kernel holds unread bytes."""
+DOOR_MAX_S = 1.0
+"""The longest a drain's door stays open: connections whose reading is paused (a body
+waiting for the application) stay readable, and a flood must not hold it open."""
 
 
 class DataPlane:
@@ -76,12 +80,16 @@ class DataPlane:
     def draining(self) -> bool:
         return self.drain_state.draining
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, unread: Callable[[], bool] | None = None) -> None:
         """From now on readiness is false and the drain timeout runs; new requests get 503
-        once this process has read what its sockets held at the call, ``DOOR_TURNS`` turns
-        of its event loop later (``_close_door``): a request whose bytes arrived before a
-        SIGTERM is answered. A signal handler may call it: it sets plain attributes and
-        schedules the rest with ``call_soon_threadsafe``."""
+        once this process has read what had arrived at the call (``_close_door``): a
+        request whose bytes arrived before a SIGTERM is answered. ``unread``: whether the
+        kernel still holds connections or bytes this process has not read. A signal handler
+        may call it: it sets plain attributes and schedules the rest with
+        ``call_soon_threadsafe``. Once begun, a drain is not begun again: its door keeps
+        the watch it was given."""
+        if self.drain_state.draining:
+            return
         self.drain_state.begin()
         self.client.begin_drain()
         try:
@@ -89,13 +97,24 @@ class DataPlane:
         except RuntimeError:  # no loop to read anything more: shut at once
             self.drain_state.close()
             return
-        loop.call_soon_threadsafe(self._close_door, DOOR_TURNS)
+        until = time.monotonic() + DOOR_MAX_S
+        loop.call_soon_threadsafe(self._close_door, 0, unread, until)
 
-    def _close_door(self, turns: int) -> None:
-        if turns:
-            asyncio.get_running_loop().call_soon(self._close_door, turns - 1)
-        else:
-            self.drain_state.close()
+    def _close_door(self, quiet: int, unread: Callable[[], bool] | None, until: float) -> None:
+        """Close the drain's door after ``DOOR_TURNS`` turns of the loop in a row that found
+        nothing unread (a connection is accepted in one turn, read in a later one), or
+        ``DOOR_MAX_S`` after its start, whichever comes first."""
+        if self.drain_state.closed_at is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if unread is not None and unread():
+            if time.monotonic() < until:
+                loop.call_later(DOOR_WAIT_S, self._close_door, 0, unread, until)
+                return
+        elif quiet + 1 < DOOR_TURNS:
+            loop.call_soon(self._close_door, quiet + 1, unread, until)
+            return
+        self.drain_state.close()
 
     def drain_time_left(self) -> float:
         return self.drain_state.time_left()
