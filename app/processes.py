@@ -54,9 +54,10 @@ def run_server(
 ) -> int:
     """uvicorn with a drain before its own shutdown, serving ``make_app(on_fatal)``.
 
-    On the first SIGTERM (or SIGINT) the plane starts draining at once: readiness answers 503
-    and new inference requests get 503, on new and on kept-alive connections alike, because
-    the listener stays open; accepted requests run to their answer until
+    On the first SIGTERM (or SIGINT) the plane starts draining at once: readiness answers 503;
+    once the process has read what the kernel held for it at the signal (``unread``), new
+    inference requests get 503, on new and on kept-alive connections alike, because the
+    listener stays open; requests that arrived before run to their answer until
     ``server.drain_timeout_s``. Only then does uvicorn close the listener and the connections
     and run the lifespan shutdown. A second signal skips the rest of the drain.
     """

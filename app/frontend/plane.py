@@ -107,7 +107,11 @@ class DataPlane:
         if self.drain_state.closed_at is not None:
             return
         loop = asyncio.get_running_loop()
-        if unread is not None and unread():
+        try:
+            waiting = unread is not None and unread()
+        except (OSError, ValueError):  # a socket closing under the poll: nothing to wait for
+            waiting = False
+        if waiting:
             if time.monotonic() < until:
                 loop.call_later(DOOR_WAIT_S, self._close_door, 0, unread, until)
                 return
