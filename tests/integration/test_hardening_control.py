@@ -266,7 +266,7 @@ def test_a_load_body_past_what_a_control_call_carries_costs_no_front_end(fronts:
             stop = asyncio.Event()
 
             async def infers() -> list[int]:
-                statuses = []
+                statuses: list[int] = []
                 while not stop.is_set() or len(statuses) < 20:
                     response = await client.post("/v2/models/tiny/infer", content=INFER)
                     statuses.append(response.status_code)
