@@ -7,8 +7,9 @@ GPU of ``server.engine_gpus``) and N front-end processes that accept on that one
 (``app.frontend.remote``), and restarts a front end that dies. With one engine, it stops everything
 (exit 1) if the engine dies, which the orchestrator then restarts; with several, it restarts
 the one that died while the others serve. SIGTERM drains every process: the front ends stop
-taking requests and wait for theirs, the engines answer what they accepted within
-``server.drain_timeout_s``, and the supervisor exits 0 once all have.
+taking requests once they have read what arrived before it, and wait for theirs; the engines
+take what the front ends accepted until they hang up and answer it within
+``server.drain_timeout_s``; the supervisor exits 0 once all have.
 """
 
 from __future__ import annotations
