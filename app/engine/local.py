@@ -40,7 +40,7 @@ from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
 from app.engine.uploads import classify_uploads
 from app.engine.watch import watch
-from app.errors import BadRequest, Reloaded, StokerError
+from app.errors import BadRequest, Forbidden, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
 from engines.spec import TensorSpec
@@ -71,6 +71,8 @@ class LocalEngine:
         self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
         self.drain_state = Drain(settings.server.drain_timeout_s)
+        self._keyed = bool(settings.auth.keys())
+        """API keys are set: the front ends let only key holders reach model control."""
         self.failed: BaseException | None = None
         """Why loading failed, in an engine process (``app.child.watch_loading``)."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -238,6 +240,13 @@ class LocalEngine:
             raise BadRequest(
                 "explicit model load / unload is not allowed in poll mode (models.control "
                 "is poll: changes to the repository's files load and unload models)"
+            )
+        if not self._keyed and not self.settings.models.control_without_keys:
+            # A load reads the server's files and builds engines: Triton, too, keeps model
+            # control to its operators.
+            raise Forbidden(
+                "model control needs API keys (auth.api_keys or auth.api_keys_file); to "
+                "allow it without keys, set STOKER_MODELS__CONTROL_WITHOUT_KEYS=true"
             )
         if self.drain_state.draining:
             raise draining()
