@@ -223,7 +223,7 @@ class LocalEngine:
         return [m.metrics.statistics() for m in models]
 
     async def repository_index(self) -> list[dict[str, str]]:
-        return self.models.index()
+        return await self.models.index()
 
     # -- model control --------------------------------------------------------------------
 

@@ -129,9 +129,11 @@ class Registry:
             f"; NOT served: {', '.join(refused_all)} (see above)" if refused_all else "",
         )
 
-    def _refuse(self, model: str, version: str, error: Exception, startup: bool) -> str:
-        """Record a version that will not be served, once; the reason its 503s give. At
-        startup, re-raise where ``models.exit_on_error`` wants the server to stop."""
+    def _refuse(self, entry: ModelEntry, version: str, error: Exception, startup: bool) -> str:
+        """Record a version that will not be served, once; the reason its 503s give (the
+        log names the model's folder, the reason does not). At startup, re-raise where
+        ``models.exit_on_error`` wants the server to stop."""
+        model = entry.config.name
         if startup and self.settings.models.exit_on_error:
             raise error
         accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
@@ -139,9 +141,10 @@ class Registry:
         public = self._without_paths(reason)
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
-            "model %s version %s is NOT served (%s): %s",
+            "model %s version %s (from %s) is NOT served (%s): %s",
             model,
             version,
+            entry.folder,
             "accuracy budget" if accuracy_refusal else "load failed",
             reason,
             # A missing file says it all; anything else may need its traceback.
@@ -179,7 +182,7 @@ class Registry:
         except Exception as error:
             # What every version needs (the ONNX file, its spec) is missing.
             for precision in config.precisions:
-                refused[precision] = self._refuse(config.name, precision, error, startup)
+                refused[precision] = self._refuse(entry, precision, error, startup)
             return {}, refused
         versions: dict[str, LoadedModel] = {}
         try:
@@ -199,7 +202,7 @@ class Registry:
                 except (FatalEngineError, BuildCancelled):
                     raise
                 except Exception as error:
-                    refused[precision] = self._refuse(config.name, precision, error, startup)
+                    refused[precision] = self._refuse(entry, precision, error, startup)
         except BaseException:
             # Cancelled (shutdown mid-load), fatal, or exit_on_error: what loaded is closed.
             for loaded in versions.values():
