@@ -141,11 +141,11 @@ class Registry:
         public = self._without_paths(reason)
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
-            "model %s version %s (from %s) is NOT served (%s): %s",
+            "model %s version %s is NOT served (%s, from %s): %s",
             model,
             version,
-            entry.folder,
             "accuracy budget" if accuracy_refusal else "load failed",
+            entry.folder,
             reason,
             # A missing file says it all; anything else may need its traceback.
             exc_info=None if isinstance(error, AccuracyBudgetExceeded | OSError) else error,
@@ -493,8 +493,8 @@ class Registry:
         for name, known in self._known.items():
             index.extend(index_items(name, known))
         if self.controlled:
-            known = set(self._known)
-            index.extend(await asyncio.to_thread(not_loaded, self.settings.models, known))
+            names = set(self._known)
+            index.extend(await asyncio.to_thread(not_loaded, self.settings.models, names))
         return index
 
     def default(self, name: str | None) -> LoadedModel:

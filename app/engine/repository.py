@@ -240,7 +240,7 @@ def inside(folder: Path, relative: str, field: str) -> Path:
     return path
 
 
-class _NoAliases(yaml.SafeLoader):
+class _NoAliases(yaml.SafeLoader):  # type: ignore[misc]
     """YAML without anchors' aliases: a few kilobytes of nested aliases expand to billions of
     values for whatever walks them (pydantic does), and no model config needs one."""
 
@@ -294,15 +294,19 @@ def parse_config(
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
+        found = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
             for err in exc.errors()
         )
-        raise ConfigError(f"{where}: {client_text(problems, 600)}") from None
+        raise ConfigError(f"{where}: {client_text(found, 600)}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply") from None
     problems = out_of_bounds(config, rules.bounds)
-    if config.handler not in (None, IMAGE_CLASSIFIER, NO_HANDLER, *rules.handlers):
+    if config.handler is not None and config.handler not in (
+        IMAGE_CLASSIFIER,
+        NO_HANDLER,
+        *rules.handlers,
+    ):
         problems.append(
             f"handler: '{client_text(config.handler)}' is not allowed: give {IMAGE_CLASSIFIER} "
             f"or {NO_HANDLER}, or a package.module:Class that models.handlers lists"

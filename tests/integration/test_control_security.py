@@ -381,9 +381,9 @@ def test_without_keys_model_control_is_refused_naming_the_setting(
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     try:
         for call in (client.load_model, client.unload_model):
-            with pytest.raises(InferenceServerException, match="CONTROL_WITHOUT_KEYS") as refused:
+            with pytest.raises(InferenceServerException, match="CONTROL_WITHOUT_KEYS") as denied:
                 call("other")
-            assert refused.value.status() == "StatusCode.PERMISSION_DENIED"
+            assert denied.value.status() == "StatusCode.PERMISSION_DENIED"
     finally:
         client.close()
     assert httpx.get(f"{server.url}/v2/models/tiny/ready").status_code == 200
