@@ -258,10 +258,12 @@ class ModelRepositorySettings(BaseModel):
     """How the model set changes while serving (Triton's ``--model-control-mode``). ``none``:
     fixed at start; ``POST /v2/repository/models/<m>/load`` and ``/unload`` are refused.
     ``explicit``: those endpoints (and gRPC's RepositoryModelLoad/Unload) load, reload and
-    unload models; ``startup`` says what loads at start. ``poll``: the repository is
-    checked every ``poll_s``, and a model whose config.yaml or files changed is reloaded, a
-    new folder loaded, a removed one unloaded; the endpoints are refused, as in Triton. A
-    reload warms the new version beside the old one, which costs both in memory meanwhile."""
+    unload models, for key holders (``auth``; without keys only where
+    ``control_without_keys`` says so); ``startup`` says what loads at start. ``poll``: the
+    repository is checked every ``poll_s``, and a model whose config.yaml or files changed
+    is reloaded, a new folder loaded, a removed one unloaded and forgotten (404); the
+    endpoints are refused, as in Triton. A reload warms the new version beside the old one,
+    which costs both in memory meanwhile."""
     startup: list[str] | None = None
     """Explicit mode: the models loaded at start (folder names). Unset: those the other
     modes load (``models``, else every model whose config autoloads); empty: none, the

@@ -41,6 +41,7 @@ from app.engine.repository import (
     triton_layout,
     valid_name,
     version_folders,
+    without_paths,
 )
 from app.errors import BadRequest, NotFound, Unavailable, client_text
 from app.metrics import model_available, model_unavailable
@@ -138,7 +139,9 @@ class Registry:
             raise error
         accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
         reason = str(error) if accuracy_refusal else f"{type(error).__name__}: {error}"
-        public = self._without_paths(reason)
+        public = without_paths(
+            reason, {self.settings.models.repository: "", self.settings.store.path: "<store>/"}
+        )
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
             "model %s version %s is NOT served (%s, from %s): %s",
@@ -153,18 +156,6 @@ class Registry:
         # Clients get a bounded reason (a backend's message can be long) without the server's
         # paths; the log, all of it.
         return client_text(public, 600)
-
-    def _without_paths(self, text: str) -> str:
-        """``text`` with the repository's and the engine store's paths cut out, so a model's
-        files are named as ``<model>/<file>`` and the store as ``<engine store>``."""
-        settings = self.settings
-        for root, shown in (
-            (settings.models.repository, ""),
-            (settings.store.path, "<engine store>/"),
-        ):
-            for form in {str(root.resolve()), str(root.absolute()), str(root)}:
-                text = text.replace(form.rstrip("/") + "/", shown)
-        return text
 
     async def _load(
         self, entry: ModelEntry, previous: dict[str, LoadedModel], startup: bool = False

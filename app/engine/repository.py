@@ -92,7 +92,8 @@ class ModelConfig(BaseModel):
     name: str = ""
     """Served name; defaults to the folder name."""
     onnx: str = "model.onnx"
-    """The FP32 ONNX source, relative to the model folder."""
+    """The FP32 ONNX source, relative to the model folder (and inside it: no absolute path,
+    ``..`` or symlink out of it)."""
     autoload: bool = True
     """Load when the server is not told which models to serve. Off for benchmark-only
     models, which are loaded by naming them."""
@@ -131,7 +132,8 @@ class ModelConfig(BaseModel):
     outputs: list[TensorSpec] | None = None
     """Overrides the outputs read from the ONNX file."""
     labels: str | None = None
-    """A text file with one class label per line, relative to the model folder."""
+    """A text file with one class label per line, relative to the model folder (and inside
+    it)."""
     preprocess: ImagePreprocess | None = None
     """How ``/infer`` turns an uploaded image into one input row; None: no image uploads.
     Also what INT8 calibration runs its images through."""
@@ -139,8 +141,8 @@ class ModelConfig(BaseModel):
     """How the image classifier turns the first output into probabilities."""
     handler: str | None = None
     """What ``POST /infer`` does with uploads (``app.engine.handlers``): ``image-classifier``,
-    ``none`` (V2 tensors only) or ``package.module:Class``; unset: the image classifier when
-    ``preprocess`` is given, else none."""
+    ``none`` (V2 tensors only) or a ``package.module:Class`` that ``models.handlers`` lists;
+    unset: the image classifier when ``preprocess`` is given, else none."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -408,6 +410,16 @@ def triton_layout(name: str, folders: list[str], onnx: str = "model.onnx") -> st
         f"<precision>, listed in its config.yaml's precisions), so put the ONNX file at "
         f"{onnx} in the model's folder, beside its config.yaml"
     )
+
+
+def without_paths(text: str, roots: dict[Path, str]) -> str:
+    """``text`` with each of ``roots`` (in every spelling: as given, absolute, resolved)
+    replaced by what it maps to: a model's file named as ``<model>/<file>``, not by the
+    server's path."""
+    for root, shown in roots.items():
+        for form in {str(root.resolve()), str(root.absolute()), str(root)}:
+            text = text.replace(form.rstrip("/") + "/", shown)
+    return text
 
 
 def check_folder(repository: Path, folder: Path) -> None:
