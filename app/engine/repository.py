@@ -13,6 +13,7 @@ its handler is a built-in one or one ``models.handlers`` allows, and its numbers
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -359,10 +360,32 @@ def out_of_bounds(config: ModelConfig, bounds: ConfigBounds) -> list[str]:
             "max_samples",
         ),
     ]
+    rows = max(1, config.max_batch_size)
+    declared = [("inputs", t) for t in config.inputs or ()]
+    declared += [("outputs", t) for t in config.outputs or ()]
+    for field, tensor in declared:
+        row = math.prod(max(1, d) for d in tensor.shape) * tensor.dtype.itemsize
+        asked.append(
+            (
+                f"{field} '{client_text(tensor.name)}': bytes of a max batch",
+                rows * row,
+                bounds.max_batch_bytes,
+                "max_batch_bytes",
+            )
+        )
     if config.preprocess is not None:
         prep, side = config.preprocess, bounds.max_image_side
         asked.append(("preprocess.resize_shorter", prep.resize_shorter, side, "max_image_side"))
         asked.append(("preprocess.crop", prep.crop, side, "max_image_side"))
+        row = math.prod(prep.row_shape()) * 4
+        asked.append(
+            (
+                "preprocess: bytes of a max batch",
+                rows * row,
+                bounds.max_batch_bytes,
+                "max_batch_bytes",
+            )
+        )
     return [
         f"{field}: {value} is more than {limit} (models.bounds.{setting})"
         for field, value, limit, setting in asked

@@ -145,6 +145,25 @@ BOUNDS = [
         "max_image_side",
     ),
     ({"preprocess": {"crop": 1024}}, {"preprocess": {"crop": 1025}}, "max_image_side"),
+    # A max batch of a declared tensor, or of the preprocessing's rows (as FP32), within 1 GiB.
+    (
+        {"max_batch_size": 256, "inputs": [{"name": "x", "datatype": "FP32", "shape": [2**20]}]},
+        {
+            "max_batch_size": 256,
+            "inputs": [{"name": "x", "datatype": "FP32", "shape": [2**20 + 1]}],
+        },
+        "max_batch_bytes",
+    ),
+    (
+        {"outputs": [{"name": "y", "datatype": "UINT8", "shape": [-1, 2**30]}]},
+        {"outputs": [{"name": "y", "datatype": "FP64", "shape": [1000, 1000, 1000]}]},
+        "max_batch_bytes",
+    ),
+    (
+        {"max_batch_size": 256, "preprocess": {"resize_shorter": 512, "crop": 512}},
+        {"max_batch_size": 256, "preprocess": {"resize_shorter": 1024, "crop": 1024}},
+        "max_batch_bytes",
+    ),
     (
         {"dynamic_batching": {"max_queue_size": 65536}},
         {"dynamic_batching": {"max_queue_size": 65537}},
@@ -172,7 +191,7 @@ def test_numbers_are_bounded_by_settings(
     message = refused(folder, past)
     assert f"(models.bounds.{setting})" in message and message.startswith("the config: ")
     # The operator may raise a bound.
-    raised = ModelRepositorySettings(bounds={setting: 10**9})  # type: ignore[arg-type]
+    raised = ModelRepositorySettings(bounds={setting: 10**12})  # type: ignore[arg-type]
     parse_config(folder, past, "the config", raised)
 
 
