@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import BadRequest, StokerError, Unavailable, client_text
+from app.errors import BadRequest, Forbidden, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
+from app.settings import ModelRepositorySettings
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
@@ -32,18 +33,26 @@ def draining() -> Unavailable:
     return Unavailable("server is shutting down; retry on another replica")
 
 
-def control_refusal(mode: str) -> BadRequest | None:
-    """What a model load or unload gets where ``models.control`` is ``mode`` (None: taken):
-    the data plane refuses with it before reading the body, the engine again on arrival."""
-    if mode == "none":
+def control_refusal(models: ModelRepositorySettings, keyed: bool) -> StokerError | None:
+    """What a model load or unload gets under ``models`` (its ``control`` mode and
+    ``control_without_keys``) on a server with API keys or not (``keyed``); None: taken. The
+    data plane refuses with it before reading the body, the engine again on arrival."""
+    if models.control == "none":
         return BadRequest(
             "model control is off (models.control is none: the models are fixed at "
             "start); set STOKER_MODELS__CONTROL=explicit to load and unload models"
         )
-    if mode == "poll":
+    if models.control == "poll":
         return BadRequest(
             "explicit model load / unload is not allowed in poll mode (models.control "
             "is poll: changes to the repository's files load and unload models)"
+        )
+    if not keyed and not models.control_without_keys:
+        # A load reads the server's files and builds engines: Triton, too, keeps model
+        # control to its operators.
+        return Forbidden(
+            "model control needs API keys (auth.api_keys or auth.api_keys_file); to "
+            "allow it without keys, set STOKER_MODELS__CONTROL_WITHOUT_KEYS=true"
         )
     return None
 

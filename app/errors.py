@@ -24,6 +24,11 @@ class BadRequest(StokerError):
     reason = "invalid"
 
 
+class Forbidden(StokerError):
+    status = 403
+    reason = "forbidden"
+
+
 class NotFound(StokerError):
     status = 404
     reason = "not_found"

@@ -161,6 +161,41 @@ class ServerSettings(BaseModel):
     browser opens could otherwise register shared memory or run inferences here."""
 
 
+class ConfigBounds(BaseModel):
+    """The most any model config may ask for (config.yaml or a load's ``parameters.config``):
+    a config past one is refused with 400 naming the field and the setting."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    max_batch_size: int = Field(default=256, gt=0)
+    """Largest ``max_batch_size``. Each runner holds buffers for a whole max batch: ResNet-50
+    at 256 takes 154 MB of input per runner (FP32); EfficientNet-Lite0 on ONNX Runtime
+    took +1.4 GB at 128. 256 is what the GPU benchmarks run (``scripts/gpu_repo.py``)."""
+    max_runners_per_device: int = Field(default=8, gt=0)
+    """Most runners of one model per device (the CPU, or each GPU of its ``gpus``): twice the
+    4 per GPU measured best on an H200 (BENCHMARKS.md, "Runners per GPU"). Each runner holds
+    its own buffers and, on ONNX Runtime, its own session: 8 of EfficientNet-Lite0 took
+    +2.4 GB."""
+    max_image_side: int = Field(default=1024, gt=0)
+    """Largest ``preprocess.resize_shorter`` and ``preprocess.crop``. An upload is resized
+    before it is cropped, so its cost grows with the square of the side and with the aspect
+    ratio (``limits.max_image_aspect_ratio``): 256 costs at most 6 MB an upload, 1024 at most
+    100 MB, 8000 about 1 GB."""
+    max_batch_bytes: int = Field(default=1024**3, gt=0)
+    """Largest max batch (``max_batch_size`` rows, at least one) of any tensor the config
+    declares (``inputs``, ``outputs``; a dynamic dimension counted as 1) or its preprocessing
+    makes (as FP32): each runner holds a batch of each. ResNet-50's input at 256 rows takes
+    154 MB; a declared row of 10^9 elements would have taken 4 GB a row."""
+    max_queue_size: int = Field(default=65536, gt=0)
+    """Largest ``dynamic_batching.max_queue_size`` (requests waiting per version)."""
+    max_priority_levels: int = Field(default=16, gt=0)
+    """Largest ``dynamic_batching.priority_levels``; each level is a queue of its own."""
+    max_samples: int = Field(default=10_000, gt=0)
+    """Most rows INT8 calibration and the accuracy gate may take together (``int8.samples``
+    plus ``accuracy.evaluation_samples``), each held in memory for the build: 10,000 rows of
+    224x224 FP32 take 6 GB."""
+
+
 class ModelRepositorySettings(BaseModel):
     model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
 
@@ -228,10 +263,12 @@ class ModelRepositorySettings(BaseModel):
     """How the model set changes while serving (Triton's ``--model-control-mode``). ``none``:
     fixed at start; ``POST /v2/repository/models/<m>/load`` and ``/unload`` are refused.
     ``explicit``: those endpoints (and gRPC's RepositoryModelLoad/Unload) load, reload and
-    unload models; ``startup`` says what loads at start. ``poll``: the repository is
-    checked every ``poll_s``, and a model whose config.yaml or files changed is reloaded, a
-    new folder loaded, a removed one unloaded; the endpoints are refused, as in Triton. A
-    reload warms the new version beside the old one, which costs both in memory meanwhile."""
+    unload models, for key holders (``auth``; without keys only where
+    ``control_without_keys`` says so); ``startup`` says what loads at start. ``poll``: the
+    repository is checked every ``poll_s``, and a model whose config.yaml or files changed
+    is reloaded, a new folder loaded, a removed one unloaded and forgotten (404); the
+    endpoints are refused, as in Triton. A reload warms the new version beside the old one,
+    which costs both in memory meanwhile."""
     startup: list[str] | None = None
     """Explicit mode: the models loaded at start (folder names). Unset: those the other
     modes load (``models``, else every model whose config autoloads); empty: none, the
@@ -239,6 +276,23 @@ class ModelRepositorySettings(BaseModel):
     poll_s: float = Field(default=5.0, gt=0)
     """Poll mode: seconds between looks at the repository's files (modification times and
     sizes, not contents). Shorter picks a change up sooner at the cost of a stat per file."""
+    control_without_keys: bool = False
+    """Take model control (load and unload over HTTP and gRPC, explicit mode) from anyone
+    when no API keys are set. Off (the default): without keys those calls are refused with
+    403, since a load reads files and builds engines on the server, and Triton too keeps
+    model control to its operators. On suits a private network or a sidecar that
+    authenticates; with keys set, model control takes a key like every model endpoint."""
+    handlers: list[str] = Field(default_factory=list)
+    """``package.module:Class`` handlers a model config (config.yaml, or a load's
+    ``parameters.config``) may name, beside the built-in ``image-classifier`` and ``none``.
+    Empty (the default): only those two; a handler is code the server imports and runs, so
+    only the operator decides which."""
+    max_config_bytes: int = Field(default=64 * 1024, gt=0)
+    """Largest config.yaml; a larger one is refused unread. The bundled configs take 3 KB;
+    parsing YAML costs about 300 bytes of memory and 10 us per byte of input."""
+    bounds: ConfigBounds = Field(default_factory=ConfigBounds)
+    """The most a model config may ask for, so that no config (least of all one sent with a
+    load) takes the server's memory or CPU."""
 
 
 class StoreSettings(BaseModel):

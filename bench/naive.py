@@ -55,7 +55,7 @@ class Model:
 def load(repository: Path, name: str, backend: str | None) -> Model:
     """The model as Stoker loads it (``app.engine.models``), with one runner and no batcher."""
     settings = Settings()
-    entry = discover(repository, [name])[0]
+    entry = discover(repository, [name], settings.models)[0]
     model = models.source(entry)
     chosen = backends.resolve(backend or entry.config.backend)
     store = EngineStore(settings.store.path)
@@ -65,7 +65,7 @@ def load(repository: Path, name: str, backend: str | None) -> Model:
     labels = entry.labels()
     metrics = ModelMetrics(f"naive-{entry.config.name}", precision)
     context = models.handler_context(model, labels, settings, metrics, policy)
-    uploads = handler_for(entry.config.handler, context)
+    uploads = handler_for(entry.config.handler, context, settings.models.handlers)
     runner = engine.new_runner()
     return Model(
         model.spec, runner, ThreadPoolExecutor(1, "naive"), labels, policy, uploads, settings

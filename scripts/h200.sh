@@ -143,7 +143,9 @@ if has service; then
         export STOKER_PROFILE_DIR=$OUT/profile
     fi
     if [ "${UNLOAD:-0}" = 1 ]; then
-        export STOKER_MODELS__CONTROL=explicit STOKER_MODELS__STARTUP='["resnet50"]'
+        # Model control needs keys or this setting: this box is private.
+        export STOKER_MODELS__CONTROL=explicit STOKER_MODELS__STARTUP='["resnet50"]' \
+            STOKER_MODELS__CONTROL_WITHOUT_KEYS=true
     fi
     STOKER_MODELS__BACKEND=${BACKEND:-torch} timeout 580 python3 -m app serve \
         --repository "$repo" --model resnet50 --port $port --front-ends "${FRONT_ENDS:-1}" \

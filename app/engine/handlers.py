@@ -9,21 +9,24 @@ through the model's batcher and hands the outputs to ``encode``.
 A model picks its handler with ``handler:`` in its config: ``image-classifier`` (the default
 when the config has ``preprocess``: images decoded, resized and cropped, softmax, top-k
 labels), ``none`` (tensors only), or ``package.module:Class`` for a class of your own,
-constructed with the ``HandlerContext`` and implementing ``Handler``.
+constructed with the ``HandlerContext`` and implementing ``Handler``, which the operator
+lists in ``models.handlers``: a handler is code the server imports, and a config may come
+with a load request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from app.engine import images
-from app.errors import BadRequest
+from app.engine.repository import IMAGE_CLASSIFIER, NO_HANDLER
+from app.errors import BadRequest, client_text
 from app.image_header import read_header
 from app.image_pixels import upload_row
 from app.metrics import ModelMetrics
@@ -31,9 +34,6 @@ from app.settings import LimitSettings
 from engines.precision import accuracy
 from engines.preprocess import ImagePreprocess, normalize
 from engines.spec import ModelSpec
-
-IMAGE_CLASSIFIER = "image-classifier"
-NO_HANDLER = "none"
 
 
 class Handler(Protocol):
@@ -238,9 +238,12 @@ class ImageClassifier:
             await self._context.decoder.close()
 
 
-def handler_for(choice: str | None, context: HandlerContext) -> Handler | None:
-    """The model's handler: the named one, a ``module:Class`` of the user's, or by default
-    the image classifier for a model with preprocessing and none for the rest."""
+def handler_for(
+    choice: str | None, context: HandlerContext, allowed: Collection[str] = ()
+) -> Handler | None:
+    """The model's handler: the named one, a ``module:Class`` of the user's that ``allowed``
+    (``models.handlers``) lists, or by default the image classifier for a model with
+    preprocessing and none for the rest. Nothing is imported that ``allowed`` does not list."""
     if choice is None:
         choice = IMAGE_CLASSIFIER if context.preprocess is not None else NO_HANDLER
     if choice == NO_HANDLER:
@@ -248,9 +251,10 @@ def handler_for(choice: str | None, context: HandlerContext) -> Handler | None:
     if choice == IMAGE_CLASSIFIER:
         return ImageClassifier(context)
     module_name, _, class_name = choice.partition(":")
-    if not class_name:
+    if choice not in allowed or not class_name:
         raise ValueError(
-            f"handler {choice!r}: give {IMAGE_CLASSIFIER}, {NO_HANDLER} or package.module:Class"
+            f"handler '{client_text(choice)}': give {IMAGE_CLASSIFIER}, {NO_HANDLER} or a "
+            "package.module:Class that models.handlers lists"
         )
     made: Handler = getattr(importlib.import_module(module_name), class_name)(context)
     return made

@@ -9,11 +9,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from app.engine.models import LoadedModel
-from app.engine.repository import ConfigError, Files, ModelEntry, load_config
+from app.engine.repository import (
+    ConfigError,
+    Files,
+    ModelEntry,
+    check_folder,
+    load_config,
+    triton_layout,
+    version_folders,
+)
 from app.errors import NotFound, Unavailable, client_text
+from app.settings import ModelRepositorySettings
 
 # A model's state, as the repository index names it.
 READY = "READY"
@@ -76,16 +84,24 @@ def index_items(name: str, known: Known) -> list[dict[str, str]]:
     return items
 
 
-def not_loaded(repository: Path, known: Container[str]) -> list[dict[str, str]]:
+def not_loaded(rules: ModelRepositorySettings, known: Container[str]) -> list[dict[str, str]]:
     """The index entries of the repository's models not in ``known``: UNAVAILABLE, not
-    loaded (with why, where the config does not parse)."""
+    loaded (with why, where the config does not parse, or where a folder without a
+    config.yaml is laid out as Triton's). Blocking: it reads every such folder."""
     items = []
-    for path in sorted(repository.glob("*/config.yaml")):
-        name = path.parent.name
-        if name in known or name.startswith("."):
+    for folder in sorted(rules.repository.iterdir() if rules.repository.is_dir() else ()):
+        name = folder.name
+        if name in known or name.startswith(".") or not folder.is_dir():
+            continue
+        if not (folder / "config.yaml").is_file():
+            found = version_folders(folder)
+            if found:
+                reason = f"not loaded: {triton_layout(name, found)}"
+                items.append({"name": name, "version": "", "state": UNAVAILABLE, "reason": reason})
             continue
         try:
-            versions = load_config(path.parent).config.precisions
+            check_folder(rules.repository, folder)
+            versions = load_config(folder, rules).config.precisions
             reason = "not loaded"
         except ConfigError as error:
             versions, reason = [""], f"not loaded: {error}"

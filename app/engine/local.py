@@ -72,6 +72,8 @@ class LocalEngine:
         self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
         self.drain_state = Drain(settings.server.drain_timeout_s)
+        self._keyed = bool(settings.auth.keys())
+        """API keys are set: the front ends let only key holders reach model control."""
         self.failed: BaseException | None = None
         """Why loading failed, in an engine process (``app.child.watch_loading``)."""
         self._tasks: set[asyncio.Task[None]] = set()
@@ -225,14 +227,14 @@ class LocalEngine:
         return [m.metrics.statistics() for m in models]
 
     async def repository_index(self) -> list[dict[str, str]]:
-        return self.models.index()
+        return await self.models.index()
 
     # -- model control --------------------------------------------------------------------
 
     def _controllable(self) -> None:
         """Refuse a load or unload the mode does not take, or one that comes while the
         server drains."""
-        refused = control_refusal(self.settings.models.control)
+        refused = control_refusal(self.settings.models, self._keyed)
         if refused is not None:
             raise refused
         if self.drain_state.draining:

@@ -35,7 +35,7 @@ from app.engine.batcher import Batcher
 from app.engine.decoders import decode_queue, describe_decoding, gpu_decoders
 from app.engine.handlers import Handler, HandlerContext, RowsHandler, handler_for
 from app.engine.pool import RunnerPool
-from app.engine.repository import DynamicBatching, ModelEntry
+from app.engine.repository import DynamicBatching, ModelEntry, triton_layout, version_folders
 from app.errors import BadRequest, Reloaded, client_text
 from app.metrics import ModelMetrics
 from app.settings import Settings
@@ -107,7 +107,12 @@ def source(entry: ModelEntry, prepare_missing: bool = True) -> ModelSource:
     config = entry.config
     if not entry.onnx_path.exists():
         if config.generator is None or not prepare_missing:
-            raise FileNotFoundError(f"model {config.name!r}: {entry.onnx_path} does not exist")
+            found = version_folders(entry.folder)
+            if found:
+                raise FileNotFoundError(triton_layout(config.name, found, config.onnx))
+            raise FileNotFoundError(
+                f"model {config.name!r}: {config.onnx} does not exist in its folder"
+            )
         log.info(
             "model %s: generating %s with zoo.%s", config.name, entry.onnx_path, config.generator
         )
@@ -431,7 +436,7 @@ async def load(
         decoders = await asyncio.to_thread(gpu_decoders, entry, backend, settings)
         decoder = decode_queue(config.name, decoders, settings, metrics)
         context = handler_context(model, labels, settings, metrics, policy, decoder)
-        handler = handler_for(config.handler, context)
+        handler = handler_for(config.handler, context, settings.models.handlers)
     except BaseException:
         if decoder is not None:
             await decoder.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from app.engine.index import (
     LOADING,
@@ -32,11 +32,16 @@ from app.engine.repository import (
     ConfigError,
     Files,
     ModelEntry,
+    check_folder,
     discover,
     fingerprint,
     load_config,
     model_folder,
     parse_config,
+    triton_layout,
+    valid_name,
+    version_folders,
+    without_paths,
 )
 from app.errors import BadRequest, NotFound, Unavailable, client_text
 from app.metrics import model_available, model_unavailable
@@ -89,14 +94,14 @@ class Registry:
             if not repo.repository.is_dir():
                 raise ConfigError(f"model repository {repo.repository} does not exist")
             return [self._config_of(name) for name in repo.startup]
-        return discover(repo.repository, repo.models)
+        return discover(repo.repository, repo.models, repo)
 
     async def load_all(self) -> None:
         """Load every model of ``startup_entries``, warm every runner. A version that misses
         its accuracy budget or fails to load is not served and says why (unless
         ``models.exit_on_error``); the others serve. Nothing at all to serve is an error in
         mode none, where nothing can be loaded later."""
-        entries = [self._placed(entry) for entry in self.startup_entries()]
+        entries = [self._placed(e) for e in await asyncio.to_thread(self.startup_entries)]
         for entry in entries:
             self._known[entry.config.name] = Known(state=LOADING, loading=entry)
         for entry in entries:
@@ -125,25 +130,32 @@ class Registry:
             f"; NOT served: {', '.join(refused_all)} (see above)" if refused_all else "",
         )
 
-    def _refuse(self, model: str, version: str, error: Exception, startup: bool) -> str:
-        """Record a version that will not be served, once; the reason its 503s give. At
-        startup, re-raise where ``models.exit_on_error`` wants the server to stop."""
+    def _refuse(self, entry: ModelEntry, version: str, error: Exception, startup: bool) -> str:
+        """Record a version that will not be served, once; the reason its 503s give (the
+        log names the model's folder, the reason does not). At startup, re-raise where
+        ``models.exit_on_error`` wants the server to stop."""
+        model = entry.config.name
         if startup and self.settings.models.exit_on_error:
             raise error
         accuracy_refusal = isinstance(error, AccuracyBudgetExceeded)
         reason = str(error) if accuracy_refusal else f"{type(error).__name__}: {error}"
+        public = without_paths(
+            reason, {self.settings.models.repository: "", self.settings.store.path: "<store>/"}
+        )
         model_unavailable(model, version, "accuracy" if accuracy_refusal else "load")
         log.error(
-            "model %s version %s is NOT served (%s): %s",
+            "model %s version %s is NOT served (%s, from %s): %s",
             model,
             version,
             "accuracy budget" if accuracy_refusal else "load failed",
+            entry.folder,
             reason,
             # A missing file says it all; anything else may need its traceback.
             exc_info=None if isinstance(error, AccuracyBudgetExceeded | OSError) else error,
         )
-        # Clients get a bounded reason (a backend's message can be long); the log, all of it.
-        return client_text(reason, 600)
+        # Clients get a bounded reason (a backend's message can be long) without the server's
+        # paths; the log, all of it.
+        return client_text(public, 600)
 
     async def _load(
         self, entry: ModelEntry, previous: dict[str, LoadedModel], startup: bool = False
@@ -161,7 +173,7 @@ class Registry:
         except Exception as error:
             # What every version needs (the ONNX file, its spec) is missing.
             for precision in config.precisions:
-                refused[precision] = self._refuse(config.name, precision, error, startup)
+                refused[precision] = self._refuse(entry, precision, error, startup)
             return {}, refused
         versions: dict[str, LoadedModel] = {}
         try:
@@ -181,7 +193,7 @@ class Registry:
                 except (FatalEngineError, BuildCancelled):
                     raise
                 except Exception as error:
-                    refused[precision] = self._refuse(config.name, precision, error, startup)
+                    refused[precision] = self._refuse(entry, precision, error, startup)
         except BaseException:
             # Cancelled (shutdown mid-load), fatal, or exit_on_error: what loaded is closed.
             for loaded in versions.values():
@@ -224,16 +236,32 @@ class Registry:
 
     def _config_of(self, name: str, override: object = None) -> ModelEntry:
         """The config a load of ``name`` serves with: its config.yaml, or ``override`` (a
-        load request's, for the same folder)."""
-        folder = model_folder(self.settings.models.repository, name)
+        load request's, for the same folder), within the repository's rules. Blocking: it
+        reads the folder."""
+        rules = self.settings.models
+        folder = model_folder(rules.repository, name)
         if folder is None:
-            raise NotFound(
-                f"no model '{client_text(name)}' in the repository "
-                f"(no {self.settings.models.repository}/<model>/config.yaml)"
-            )
+            self._not_a_model(name)
+        check_folder(rules.repository, folder)
         if override is None:
-            return load_config(folder)
-        return parse_config(folder, override, f"the config given for {name!r}")
+            return load_config(folder, rules)
+        entry = parse_config(folder, override, f"the config given for model {name!r}", rules)
+        if entry.config.name != name:
+            raise ConfigError(
+                f"the config given for model {name!r}: name "
+                f"'{client_text(entry.config.name)}' is not the model's"
+            )
+        return entry
+
+    def _not_a_model(self, name: str) -> NoReturn:
+        """404 for a name the repository has no model folder of; 400 saying why for a folder
+        laid out as Triton's, with numbered version folders and no config.yaml."""
+        repository = self.settings.models.repository
+        if valid_name(name):
+            found = version_folders(repository / name)
+            if found:
+                raise BadRequest(triton_layout(name, found))
+        raise NotFound(f"no model '{client_text(name)}' in the repository (no <model>/config.yaml)")
 
     def _placed(self, entry: ModelEntry) -> ModelEntry:
         if not self.one_device:
@@ -247,7 +275,7 @@ class Registry:
         If the default version does not load, nothing changes (what served serves on) and
         ``BadRequest`` says why; other versions that do not load say why in the index."""
         if model_folder(self.settings.models.repository, name) is None:
-            self._config_of(name)  # raises: 404
+            self._not_a_model(name)
         known = self._known.setdefault(name, Known(state=UNAVAILABLE, reason="not loaded"))
         async with known.lock:
             if self.stopping.is_set():
@@ -255,7 +283,7 @@ class Registry:
             files = await asyncio.to_thread(fingerprint, self.settings.models.repository / name)
             first = not known.versions
             try:
-                entry = self._placed(self._config_of(name, override))
+                entry = self._placed(await asyncio.to_thread(self._config_of, name, override))
             except ConfigError as error:
                 self._failed(name, known, first, files, f"ConfigError: {error}")
                 raise BadRequest(f"model {name!r} did not load: {error}") from None
@@ -351,7 +379,8 @@ class Registry:
         loaded does nothing."""
         known = self._known.get(name)
         if known is None:
-            self._config_of(name)  # raises 404 for a model the repository does not have
+            if model_folder(self.settings.models.repository, name) is None:
+                self._not_a_model(name)
             return
         async with known.lock:
             if known.state in (UNAVAILABLE, UNLOADING):
@@ -379,12 +408,29 @@ class Registry:
             await asyncio.to_thread(release_memory)
         log.info("model %s: unloaded", name)
 
-    def known_files(self) -> dict[str, tuple[Files | None, bool]]:
-        """Per known model, its files when last loaded and whether it is loaded (poll mode:
+    async def remove(self, name: str) -> None:
+        """Poll mode, a model whose folder is gone: unloaded, then forgotten, so that it
+        answers 404 and leaves the index (and a folder put back is a new model)."""
+        known = self._known.get(name)
+        if known is None:
+            return
+        await self.unload(name)
+        async with known.lock:
+            if self._known.get(name) is not known or model_folder(
+                self.settings.models.repository, name
+            ):
+                return  # put back (or loaded again) meanwhile: it is a model again
+            entry = known.entry or known.loading
+            for version in entry.config.precisions if entry is not None else ():
+                model_available(name, version)  # a first load's refusals leave no series
+            del self._known[name]
+            self.generation += 1
+        log.info("model %s: its folder is gone; forgotten", name)
+
+    def known_files(self) -> dict[str, Files | None]:
+        """Per known model, its files when it was last loaded (poll mode:
         ``app.engine.watch``)."""
-        return {
-            name: (known.files, known.state != UNAVAILABLE) for name, known in self._known.items()
-        }
+        return {name: known.files for name, known in self._known.items()}
 
     # -- state
 
@@ -429,15 +475,17 @@ class Registry:
         known = self._known.get(name)
         return dict(known.refused) if known is not None and known.state == READY else {}
 
-    def index(self) -> list[dict[str, str]]:
+    async def index(self) -> list[dict[str, str]]:
         """Triton's repository index: every version of every known model with its state
         (READY, LOADING, UNLOADING, UNAVAILABLE) and, where there is one, the reason; with
-        model control, the repository's other models too, UNAVAILABLE: not loaded."""
+        model control, the repository's other models too, UNAVAILABLE: not loaded (their
+        configs read in a thread)."""
         index = []
         for name, known in self._known.items():
             index.extend(index_items(name, known))
         if self.controlled:
-            index.extend(not_loaded(self.settings.models.repository, self._known))
+            names = set(self._known)
+            index.extend(await asyncio.to_thread(not_loaded, self.settings.models, names))
         return index
 
     def default(self, name: str | None) -> LoadedModel:

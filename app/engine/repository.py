@@ -1,24 +1,40 @@
 """The model repository: ``<repository>/<model>/config.yaml``, validated by pydantic.
 
-A config error names the file and the field. Inputs and outputs are read from the ONNX file
-where the config omits them.
+A config error names the model, the file and the field, never a server path. Inputs and
+outputs are read from the ONNX file where the config omits them.
+
+A config is data about its model's folder, whoever wrote it (the operator's config.yaml or
+a load request's ``parameters.config``): every path in it resolves inside the folder (no
+absolute path, no ``..`` or symlink out of it), a model folder is inside the repository,
+its handler is a built-in one or one ``models.handlers`` allows, and its numbers stay within
+``models.bounds``.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.errors import client_text
+from app.settings import ConfigBounds, ModelRepositorySettings
 from engines.devices.options import GPU_BACKENDS, RUNNERS_PER_GPU, GpuOptions
 from engines.precision.build import BuildPlan
-from engines.precision.options import Budget, Fp16Options, Int8Options
+from engines.precision.options import BUILTIN_CALIBRATION, Budget, Fp16Options, Int8Options
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
 
 PRECISIONS = ("fp32", "fp16", "int8")
+IMAGE_CLASSIFIER = "image-classifier"
+NO_HANDLER = "none"
+MAX_NAME_BYTES = 255
+"""The longest file name Linux file systems take: a longer model name is no folder's."""
+
+log = logging.getLogger(__name__)
 
 
 class ConfigError(Exception):
@@ -77,7 +93,8 @@ class ModelConfig(BaseModel):
     name: str = ""
     """Served name; defaults to the folder name."""
     onnx: str = "model.onnx"
-    """The FP32 ONNX source, relative to the model folder."""
+    """The FP32 ONNX source, relative to the model folder (and inside it: no absolute path,
+    ``..`` or symlink out of it)."""
     autoload: bool = True
     """Load when the server is not told which models to serve. Off for benchmark-only
     models, which are loaded by naming them."""
@@ -116,7 +133,8 @@ class ModelConfig(BaseModel):
     outputs: list[TensorSpec] | None = None
     """Overrides the outputs read from the ONNX file."""
     labels: str | None = None
-    """A text file with one class label per line, relative to the model folder."""
+    """A text file with one class label per line, relative to the model folder (and inside
+    it)."""
     preprocess: ImagePreprocess | None = None
     """How ``/infer`` turns an uploaded image into one input row; None: no image uploads.
     Also what INT8 calibration runs its images through."""
@@ -124,8 +142,8 @@ class ModelConfig(BaseModel):
     """How the image classifier turns the first output into probabilities."""
     handler: str | None = None
     """What ``POST /infer`` does with uploads (``app.engine.handlers``): ``image-classifier``,
-    ``none`` (V2 tensors only) or ``package.module:Class``; unset: the image classifier when
-    ``preprocess`` is given, else none."""
+    ``none`` (V2 tensors only) or a ``package.module:Class`` that ``models.handlers`` lists;
+    unset: the image classifier when ``preprocess`` is given, else none."""
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelConfig:
@@ -201,46 +219,244 @@ class ModelEntry(BaseModel):
     def labels(self) -> list[str] | None:
         if self.config.labels is None:
             return None
-        path = self.folder / self.config.labels
+        path = inside(self.folder, self.config.labels, "labels")
         if not path.exists():
             return None
         return path.read_text(encoding="utf-8").splitlines()
 
 
-def load_config(folder: Path) -> ModelEntry:
-    path = folder / "config.yaml"
+def inside(folder: Path, relative: str, field: str) -> Path:
+    """The path ``relative`` (a config's ``field``) names in ``folder``; ``ConfigError``
+    where it is absolute or leads out of the folder, by ``..`` or by a symlink."""
+    if not relative or "\x00" in relative or Path(relative).is_absolute():
+        raise ConfigError(
+            f"{field}: '{client_text(relative)}' is not a path inside the model's folder "
+            "(give one relative to it)"
+        )
+    path = folder / relative
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from exc
-    return parse_config(folder, raw, str(path))
+        out = not path.resolve().is_relative_to(folder.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        out = True
+    if out:
+        raise ConfigError(f"{field}: '{client_text(relative)}' leads out of the model's folder")
+    return path
 
 
-def parse_config(folder: Path, raw: object, where: str) -> ModelEntry:
+class _NoAliases(yaml.SafeLoader):  # type: ignore[misc]
+    """YAML without anchors' aliases: a few kilobytes of nested aliases expand to billions of
+    values for whatever walks them (pydantic does), and no model config needs one."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not accepted", self.peek_event().start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+def load_config(folder: Path, rules: ModelRepositorySettings | None = None) -> ModelEntry:
+    """The config.yaml of the model in ``folder``, read within ``rules`` (the repository's
+    settings; their defaults where None). Blocking: call it off the event loop."""
+    rules = rules or ModelRepositorySettings()
+    where = f"model '{client_text(folder.name)}': config.yaml"
+    try:
+        path = inside(folder, "config.yaml", "config.yaml")
+        with path.open("rb") as file:
+            data = file.read(rules.max_config_bytes + 1)
+    except OSError as exc:
+        log.warning("%s: cannot read %s: %s", where, folder / "config.yaml", exc)
+        why = exc.strerror or type(exc).__name__
+        raise ConfigError(f"{where}: cannot read it ({why})") from None
+    except ConfigError as exc:
+        raise ConfigError(f"model '{client_text(folder.name)}': {exc}") from None
+    if len(data) > rules.max_config_bytes:
+        raise ConfigError(
+            f"{where}: larger than {rules.max_config_bytes} bytes (models.max_config_bytes)"
+        )
+    try:
+        raw = yaml.load(data.decode("utf-8"), Loader=_NoAliases) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    return parse_config(folder, raw, where, rules)
+
+
+def parse_config(
+    folder: Path, raw: object, where: str, rules: ModelRepositorySettings | None = None
+) -> ModelEntry:
     """A config (as config.yaml or a load request's override holds it) for the model in
-    ``folder``; ``where`` names it in errors. Its name, if given, must be the folder's."""
+    ``folder``, checked against ``rules`` (their defaults where None): its paths inside the
+    folder, its handler allowed, its numbers within bounds; ``where`` names it in errors."""
+    rules = rules or ModelRepositorySettings()
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping at the top level")
     try:
         config = ModelConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
+        found = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
             for err in exc.errors()
         )
-        raise ConfigError(f"{where}: {problems}") from exc
+        raise ConfigError(f"{where}: {client_text(found, 600)}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: nested too deeply") from None
+    problems = out_of_bounds(config, rules.bounds)
+    if config.handler is not None and config.handler not in (
+        IMAGE_CLASSIFIER,
+        NO_HANDLER,
+        *rules.handlers,
+    ):
+        problems.append(
+            f"handler: '{client_text(config.handler)}' is not allowed: give {IMAGE_CLASSIFIER} "
+            f"or {NO_HANDLER}, or a package.module:Class that models.handlers lists"
+        )
+    try:
+        inside(folder, config.onnx, "onnx")
+        if config.labels is not None:
+            inside(folder, config.labels, "labels")
+        if config.int8.calibration != BUILTIN_CALIBRATION:
+            inside(folder, config.int8.calibration, "int8.calibration")
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError(f"{where}: {'; '.join(problems)}")
     if not config.name:
         config = config.model_copy(update={"name": folder.name})
     return ModelEntry(folder=folder, config=config)
 
 
+def out_of_bounds(config: ModelConfig, bounds: ConfigBounds) -> list[str]:
+    """What ``config`` asks for past ``bounds``, each naming the field and its setting."""
+    devices = max(1, len(config.gpus))
+    batching = config.dynamic_batching
+    asked = [
+        ("max_batch_size", config.max_batch_size, bounds.max_batch_size, "max_batch_size"),
+        (
+            "runners",
+            config.runners or 0,
+            bounds.max_runners_per_device * devices,
+            "max_runners_per_device",
+        ),
+        (
+            "dynamic_batching.max_queue_size",
+            batching.max_queue_size,
+            bounds.max_queue_size,
+            "max_queue_size",
+        ),
+        (
+            "dynamic_batching.priority_levels",
+            batching.priority_levels,
+            bounds.max_priority_levels,
+            "max_priority_levels",
+        ),
+        (
+            "int8.samples + accuracy.evaluation_samples",
+            config.int8.samples + config.accuracy.evaluation_samples,
+            bounds.max_samples,
+            "max_samples",
+        ),
+    ]
+    rows = max(1, config.max_batch_size)
+    declared = [("inputs", t) for t in config.inputs or ()]
+    declared += [("outputs", t) for t in config.outputs or ()]
+    for field, tensor in declared:
+        row = math.prod(max(1, d) for d in tensor.shape) * tensor.dtype.itemsize
+        asked.append(
+            (
+                f"{field} '{client_text(tensor.name)}': bytes of a max batch",
+                rows * row,
+                bounds.max_batch_bytes,
+                "max_batch_bytes",
+            )
+        )
+    if config.preprocess is not None:
+        prep, side = config.preprocess, bounds.max_image_side
+        asked.append(("preprocess.resize_shorter", prep.resize_shorter, side, "max_image_side"))
+        asked.append(("preprocess.crop", prep.crop, side, "max_image_side"))
+        row = math.prod(prep.row_shape()) * 4
+        asked.append(
+            (
+                "preprocess: bytes of a max batch",
+                rows * row,
+                bounds.max_batch_bytes,
+                "max_batch_bytes",
+            )
+        )
+    return [
+        f"{field}: {value} is more than {limit} (models.bounds.{setting})"
+        for field, value, limit, setting in asked
+        if value > limit
+    ]
+
+
+def valid_name(name: str) -> bool:
+    """Whether ``name`` can be a model folder's: one file name, not hidden, that a file
+    system takes (at most ``MAX_NAME_BYTES`` bytes, no NUL)."""
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and not any(c in name for c in "/\\\x00")
+        and len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES
+    )
+
+
 def model_folder(repository: Path, name: str) -> Path | None:
     """The folder of model ``name`` in the repository, if it has a config.yaml (a name
     that is not one folder's is none)."""
-    if not name or "/" in name or "\\" in name or name.startswith("."):
+    if not valid_name(name):
         return None
     folder = repository / name
-    return folder if (folder / "config.yaml").is_file() else None
+    try:
+        return folder if (folder / "config.yaml").is_file() else None
+    except OSError:
+        return None
+
+
+def version_folders(folder: Path) -> list[str]:
+    """The Triton-style numbered version folders (``1/``, ``2/``...) of a model folder."""
+    try:
+        return sorted(p.name for p in folder.iterdir() if p.name.isdigit() and p.is_dir())
+    except OSError:
+        return []
+
+
+def triton_layout(name: str, folders: list[str], onnx: str = "model.onnx") -> str:
+    """What to say to a model folder laid out as Triton's (``<model>/1/model.onnx``)."""
+    listed = ", ".join(f"{f}/" for f in folders)
+    return (
+        f"model '{client_text(name)}' has numbered version folders ({listed}), Triton's "
+        f"layout: here a model's versions are its precisions (/v2/models/<model>/versions/"
+        f"<precision>, listed in its config.yaml's precisions), so put the ONNX file at "
+        f"{onnx} in the model's folder, beside its config.yaml"
+    )
+
+
+def without_paths(text: str, roots: dict[Path, str]) -> str:
+    """``text`` with each of ``roots`` (in every spelling: as given, absolute, resolved)
+    replaced by what it maps to: a model's file named as ``<model>/<file>``, not by the
+    server's path."""
+    for root, shown in roots.items():
+        for form in {str(root.resolve()), str(root.absolute()), str(root)}:
+            text = text.replace(form.rstrip("/") + "/", shown)
+    return text
+
+
+def check_folder(repository: Path, folder: Path) -> None:
+    """``ConfigError`` where a model's folder is a symlink out of the repository (a model
+    folder is the operator's, as the repository is)."""
+    try:
+        out = not folder.resolve().is_relative_to(repository.resolve())
+    except (OSError, RuntimeError):
+        out = True
+    if out:
+        log.warning("model folder %s leads out of the repository %s", folder, repository)
+        raise ConfigError(
+            f"model '{client_text(folder.name)}': its folder is a link out of the repository"
+        )
 
 
 Files = tuple[tuple[str, int, int], ...]
@@ -267,20 +483,24 @@ def fingerprint(folder: Path) -> Files:
     return tuple(files)
 
 
-def discover(repository: Path, names: list[str]) -> list[ModelEntry]:
+def discover(
+    repository: Path, names: list[str], rules: ModelRepositorySettings | None = None
+) -> list[ModelEntry]:
     """The models to serve: the named folders, or every folder whose config autoloads."""
     if not repository.is_dir():
         raise ConfigError(f"model repository {repository} does not exist")
     if names:
         folders = []
         for name in names:
-            folder = repository / name
-            if "/" in name or name.startswith(".") or not (folder / "config.yaml").is_file():
+            folder = model_folder(repository, name)
+            if folder is None:
                 raise ConfigError(f"model {name!r}: no {repository}/{name}/config.yaml")
             folders.append(folder)
     else:
         folders = sorted(p.parent for p in repository.glob("*/config.yaml"))
-    entries = [load_config(folder) for folder in folders]
+    for folder in folders:
+        check_folder(repository, folder)
+    entries = [load_config(folder, rules) for folder in folders]
     if not names:
         entries = [e for e in entries if e.config.autoload]
     if not entries:

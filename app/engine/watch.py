@@ -4,9 +4,9 @@
 
 A model whose files changed is reloaded (its old version serves until the new one is warm; a
 change that does not load leaves it serving and says why), a new folder is loaded when its
-config autoloads or ``models.models`` names it, and a model whose folder is gone is unloaded.
-A change is tried once: a load that failed is tried again when the files change again, not
-at every poll.
+config autoloads or ``models.models`` names it, and a model whose folder is gone is unloaded
+and forgotten (404, absent from the index; put back, it is a new folder). A change is tried
+once: a load that failed is tried again when the files change again, not at every poll.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def changes(
-    settings: Settings, known: Mapping[str, tuple[Files | None, bool]]
-) -> list[tuple[str, bool]]:
+def changes(settings: Settings, known: Mapping[str, Files | None]) -> list[tuple[str, bool]]:
     """What to do after a look at the repository, in order: (model, True) to load or
-    reload it, (model, False) to unload it. ``known``: per model the registry knows, the
-    files it was last loaded from and whether it is loaded."""
+    reload it, (model, False) to remove it (its folder is gone). ``known``: per model the
+    registry knows, the files it was last loaded from."""
     repository, named = settings.models.repository, settings.models.models
     found: dict[str, Files] = {}
     todo: list[tuple[str, bool]] = []
@@ -39,21 +37,19 @@ def changes(
             continue
         files = found[folder.name] = fingerprint(folder)
         if folder.name in known:
-            if files != known[folder.name][0]:
+            if files != known[folder.name]:
                 todo.append((folder.name, True))
-        elif named or autoloads(folder):
+        elif named or autoloads(folder, settings):
             todo.append((folder.name, True))
-    todo.extend(
-        (name, False) for name, (_, loaded) in known.items() if loaded and name not in found
-    )
+    todo.extend((name, False) for name in known if name not in found)
     return todo
 
 
-def autoloads(folder: Path) -> bool:
+def autoloads(folder: Path, settings: Settings) -> bool:
     """Whether a new folder's config asks to be loaded (one that does not parse is loaded,
     so that its error is reported)."""
     try:
-        return load_config(folder).config.autoload
+        return load_config(folder, settings.models).config.autoload
     except ConfigError:
         return True
 
@@ -71,7 +67,7 @@ async def watch(registry: Registry, every_s: float) -> None:
                 if load:
                     await registry.load(name)
                 else:
-                    await registry.unload(name)
+                    await registry.remove(name)
             except StokerError as error:
                 log.warning("poll: model %s: %s", name, error.message)
             except Exception as error:

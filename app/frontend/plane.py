@@ -59,6 +59,7 @@ waiting for the application) stay readable, and a flood must not hold it open.""
 class DataPlane:
     def __init__(self, settings: Settings, client: EngineClient) -> None:
         self.settings = settings
+        self._keyed = bool(settings.auth.keys())  # read once: a key file is read at start
         self.client = client
         self.failed: BaseException | None = None
         self.drain_state = Drain(settings.server.drain_timeout_s)
@@ -188,9 +189,9 @@ class DataPlane:
 
     async def check_control(self, name: str) -> None:
         """Raise what a load or unload of ``name`` gets whatever its body says, before the
-        body is read: model control off or in poll mode (400), a drain (503), no model of
-        that name in the repository (404)."""
-        refused = control_refusal(self.settings.models.control)
+        body is read: model control off or in poll mode (400), without API keys unless
+        allowed (403), a drain (503), no model of that name in the repository (404)."""
+        refused = control_refusal(self.settings.models, self._keyed)
         if refused is not None:
             raise refused
         if self.draining:

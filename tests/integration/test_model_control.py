@@ -449,8 +449,9 @@ def replace_text(path: Path, text: str) -> None:
 
 def test_poll_mode_follows_the_repository(polled: Server) -> None:
     """A changed config.yaml reloads its model (under load, without a failed request), a
-    broken one keeps the version that serves, a new folder loads, a removed one unloads;
-    the endpoints are refused."""
+    broken one keeps the version that serves, a new folder loads, a removed one is gone
+    (404, not in the index) and loads again when put back unchanged; the endpoints are
+    refused."""
     repo = polled.log.parent / "repository"
     refused = load(polled, "work")
     assert refused.status_code == 400 and "poll mode" in refused.json()["error"]
@@ -481,11 +482,24 @@ def test_poll_mode_follows_the_repository(polled: Server) -> None:
         "tiny2 did not load",
         polled,
     )
-    shutil.rmtree(repo / "tiny2")
+    # Moved away: gone (404, not in the index); moved back unchanged: a model again.
+    os.rename(repo / "tiny2", repo.parent / "tiny2-aside")
     wait_until(
-        lambda: index(polled).get(("tiny2", "fp32"), {}).get("state") == "UNAVAILABLE",
-        "tiny2 was not unloaded",
+        lambda: not any(name == "tiny2" for name, _ in index(polled)),
+        "tiny2 stayed in the index",
         polled,
     )
     gone = post(polled, "/v2/models/tiny2/infer", tiny_request(0)[0])
-    assert gone.status_code == 503 and "unloaded" in gone.text, gone.text
+    assert gone.status_code == 404 and "unknown model" in gone.text, gone.text
+    os.rename(repo.parent / "tiny2-aside", repo / "tiny2")
+    wait_until(
+        lambda: index(polled).get(("tiny2", "fp32"), {}).get("state") == "READY",
+        "tiny2 put back unchanged did not load again",
+        polled,
+    )
+    shutil.rmtree(repo / "tiny2")
+    wait_until(
+        lambda: not any(name == "tiny2" for name, _ in index(polled)),
+        "tiny2 stayed in the index",
+        polled,
+    )

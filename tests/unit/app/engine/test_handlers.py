@@ -137,10 +137,18 @@ def test_the_handler_follows_the_config() -> None:
     assert isinstance(handler_for(None, context()), ImageClassifier)
     assert handler_for(None, context(preprocess=None)) is None
     assert handler_for("none", context()) is None
-    custom = handler_for(f"{__name__}:SumOfNumbers", context())
+    allowed = [f"{__name__}:SumOfNumbers"]
+    custom = handler_for(f"{__name__}:SumOfNumbers", context(), allowed)
     assert isinstance(custom, SumOfNumbers)
     with pytest.raises(ValueError, match=r"package\.module:Class"):
         handler_for("something-else", context())
+
+
+def test_a_handler_the_operator_did_not_allow_is_never_imported() -> None:
+    """``sys:exit``, named by a config, would stop the server when called."""
+    for choice in ("sys:exit", f"{__name__}:SumOfNumbers"):
+        with pytest.raises(ValueError, match=r"models\.handlers lists"):
+            handler_for(choice, context(), ["os:system"])
 
 
 class SumOfNumbers:
@@ -176,7 +184,7 @@ def test_a_model_that_is_not_an_image_classifier_serves_uploads_through_its_hand
     config = {"max_batch_size": 2, "handler": f"{__name__}:SumOfNumbers"}
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     settings = Settings(
-        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        models={"repository": tmp_path / "repo", "handlers": [config["handler"]]},  # type: ignore[arg-type]
         store={"path": tmp_path / "store"},  # type: ignore[arg-type]
     )
     uploads = [b"1,2,3,4", b"0.5,0,0,0", b"-1,-1,-1,-1"]  # 3 rows: two batches of at most 2

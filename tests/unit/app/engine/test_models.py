@@ -142,7 +142,19 @@ def test_a_missing_onnx_without_a_generator_names_the_file(tmp_path: Path) -> No
     folder = tmp_path / "gone"
     folder.mkdir()
     (folder / "config.yaml").write_text("max_batch_size: 8\n")
-    with pytest.raises(FileNotFoundError, match=r"gone/model.onnx does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"'gone': model.onnx does not exist in its"):
+        models.source(load_config(folder))
+
+
+def test_a_triton_style_version_folder_is_refused_saying_versions_are_precisions(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "triton"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.onnx").write_bytes(b"onnx")
+    (folder / "config.yaml").write_text("max_batch_size: 8\n")
+    refused = r"version folders \(1/\).*versions are its precisions"
+    with pytest.raises(FileNotFoundError, match=refused):
         models.source(load_config(folder))
 
 

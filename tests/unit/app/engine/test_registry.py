@@ -39,7 +39,7 @@ def test_the_registry_serves_what_loads_and_says_why_the_rest_does_not(tmp_path:
         seen = {
             "ready": registry.ready,
             "versions": registry.versions("tiny"),
-            "index": registry.index(),
+            "index": await registry.index(),
             "default": registry.default(None).name,
         }
         with pytest.raises(Unavailable, match=r"'gone' version 'fp32' is not served: .*not exist"):
@@ -150,7 +150,7 @@ def test_a_reload_switches_at_once_and_what_the_old_version_queued_finishes(
         answers = [float((await q)["y"][0, 0, 0]) for q in queued]
         later = await ask(new, 1.0)
         assert float(later["y"][0, 0, 0]) == 64 * 256
-        index = registry.index()
+        index = await registry.index()
         await registry.close()
         return answers, old, new, index
 
@@ -191,12 +191,12 @@ def test_a_reload_that_fails_keeps_the_old_version_serving_and_says_why(tmp_path
         (repo / "slow" / "config.yaml").write_text("max_batch_size: -3\n")
         with pytest.raises(BadRequest, match=r"did not load: .*max_batch_size"):
             await registry.load("slow")
-        broken_config = registry.index()
+        broken_config = await registry.index()
         (repo / "slow" / "config.yaml").write_text("max_batch_size: 8\n")
         (repo / "slow" / "model.onnx").write_bytes(b"not an onnx file")
         with pytest.raises(BadRequest, match="versions loaded before serve on"):
             await registry.load("slow")
-        broken_file = registry.index()
+        broken_file = await registry.index()
         assert registry.get("slow") is before and before.replaced_by is None
         answer = float((await ask(before, 1.0))["y"][0, 0, 0])
         await registry.close()
@@ -226,7 +226,7 @@ def test_an_unload_lets_what_was_queued_finish_then_refuses_and_forgets_the_metr
         unloading = asyncio.ensure_future(registry.unload("slow"))
         for _ in range(2):  # the unload starts, then its batcher's close
             await asyncio.sleep(0)
-        states = [i["state"] for i in registry.index() if i["name"] == "slow"]
+        states = [i["state"] for i in await registry.index() if i["name"] == "slow"]
         with pytest.raises(Unavailable, match="is being unloaded"):
             registry.get("slow")
         with pytest.raises(Unavailable, match="is unloaded"):
@@ -236,7 +236,7 @@ def test_an_unload_lets_what_was_queued_finish_then_refuses_and_forgets_the_metr
         with pytest.raises(Unavailable, match=r"'slow' is not loaded \(unloaded\)"):
             registry.get("slow")
         assert registry.ready  # tiny serves on
-        after = [i["state"] for i in registry.index() if i["name"] == "slow"]
+        after = [i["state"] for i in await registry.index() if i["name"] == "slow"]
         await registry.close()
         return answers, states + after, model.pool.engine.spec.name
 
@@ -288,7 +288,7 @@ def test_explicit_mode_loads_what_startup_names_and_lists_the_rest(tmp_path: Pat
 
     async def scenario() -> tuple[bool, list[dict[str, str]], list[str]]:
         await none_at_start.load_all()
-        ready, index = none_at_start.ready, none_at_start.index()
+        ready, index = none_at_start.ready, await none_at_start.index()
         with pytest.raises(Unavailable, match="'tiny' is not loaded"):
             none_at_start.get("tiny")
         with pytest.raises(NotFound):
@@ -336,15 +336,15 @@ def test_a_first_load_is_loading_until_warm_and_unavailable_with_why_if_it_fails
         await registry.load_all()
         loading = asyncio.ensure_future(registry.load("tiny"))
         await asyncio.sleep(0.01)
-        seen = [i["state"] for i in registry.index() if i["name"] == "tiny"]
+        seen = [i["state"] for i in await registry.index() if i["name"] == "tiny"]
         with pytest.raises(Unavailable, match="is loading"):
             registry.get("tiny")
         registry.gate.set()
         await loading
-        seen += [i["state"] for i in registry.index() if i["name"] == "tiny"]
+        seen += [i["state"] for i in await registry.index() if i["name"] == "tiny"]
         with pytest.raises(BadRequest, match="does not exist"):
             await registry.load("gone")
-        failed = [i for i in registry.index() if i["name"] == "gone"]
+        failed = [i for i in await registry.index() if i["name"] == "gone"]
         await registry.close()
         return seen, failed
 

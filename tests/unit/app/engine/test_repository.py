@@ -1,5 +1,5 @@
-"""The model repository: config files read and refused (naming the file and the field),
-discovery, and what a config tells the engine layer."""
+"""The model repository: config files read and refused (naming the model, the file and the
+field, never a server path), discovery, and what a config tells the engine layer."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def refusal(tmp_path: Path, config: str) -> str:
     with pytest.raises(ConfigError) as refused:
         load_config(folder)
     message = str(refused.value)
-    assert message.startswith(f"{folder / 'config.yaml'}: "), message
+    assert message.startswith("model 'broken': config.yaml: "), message
+    assert str(tmp_path) not in message
     return message
 
 
@@ -62,15 +63,20 @@ def test_a_configured_name_and_onnx_file_are_kept(tmp_path: Path) -> None:
     assert entry.onnx_path == tmp_path / "folder" / "weights" / "v2.onnx"
 
 
-def test_a_missing_config_names_the_file(tmp_path: Path) -> None:
+def test_a_missing_config_names_the_model_and_logs_the_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="cannot read") as refused:
         load_config(tmp_path / "empty")
-    assert str(tmp_path / "empty" / "config.yaml") in str(refused.value)
+    assert str(refused.value) == (
+        "model 'empty': config.yaml: cannot read it (No such file or directory)"
+    )
+    assert str(tmp_path / "empty" / "config.yaml") in caplog.text
 
 
 def test_unparsable_yaml_names_the_file(tmp_path: Path) -> None:
-    assert "cannot read" in refusal(tmp_path, "max_batch_size: [1, 2\n")
+    assert "not valid YAML" in refusal(tmp_path, "max_batch_size: [1, 2\n")
 
 
 def test_a_config_that_is_not_a_mapping_is_refused(tmp_path: Path) -> None:
@@ -215,7 +221,7 @@ def test_discover_stops_at_a_broken_config_naming_it(tmp_path: Path) -> None:
     broken = model_folder(tmp_path, "bad", "runners: zero\n")
     with pytest.raises(ConfigError, match="runners:") as refused:
         discover(tmp_path, [])
-    assert str(broken / "config.yaml") in str(refused.value)
+    assert str(refused.value).startswith(f"model '{broken.name}': config.yaml: runners:")
 
 
 @pytest.mark.parametrize(

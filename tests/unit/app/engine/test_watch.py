@@ -1,5 +1,5 @@
 """Poll mode's look at the repository: what changed since each model was loaded, which new
-folders load, which removed ones unload; a folder's files as poll mode sees them."""
+folders load, which removed ones go; a folder's files as poll mode sees them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from app.engine.repository import fingerprint
+from app.engine.repository import Files, fingerprint
 from app.engine.watch import changes
 from app.settings import Settings
 
@@ -26,14 +26,14 @@ def settings(repo: Path, **models: Any) -> Settings:
 
 def test_a_changed_file_reloads_and_an_unchanged_folder_does_nothing(tmp_path: Path) -> None:
     same, changed = folder(tmp_path, "same"), folder(tmp_path, "changed")
-    known = {"same": (fingerprint(same), True), "changed": (fingerprint(changed), True)}
+    known = {"same": fingerprint(same), "changed": fingerprint(changed)}
     assert changes(settings(tmp_path), known) == []
     (changed / "model.onnx").write_bytes(b"a new onnx")  # another size
     (same / ".scratch").write_bytes(b"hidden files are not the model's")
     assert changes(settings(tmp_path), known) == [("changed", True)]
     stamp = (changed / "config.yaml").stat().st_mtime_ns + 10**9
     os.utime(changed / "config.yaml", ns=(stamp, stamp))  # the same size, a new time
-    known["changed"] = (fingerprint(changed), True)
+    known["changed"] = fingerprint(changed)
     os.utime(changed / "config.yaml", ns=(stamp + 10**9, stamp + 10**9))
     assert changes(settings(tmp_path), known) == [("changed", True)]
 
@@ -43,8 +43,14 @@ def test_new_folders_load_when_they_autoload_and_removed_ones_unload(tmp_path: P
     folder(tmp_path, "manual", "autoload: false\n")
     folder(tmp_path, "broken", "max_batch_size: [\n")  # loaded, so that its error is said
     folder(tmp_path, ".hidden")
-    known = {"gone": (fingerprint(tmp_path / "gone"), True), "unloaded": ((), False)}
-    assert changes(settings(tmp_path), known) == [("broken", True), ("new", True), ("gone", False)]
+    known: dict[str, Files | None] = {"gone": fingerprint(tmp_path / "gone"), "failed": ()}
+    # Gone, loaded or not (a first load failed): both removed, so that both leave the index.
+    assert changes(settings(tmp_path), known) == [
+        ("broken", True),
+        ("new", True),
+        ("gone", False),
+        ("failed", False),
+    ]
     # With models named, only those are looked at, autoload or not.
     named = settings(tmp_path, models=["manual"])
     assert changes(named, {}) == [("manual", True)]
@@ -52,7 +58,7 @@ def test_new_folders_load_when_they_autoload_and_removed_ones_unload(tmp_path: P
 
 def test_a_load_that_failed_is_tried_again_only_once_its_files_change(tmp_path: Path) -> None:
     path = folder(tmp_path, "m", "max_batch_size: nope\n")
-    known = {"m": (fingerprint(path), False)}  # its load failed with these files
+    known = {"m": fingerprint(path)}  # its load failed with these files
     assert changes(settings(tmp_path), known) == []
     (path / "config.yaml").write_text("max_batch_size: 4\n")
     assert changes(settings(tmp_path), known) == [("m", True)]

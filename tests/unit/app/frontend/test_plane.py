@@ -52,7 +52,8 @@ def with_plane(
 ) -> T:
     """Run ``scenario`` against a started data plane over ``tmp_path/repo``, then stop it."""
     settings = Settings(
-        models={"repository": tmp_path / "repo", "control": control},  # type: ignore[arg-type]
+        # Model control without keys: these planes have none.
+        models={"repository": tmp_path / "repo", "control": control, "control_without_keys": True},  # type: ignore[arg-type]
         store={"path": tmp_path / "store"},  # type: ignore[arg-type]
         limits=limits,  # type: ignore[arg-type]
     )

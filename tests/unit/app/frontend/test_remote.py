@@ -721,7 +721,11 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
     unload reaches the engine the same way, and the index is the engine's."""
     settings = tiny_repository(tmp_path, 8, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
     settings = settings.model_copy(
-        update={"models": settings.models.model_copy(update={"control": "explicit"})}
+        update={
+            "models": settings.models.model_copy(
+                update={"control": "explicit", "control_without_keys": True}
+            )
+        }
     )
     control = tmp_path / "engine.sock"
     x = np.ones((6, 4), np.float32)
