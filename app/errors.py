@@ -24,6 +24,13 @@ class BadRequest(StokerError):
     reason = "invalid"
 
 
+class NotImplementedHere(StokerError):
+    """A Triton extension Stoker does not implement (gRPC's UNIMPLEMENTED)."""
+
+    status = 501
+    reason = "unsupported"
+
+
 class NotFound(StokerError):
     status = 404
     reason = "not_found"

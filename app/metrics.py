@@ -37,7 +37,7 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 LABELS = ("model", "version")
 
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class CountedHistogram(Collector):

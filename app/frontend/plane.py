@@ -19,6 +19,7 @@ from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
+from app import tracing
 from app.contract import (
     ENGINE_REGIONS,
     Answer,
@@ -165,6 +166,16 @@ class DataPlane:
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return await self.client.shm_status(name)
 
+    async def trace_settings(
+        self, model: str | None = None, update: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Triton's trace settings (``app.observed``), in every process."""
+        return await self.client.trace_settings(model, update)
+
+    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's log settings, applied in every process (the engines' too)."""
+        return await self.client.log_settings(update)
+
     def body_buffer(
         self, declared: int | None, client: str = ""
     ) -> AbstractAsyncContextManager[Slot | None]:
@@ -196,6 +207,7 @@ class DataPlane:
         decoded against a contract that a reload replaced meanwhile is checked against the
         new one and sent again, once."""
         arrived = time.monotonic()
+        trace = None if tracing.tracer is None else tracing.tracer.request(name)
         contract = await self.client.contract(name, version)
         started = time.perf_counter()
         with self.drain_state.in_flight():
@@ -223,7 +235,12 @@ class DataPlane:
                 self._count(contract, error, started)
                 raise
             request = decoded.request
-            part = Part(request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived)
+            if trace is not None:
+                trace.stage("engine call")
+            traceparent = None if trace is None else trace.traceparent
+            part = Part(
+                request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived, traceparent
+            )
             schedule = (request.timeout_us, request.priority, client)
             try:
                 try:
@@ -235,11 +252,21 @@ class DataPlane:
                     # remote client may have copied its tensors over it in its slot.
                     contract = await self.client.contract(name, version)
                     again = checked(contract, request)
-                    part = Part(request.inputs, again.rows, again.wanted, slot, len(body), arrived)
+                    part = Part(
+                        request.inputs,
+                        again.rows,
+                        again.wanted,
+                        slot,
+                        len(body),
+                        arrived,
+                        traceparent,
+                    )
                     ran, shaped = await self.gatherer.run(contract, part, *schedule)
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
+            if trace is not None:
+                trace.stage("encode")
             content, headers = encode_response(ran.model, ran.version, request.id, shaped)
             self.client.request_timed(
                 ran.model, ran.version, time.perf_counter() - started, ran.engine
