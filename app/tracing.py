@@ -101,6 +101,7 @@ def configure(process: str, log_level: str, environ: Mapping[str, str] = os.envi
     """Set this process's tracing up from the ``OTEL_*`` variables (``process``: what it is,
     for the resource), and its trace and log settings (``app.observed``)."""
     global tracer
+    shutdown()  # an application made again in this process (tests) starts afresh
     on = _on(environ)
     traced, rate, parent = sampling(environ)
     if on:
