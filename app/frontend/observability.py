@@ -90,7 +90,7 @@ def is_inference(scope: Scope) -> bool:
 class TraceRequests:
     """Each HTTP inference request, for ``app.tracing``: when it arrived, its
     ``traceparent``/``tracestate``, when its body was read; where the data plane traced it,
-    its ``write`` stage and its end (an error status for a 5xx answer)."""
+    its status and its end (an error status for a 5xx answer)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -119,7 +119,6 @@ class TraceRequests:
                 status = message["status"]
                 if incoming.trace is not None:
                     incoming.trace.root.set_attribute("http.response.status_code", status)
-                    incoming.trace.stage("write")
             await send(message)
 
         token = tracing.INCOMING.set(incoming)

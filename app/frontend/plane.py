@@ -266,7 +266,7 @@ class DataPlane:
                 self._count(contract, error, started)
                 raise
             if trace is not None:
-                trace.stage("encode")
+                trace.stage("encode and write")
             content, headers = encode_response(ran.model, ran.version, request.id, shaped)
             self.client.request_timed(
                 ran.model, ran.version, time.perf_counter() - started, ran.engine

@@ -199,8 +199,8 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
     header, trace_id, client_span = a_traceparent()
     with httpx.Client(timeout=30) as client:
         infer(client, traced.server, "tiny", {"traceparent": header, "tracestate": "vendor=1"})
-    wanted = {"receive", "decode", "engine call", "engine", "queue", "batch", "run", "encode"}
-    wanted |= {"compute input", "compute infer", "compute output", "write"}
+    wanted = {"receive", "decode", "engine call", "encode and write"}
+    wanted |= {"engine", "queue", "batch", "run"}
 
     def complete(spans: list[Received]) -> bool:
         names = {s.name for s in spans if s.trace_id == trace_id}
@@ -210,10 +210,11 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
     root = spans["POST /v2/models/tiny/infer"]
     assert root.parent_id == client_span  # the client's trace, continued
     assert root.attributes["http.response.status_code"] == 200
-    for stage in ("receive", "decode", "engine call", "encode", "write"):
+    order = ("receive", "decode", "engine call", "encode and write")
+    for stage in order:
         assert spans[stage].parent_id == root.span_id
     # In order, each inside the request's span.
-    stages = [spans[s] for s in ("receive", "decode", "engine call", "encode", "write")]
+    stages = [spans[s] for s in order]
     for before, after in itertools.pairwise(stages):
         assert before.end_ns <= after.start_ns
     assert root.start_ns <= stages[0].start_ns and stages[-1].end_ns <= root.end_ns
@@ -225,8 +226,8 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
     assert spans["engine call"].start_ns <= engine.start_ns <= queue.start_ns
     assert queue.end_ns <= batch.start_ns <= run.start_ns and run.end_ns <= engine.end_ns
     assert engine.end_ns <= spans["engine call"].end_ns
-    for phase in ("compute input", "compute infer", "compute output"):
-        assert spans[phase].parent_id == run.span_id
+    for phase in ("compute_input_us", "compute_infer_us", "compute_output_us"):
+        assert 0 <= run.attributes[phase] <= (run.end_ns - run.start_ns) / 1e3
     # The batch, linked both ways, says its size.
     assert engine.span_id in batch.links and batch.span_id in engine.links
     assert batch.attributes["batch.size"] == 1 and batch.attributes["batch.requests"] == 1
