@@ -255,6 +255,8 @@ class Raw:
     header_length: int | None
     client: str
     slot: Slot | None = None
+    traceparent: str | None = None
+    """Its trace context where it is traced (``app.tracing``)."""
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from app.contract import Part
     from app.engine.batch import Pending
     from app.metrics import BatchTimes
 
@@ -289,15 +288,15 @@ class Tracing:
 
     # -- the engine
 
-    async def engine(self, parts: Sequence[Part], work: Awaitable[T]) -> T:
-        """Run ``work`` (a frame of ``parts`` through the engine) with an ``engine`` span for
-        each part that carries a trace context, in ``FRAME`` for the batcher to queue."""
+    async def engine(self, traceparents: Sequence[str | None], work: Awaitable[T]) -> T:
+        """Run ``work`` (requests through the engine, of these trace contexts) with an
+        ``engine`` span for each one traced, in ``FRAME`` for the batcher to queue."""
         from opentelemetry import trace
 
         spans = tuple(
-            self.tracer.start_span("engine", self._extract({"traceparent": part.traceparent}))
-            for part in parts
-            if part.traceparent
+            self.tracer.start_span("engine", self._extract({"traceparent": traceparent}))
+            for traceparent in traceparents
+            if traceparent
         )
         if not spans:
             return await work

@@ -185,6 +185,8 @@ class Infer(_Message, frozen=True, tag=Op.INFER.value):
     client: str
     slot: SlotRef | None = None
     length: int = 0
+    traceparent: str | None = None
+    """As ``RunItem.traceparent``."""
 
 
 class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):

@@ -399,7 +399,7 @@ class LocalEngine:
 
         measured = self._measured(model, work, len(parts), timed=False)
         if tracing.tracer is not None:
-            measured = tracing.tracer.engine(parts, measured)
+            measured = tracing.tracer.engine([part.traceparent for part in parts], measured)
         return Ran(model.name, model.version, await measured)
 
     async def infer_raw(self, raw: Raw) -> Answer:
@@ -438,7 +438,10 @@ class LocalEngine:
             )
             return Answer(model.name, model.version, headers, content)
 
-        return await self._measured(model, work)
+        measured = self._measured(model, work)
+        if tracing.tracer is not None:
+            measured = tracing.tracer.engine([raw.traceparent], measured)
+        return await measured
 
     async def _batched(
         self,

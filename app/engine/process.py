@@ -303,7 +303,15 @@ class EngineServer:
         if call.slot is not None:
             body = connection.slot(call.slot, call.length)
         answer = await self.engine.infer_raw(
-            Raw(call.name, call.version, body, call.header_length, call.client)
+            Raw(
+                call.name,
+                call.version,
+                body,
+                call.header_length,
+                call.client,
+                None,
+                call.traceparent,
+            )
         )
         content, headers = answer.encode()
         if call.slot is not None and len(content) <= call.slot.capacity:

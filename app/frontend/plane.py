@@ -229,7 +229,10 @@ class DataPlane:
                     raise ForwardToEngine
             except ForwardToEngine:
                 # It names shared-memory regions, which the engine holds: the body as it came.
-                raw = Raw(name, version, body, header_length, client, slot)
+                if trace is not None:
+                    trace.stage("engine call")
+                traceparent = None if trace is None else trace.traceparent
+                raw = Raw(name, version, body, header_length, client, slot, traceparent)
                 return await again_if_reloaded(partial(self.client.infer_raw, raw))
             except StokerError as error:
                 self._count(contract, error, started)

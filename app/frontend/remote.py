@@ -455,7 +455,9 @@ class RemoteEngine:
             place = wire.SlotRef(slot.offset, len(slot.view))
         else:
             payload = bytes(body)
-        call = wire.Infer(raw.name, raw.version, raw.header_length, raw.client, place, len(body))
+        call = wire.Infer(
+            raw.name, raw.version, raw.header_length, raw.client, place, len(body), raw.traceparent
+        )
         link = self._choose(raw.name, raw.version)
         number = link.request(call, payload)
         reply, data = await self._held(

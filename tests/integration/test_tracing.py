@@ -27,6 +27,7 @@ import onnx
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
+import tritonclient.utils.shared_memory as shm
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -34,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from bench.launch import free_port
 from tests.conftest import TINY_CONFIG, tiny_onnx
-from tests.integration.conftest import Server, start_server, stop_server
+from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 WAIT_S = 60.0
 
@@ -395,3 +396,59 @@ def test_off_without_otel_variables(tmp_path: Path) -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
     )
     assert out.stdout.split() == ["True", "False", "[]", "False"], out.stderr
+
+
+def test_a_request_the_engine_decodes_carries_its_trace_too(
+    traced: Traced, receiver: Receiver
+) -> None:
+    """A request naming shared-memory regions crosses as its body (``wire.Infer``): the
+    engine's spans still continue the front end's."""
+    tag = secrets.token_hex(4)
+    region = shm.create_shared_memory_region(f"out-{tag}", f"/stoker_trace_{tag}", 4096)
+    client = triton_http.InferenceServerClient(traced.server.address)
+    header, trace_id, _ = a_traceparent()
+    try:
+        client.register_system_shared_memory(f"out-{tag}", f"/stoker_trace_{tag}", 4096)
+        tensor = triton_http.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        y_out = triton_http.InferRequestedOutput("y")
+        y_out.set_shared_memory(f"out-{tag}", 3 * 4)
+        client.infer("tiny", [tensor], outputs=[y_out], headers={"traceparent": header})
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+        shm.destroy_shared_memory_region(region)
+
+    def complete(spans: list[Received]) -> bool:
+        return {"engine call", "engine", "batch"} <= {
+            s.name for s in spans if s.trace_id == trace_id
+        }
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    assert spans["engine"].parent_id == spans["engine call"].span_id
+    assert spans["engine"].resource["stoker.process"] == "engine"
+
+
+def test_tritons_metric_names_move_with_stokers_through_the_front_ends(traced: Traced) -> None:
+    """With front ends, ``/metrics`` is the engine's one set of totals, in both vocabularies."""
+
+    def both() -> tuple[float, float, float, float]:
+        found = metric_samples(traced.server)
+        labels = (("model", "tiny"), ("version", "fp32"))
+        return (
+            found[("nv_inference_request_success", labels)],
+            found[("stoker_inference_request_success_total", labels)],
+            found[("nv_inference_count", labels)],
+            found[("stoker_inference_count_total", labels)],
+        )
+
+    before = both()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            infer(client, traced.server, "tiny", {})
+    # Successes reach the engine's totals with the front ends' next poll.
+    wait_until(lambda: both()[1] - before[1], 3.0)
+    after = both()
+    assert after[0] == after[1] and after[2] == after[3] and after[2] - before[2] == 3
+    text = httpx.get(f"{traced.server.url}/metrics").text
+    assert "_created" not in text
