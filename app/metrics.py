@@ -26,7 +26,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_creat
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from app.counted import CountedHistogram, CountedSeries
+from app.counted import CountedHistogram
+from app.counted import CountedSeries as CountedSeries  # links.py reads it here
 from engines.devices import nvml
 
 LATENCY_BUCKETS = (
