@@ -254,12 +254,13 @@ STATE = Observed()
 """This process's settings: ``configure`` sets them up at its start."""
 
 
-def configure(level: str, rate: int, on: bool) -> None:
-    """This process's starting settings: the log settings of ``server.log_level``, tracing
-    at one in ``rate`` where ``on`` (else level OFF)."""
+def configure(level: str, rate: int, on: bool, traced: bool = True) -> None:
+    """This process's starting settings: the log settings of ``server.log_level``; where
+    tracing is ``on`` (an exporter is set up), one request in ``rate`` traced, or none until
+    the trace extension says so where not ``traced`` (level OFF)."""
     STATE.tracing = on
     STATE.trace = {
-        "trace_level": ["TIMESTAMPS"] if on else ["OFF"],
+        "trace_level": ["TIMESTAMPS"] if on and traced else ["OFF"],
         "trace_rate": str(rate),
         "trace_count": "-1",
         "log_frequency": "0",

@@ -116,7 +116,15 @@ def configure(process: str, log_level: str, environ: Mapping[str, str] = os.envi
                 missing.name,
             )
             on = False
-    observed.configure(log_level, rate, on and traced)
+    if on and process != "engine":  # said once, by the process that decides the sampling
+        log.info(
+            "tracing with OpenTelemetry: %s, one request in %d%s%s",
+            environ.get("OTEL_TRACES_EXPORTER") or "otlp",
+            rate,
+            ", and every one a client's traceparent samples" if parent else "",
+            "" if traced else " (off: OTEL_TRACES_SAMPLER)",
+        )
+    observed.configure(log_level, rate, on, traced)
 
 
 def shutdown() -> None:

@@ -151,6 +151,11 @@ def test_tracing_is_off_unless_an_exporter_or_endpoint_is_named() -> None:
         assert observed.STATE.trace["trace_level"] == ["TIMESTAMPS"]
         resource = tracing.tracer.provider.resource.attributes
         assert resource["stoker.process"] == "server" and resource["service.name"] == "stoker"
+        # Sampled off at the start, tracing can still be turned on at run time.
+        off = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "always_off"}
+        tracing.configure("server", "info", off)
+        assert observed.STATE.trace["trace_level"] == ["OFF"]
+        observed.STATE.update_trace(None, {"trace_level": ["TIMESTAMPS"]})
     finally:
         tracing.shutdown()
         tracing.configure("server", "info", {})
