@@ -27,7 +27,7 @@ COPY engines ./engines
 COPY zoo ./zoo
 COPY bench ./bench
 COPY docker/install.sh ./docker/install.sh
-RUN sh docker/install.sh /opt/stoker/venv /src default-model
+RUN sh docker/install.sh /opt/stoker/venv /src default-model,tracing
 COPY models /opt/stoker/models
 RUN /opt/stoker/venv/bin/stoker prepare --repository /opt/stoker/models --model efficientnet_lite0
 
@@ -75,7 +75,7 @@ COPY docker/install.sh ./docker/install.sh
 # The gpu extra: torch (a CUDA build with its own CUDA libraries), torchvision (nvJPEG),
 # cuda-python and NVML, for the torch backend, GPU decoding of uploads and the GPU gauges;
 # --system-site-packages keeps the base image's TensorRT Python bindings importable.
-RUN sh docker/install.sh /opt/stoker/venv /src default-model,gpu --system-site-packages
+RUN sh docker/install.sh /opt/stoker/venv /src default-model,gpu,tracing --system-site-packages
 
 FROM ${TENSORRT_IMAGE} AS gpu
 RUN groupadd --system --gid 10001 stoker \

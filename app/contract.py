@@ -250,6 +250,8 @@ class Part:
     arrived: float | None = None
     """When it arrived (``time.monotonic``): its deadline counts from there, decoding and
     the trip to the engine included."""
+    traceparent: str | None = None
+    """Its trace context where it is traced (``app.tracing``)."""
 
 
 @dataclass(frozen=True)
@@ -278,6 +280,8 @@ class Raw:
     header_length: int | None
     client: str
     slot: Slot | None = None
+    traceparent: str | None = None
+    """Its trace context where it is traced (``app.tracing``)."""
 
 
 @dataclass(frozen=True)

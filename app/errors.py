@@ -29,6 +29,13 @@ class Forbidden(StokerError):
     reason = "forbidden"
 
 
+class NotImplementedHere(StokerError):
+    """A Triton extension Stoker does not implement (gRPC's UNIMPLEMENTED)."""
+
+    status = 501
+    reason = "unsupported"
+
+
 class NotFound(StokerError):
     status = 404
     reason = "not_found"

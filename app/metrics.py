@@ -1,27 +1,33 @@
 """Every metric Stoker exports, declared once.
 
-Names follow Triton's vocabulary (request, queue, compute input/infer/output, inference and
-execution counts, pending requests) so existing habits carry over, but latencies are
-histograms in seconds. Labels: ``model`` and ``version`` (the precision). One process per GPU,
-so the default registry suffices.
+Stoker's own ``stoker_*`` names follow Triton's vocabulary (request, queue, compute
+input/infer/output, inference and execution counts, pending requests) but latencies are
+histograms in seconds. Beside them, Triton's own ``nv_*`` names, as Triton exports them
+(cumulative counters in microseconds, failures by Triton's reasons, GPU gauges by
+``gpu_uuid``), so a Triton dashboard, alert or autoscaling rule works unchanged. Labels:
+``model`` and ``version`` (the precision). One process per GPU, so the default registry
+suffices; prometheus-client's ``_created`` series are off (they doubled the exposition).
 
 ``ModelMetrics`` is the typed call site: it updates the Prometheus series and the plain
-totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree.
+totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree; the ``nv_*``
+series are read from those same totals at scrape time (``TritonCollector``), so they move
+with the ``stoker_*`` ones and cost the request path nothing.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from app.counted import CountedHistogram
+from app.counted import CountedSeries as CountedSeries  # links.py reads it here
 from engines.devices import nvml
 
 LATENCY_BUCKETS = (
@@ -31,82 +37,7 @@ LATENCY_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 LABELS = ("model", "version")
 
-
-class CountedHistogram(Collector):
-    """A labelled histogram whose ``observe`` takes a count: the requests of one batch share
-    its compute times, so a batch of n requests is one observation of weight n, not n calls
-    (per-request Python is what bounds the engine process). Exposed like a Prometheus
-    histogram: ``_bucket``, ``_sum``, ``_count``."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self.labelnames = labelnames
-        self.bounds = (*buckets, float("inf"))
-        self._series: dict[tuple[str, ...], CountedSeries] = {}
-        self._lock = threading.Lock()
-        REGISTRY.register(self)
-
-    def labels(self, *values: str) -> CountedSeries:
-        with self._lock:
-            series = self._series.get(values)
-            if series is None:
-                series = self._series[values] = CountedSeries(self.bounds)
-            return series
-
-    def remove(self, *values: str) -> None:
-        """Drop one label set (a model version that was unloaded)."""
-        with self._lock:
-            self._series.pop(values, None)
-
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
-        with self._lock:
-            series = list(self._series.items())
-        for values, one in series:
-            counts, total = one.snapshot()
-            cumulative, buckets = 0.0, []
-            for bound, count in zip(self.bounds, counts, strict=True):
-                cumulative += count
-                buckets.append(
-                    ("+Inf" if bound == float("inf") else repr(float(bound)), cumulative)
-                )
-            family.add_metric(list(values), buckets, total)
-        yield family
-
-
-class CountedSeries:
-    """One label set of a ``CountedHistogram``."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._bounds = bounds
-        self._counts = [0] * len(bounds)
-        self._sum = 0.0
-        self._lock = threading.Lock()
-
-    def observe(self, value: float, times: int = 1) -> None:
-        at = bisect.bisect_left(self._bounds, value)
-        with self._lock:
-            self._counts[at] += times
-            self._sum += value * times
-
-    def snapshot(self) -> tuple[list[int], float]:
-        with self._lock:
-            return list(self._counts), self._sum
-
-    def merge(self, counts: list[int], total: float) -> None:
-        """Add another series' observations (``snapshot`` of one with the same bounds)."""
-        if len(counts) != len(self._counts):
-            raise ValueError(f"{len(counts)} buckets for a series of {len(self._counts)}")
-        with self._lock:
-            for i, count in enumerate(counts):
-                self._counts[i] += int(count)
-            self._sum += float(total)
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 def request_durations() -> CountedSeries:
@@ -261,27 +192,51 @@ GPU_METRICS: dict[str, str] = {
 }
 
 
+# Triton's GPU gauges, labelled ``gpu_uuid`` as Triton's are, from the same NVML sample.
+TRITON_GPU_METRICS: dict[str, str] = {
+    "nv_gpu_utilization": "GPU utilization rate [0.0 - 1.0) (Triton's name).",
+    "nv_gpu_memory_used_bytes": "GPU used memory, in bytes (Triton's name).",
+    "nv_gpu_memory_total_bytes": "GPU total memory, in bytes (Triton's name).",
+    "nv_gpu_power_usage": "GPU power usage in watts (Triton's name).",
+}
+
+
 class GpuCollector(Collector):
-    """Yields the GPU gauges from a fresh NVML sample on each scrape; on a machine without
-    a GPU the metrics are declared with no series."""
+    """Yields the GPU gauges, Stoker's and Triton's, from one fresh NVML sample on each
+    scrape; on a machine without a GPU the metrics are declared with no series."""
 
     def __init__(self, source: Callable[[], list[nvml.GpuSample]]) -> None:
         self._source = source
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
-        for name, documentation in GPU_METRICS.items():
-            yield GaugeMetricFamily(name, documentation, labels=["gpu"])
-
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def _families(self) -> dict[str, GaugeMetricFamily]:
         families = {
             name: GaugeMetricFamily(name, doc, labels=["gpu"]) for name, doc in GPU_METRICS.items()
         }
+        for name, doc in TRITON_GPU_METRICS.items():
+            families[name] = GaugeMetricFamily(name, doc, labels=["gpu_uuid"])
+        return families
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield from self._families().values()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = self._families()
         for gpu in self._source():
-            label = [str(gpu.index)]
-            families["stoker_gpu_utilization_ratio"].add_metric(label, gpu.utilization)
-            families["stoker_gpu_memory_used_bytes"].add_metric(label, gpu.memory_used_bytes)
-            families["stoker_gpu_memory_total_bytes"].add_metric(label, gpu.memory_total_bytes)
-            families["stoker_gpu_power_watts"].add_metric(label, gpu.power_watts)
+            label, uuid = [str(gpu.index)], [gpu.uuid or str(gpu.index)]
+            for (ours, triton), value in (
+                (("stoker_gpu_utilization_ratio", "nv_gpu_utilization"), gpu.utilization),
+                (
+                    ("stoker_gpu_memory_used_bytes", "nv_gpu_memory_used_bytes"),
+                    gpu.memory_used_bytes,
+                ),
+                (
+                    ("stoker_gpu_memory_total_bytes", "nv_gpu_memory_total_bytes"),
+                    gpu.memory_total_bytes,
+                ),
+                (("stoker_gpu_power_watts", "nv_gpu_power_usage"), gpu.power_watts),
+            ):
+                families[ours].add_metric(label, value)
+                families[triton].add_metric(uuid, value)
         yield from families.values()
 
 
@@ -330,9 +285,12 @@ class ModelMetrics:
     execution_count: int = 0
     last_inference_ms: int = 0
     batch_stats: dict[int, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    """Failed requests by Stoker's reason (``nv_inference_request_failure`` reads them)."""
 
     def __post_init__(self) -> None:
         labels = (self.model, self.version)
+        _LIVE[labels] = self
         self._success = REQUEST_SUCCESS.labels(*labels)
         self._inference_count = INFERENCE_COUNT.labels(*labels)
         self._exec_count = EXECUTION_COUNT.labels(*labels)
@@ -366,6 +324,8 @@ class ModelMetrics:
         """Remove every series of this model version from the registry (it was unloaded):
         a dashboard then shows it gone, not frozen at its last values."""
         labels = (self.model, self.version)
+        if _LIVE.get(labels) is self:
+            del _LIVE[labels]
         for metric in (
             REQUEST_SUCCESS,
             INFERENCE_COUNT,
@@ -420,6 +380,7 @@ class ModelMetrics:
         self._reasons.add(reason)
         REQUEST_FAILURE.labels(self.model, self.version, reason).inc(times)
         self.fail.add(seconds, times)
+        self.failures[reason] = self.failures.get(reason, 0) + times
 
     def images_decoded(self, where: str, count: int) -> None:
         """``count`` images decoded on the ``gpu``, the engine's ``cpu``, or by the
@@ -445,8 +406,11 @@ class ModelMetrics:
         and executing requests) at scrape time: one count, never a second copy of it. While
         a reload switches, the old batcher's and the new one's are added up."""
         self._pending_sources.append(source)
-        sources = self._pending_sources
-        self._pending.set_function(lambda: sum(count() for count in sources))
+        self._pending.set_function(self.pending)
+
+    def pending(self) -> int:
+        """Requests queued or executing in this version's batchers now."""
+        return sum(count() for count in self._pending_sources)
 
     def stop_counting(self, source: Callable[[], int]) -> None:
         """A batcher that closed: the gauge no longer reads it."""
@@ -489,3 +453,77 @@ class ModelMetrics:
                 for size, count in sorted(self.batch_stats.items())
             ],
         }
+
+
+_LIVE: dict[tuple[str, str], ModelMetrics] = {}
+"""The model versions whose series are exported, by (model, version)."""
+
+TRITON_REASONS = {"rejected": "REJECTED", "cancelled": "CANCELED", "backend": "BACKEND"}
+"""Stoker's failure reasons as Triton names them; every other one is Triton's OTHER."""
+
+
+class TritonCollector(Collector):
+    """Triton's per-model series, read at scrape time from each live ``ModelMetrics``' plain
+    totals (the ones its statistics extension reports), so they move with the ``stoker_*``
+    series and the request path pays nothing for them. As Triton has them: counters under
+    their bare names (no ``_total``), durations cumulative in microseconds."""
+
+    COUNTERS: ClassVar[dict[str, str]] = {
+        "nv_inference_request_success": "Number of successful inference requests, all batch sizes.",
+        "nv_inference_request_failure": "Number of failed inference requests, all batch sizes, "
+        "by Triton's reason (REJECTED, CANCELED, BACKEND, OTHER).",
+        "nv_inference_count": "Number of inferences performed (rows).",
+        "nv_inference_exec_count": "Number of model executions performed (batches).",
+        "nv_inference_request_duration_us": "Cumulative inference request duration in "
+        "microseconds (successful requests).",
+        "nv_inference_queue_duration_us": "Cumulative inference queuing duration in microseconds.",
+        "nv_inference_compute_input_duration_us": "Cumulative compute input duration in "
+        "microseconds.",
+        "nv_inference_compute_infer_duration_us": "Cumulative compute inference duration in "
+        "microseconds.",
+        "nv_inference_compute_output_duration_us": "Cumulative inference compute output "
+        "duration in microseconds.",
+    }
+    PENDING = "nv_inference_pending_request_count"
+
+    def describe(self) -> Iterator[Metric]:
+        return self._empty()
+
+    def _empty(self) -> Iterator[Metric]:
+        for name, documentation in self.COUNTERS.items():
+            yield Metric(name, documentation, "counter")
+        yield Metric(
+            self.PENDING,
+            "Instantaneous number of pending requests awaiting execution per-model.",
+            "gauge",
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        families = {family.name: family for family in self._empty()}
+
+        def add(name: str, labels: dict[str, str], value: float) -> None:
+            families[name].add_sample(name, labels, value)
+
+        for (model, version), m in list(_LIVE.items()):
+            labels = {"model": model, "version": version}
+            add("nv_inference_request_success", labels, m.success.count)
+            failed = dict.fromkeys(("REJECTED", "CANCELED", "BACKEND", "OTHER"), 0)
+            for reason, count in list(m.failures.items()):
+                failed[TRITON_REASONS.get(reason, "OTHER")] += count
+            for reason, count in failed.items():
+                add("nv_inference_request_failure", {**labels, "reason": reason}, count)
+            add("nv_inference_count", labels, m.inference_count)
+            add("nv_inference_exec_count", labels, m.execution_count)
+            for name, duration in (
+                ("request", m.success),
+                ("queue", m.queue),
+                ("compute_input", m.compute_input),
+                ("compute_infer", m.compute_infer),
+                ("compute_output", m.compute_output),
+            ):
+                add(f"nv_inference_{name}_duration_us", labels, duration.ns // 1000)
+            add(self.PENDING, labels, m.pending())
+        yield from families.values()
+
+
+REGISTRY.register(TritonCollector())

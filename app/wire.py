@@ -41,6 +41,8 @@ class Op(enum.StrEnum):
     SHM_REGISTER = "shm_register"
     SHM_UNREGISTER = "shm_unregister"
     SHM_STATUS = "shm_status"
+    TRACE_SETTINGS = "trace_settings"
+    LOG_SETTINGS = "log_settings"
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -151,6 +153,9 @@ class RunItem(msgspec.Struct, frozen=True, array_like=True):
     rows: int
     outputs: tuple[Wanted, ...]
     slot: SlotRef | None = None
+    traceparent: str | None = None
+    """Where the request is traced: the W3C context of its front end's ``engine call`` span,
+    which the engine's spans continue (``app.tracing``)."""
 
 
 class Run(_Message, frozen=True, tag=Op.RUN.value):
@@ -180,6 +185,8 @@ class Infer(_Message, frozen=True, tag=Op.INFER.value):
     client: str
     slot: SlotRef | None = None
     length: int = 0
+    traceparent: str | None = None
+    """As ``RunItem.traceparent``."""
 
 
 class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
@@ -255,6 +262,21 @@ class ShmStatus(_Message, frozen=True, tag=Op.SHM_STATUS.value):
     name: str | None = None
 
 
+class TraceSettings(_Message, frozen=True, tag=Op.TRACE_SETTINGS.value):
+    """Triton's trace settings, global or ``model``'s, changed by ``update`` (None: read);
+    answered with a ``Value``: every setting as ``app.observed`` snapshots it."""
+
+    model: str | None = None
+    update: dict[str, Any] | None = None
+
+
+class LogSettings(_Message, frozen=True, tag=Op.LOG_SETTINGS.value):
+    """Triton's log settings, changed by ``update`` (None: read); answered as
+    ``TraceSettings`` is."""
+
+    update: dict[str, Any] | None = None
+
+
 Call = (
     Hello
     | Cancel
@@ -274,6 +296,8 @@ Call = (
     | ShmRegister
     | ShmUnregister
     | ShmStatus
+    | TraceSettings
+    | LogSettings
 )
 
 # -- replies -------------------------------------------------------------------------------
@@ -310,6 +334,9 @@ class EngineState(_Reply, frozen=True, tag="state"):
     generation: int = 0
     """Moves whenever a model is loaded, reloaded or unloaded: a front end then drops the
     contracts it cached from this engine."""
+    observed: dict[str, Any] | None = None
+    """The trace and log settings it runs with (``app.observed``'s snapshot): a front end
+    adopts them where they are newer than its own."""
 
 
 GONE = EngineState(alive=False, ready=False, queued=0, serving=())

@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,8 @@ class Pending:
     requests: int = 1
     """Client requests it stands for (a front end gathers several into one entry): what the
     queue bound, the pending gauge and the per-request metrics count."""
+    traced: tuple[Any, ...] = ()
+    """The ``engine`` spans of its traced requests (``app.tracing``)."""
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline

@@ -22,6 +22,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from app import tracing
 from app.engine.batch import Batch, Pending, Tensors, expire, run_batch
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching
@@ -150,6 +151,8 @@ class Batcher:
             work=sum(int(np.size(value)) for block in blocks for value in block.values()),
             requests=requests,
         )
+        if tracing.tracer is not None:
+            pending.traced = tracing.FRAME.get()
         self._admit_rows(rows, client)
         pending.start = max(self._finish.get(client, 0.0), self._virtual)
         self._finish[client] = pending.start + rows
@@ -316,6 +319,7 @@ class Batcher:
 
     async def _execute(self, runner: Runner, batch: Batch) -> None:
         requests = batch.requests
+        traced = None if tracing.tracer is None else tracing.tracer.batch(requests, batch.rows)
         try:
             outputs, times = await self._pool.call(
                 lambda: run_batch(
@@ -323,6 +327,8 @@ class Batcher:
                 )
             )
         except Exception as exc:
+            if traced is not None:
+                traced.failed(exc)
             log.error(
                 "model %s: a batch of %d rows failed: %s: %s",
                 self._metrics.model,
@@ -346,6 +352,8 @@ class Batcher:
         else:
             times.requests = sum(p.requests for p in requests)
             self._metrics.batch_executed(times)
+            if traced is not None:
+                traced.ran(times)
             seconds = times.compute_input + times.compute_infer + times.compute_output
             work = sum(p.work for p in requests)
             if seconds > 0 and work > 0:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 from prometheus_client import generate_latest
 
+from app import observed, tracing
 from app.contract import (
     Answer,
     Classified,
@@ -263,6 +264,22 @@ class LocalEngine:
         """The Prometheus exposition of this process."""
         return generate_latest()
 
+    async def trace_settings(
+        self, model: str | None = None, update: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Triton's trace settings in force, globally or for ``model``, after ``update``."""
+        if model and not self.models.versions(model):
+            self.models.get(model)  # raises: 404 unknown, 503 loading or refused
+        if update is None:
+            return observed.STATE.trace_settings(model)
+        return observed.STATE.update_trace(model, update)
+
+    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's log settings, after ``update`` (applied to this process's loggers)."""
+        if update is None:
+            return dict(observed.STATE.log)
+        return observed.STATE.update_log(update)
+
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.regions.register(name, key, offset, byte_size)
 
@@ -378,8 +395,10 @@ class LocalEngine:
                 answers.append([(out, shape_output(model, out, mine)) for out in part.wanted])
             return answers
 
-        answered = await self._measured(model, work, len(parts), timed=False)
-        return Ran(model.name, model.version, answered)
+        measured = self._measured(model, work, len(parts), timed=False)
+        if tracing.tracer is not None:
+            measured = tracing.tracer.engine([part.traceparent for part in parts], measured)
+        return Ran(model.name, model.version, await measured)
 
     async def infer_raw(self, raw: Raw) -> Answer:
         """A V2 body that names shared-memory regions, decoded here where the regions are
@@ -417,7 +436,10 @@ class LocalEngine:
             )
             return Answer(model.name, model.version, headers, content)
 
-        return await self._measured(model, work)
+        measured = self._measured(model, work)
+        if tracing.tracer is not None:
+            measured = tracing.tracer.engine([raw.traceparent], measured)
+        return await measured
 
     async def _batched(
         self,

@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from app import wire
+from app import observed, tracing, wire
 from app.channel import ChannelClosed, FrameTooLarge, Sender, receive
 from app.child import profiled, supervised, watch_loading
 from app.contract import Frame, Part, Raw, Uploads
@@ -166,6 +166,8 @@ class EngineServer:
             wire.ShmRegister: self._shm_register,
             wire.ShmUnregister: self._shm_unregister,
             wire.ShmStatus: self._shm_status,
+            wire.TraceSettings: self._trace_settings,
+            wire.LogSettings: self._log_settings,
         }
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -252,7 +254,12 @@ class EngineServer:
             self.on_fault()
         serving = tuple(wire.Serving(*served) for served in engine.serving())
         state = wire.EngineState(
-            engine.alive, engine.ready, engine.queued_requests(), serving, engine.generation
+            engine.alive,
+            engine.ready,
+            engine.queued_requests(),
+            serving,
+            engine.generation,
+            observed.STATE.snapshot(),
         )
         return state, b""
 
@@ -275,7 +282,9 @@ class EngineServer:
                 for t in item.inputs
             }
             wanted = [RequestedOutput(o.name, True, o.classification) for o in item.outputs]
-            parts.append(Part(inputs, item.rows, wanted, arrived=arrived))
+            parts.append(
+                Part(inputs, item.rows, wanted, arrived=arrived, traceparent=item.traceparent)
+            )
         frame = Frame(
             call.name, call.version, parts, call.timeout_us, call.priority, call.client, call.serial
         )
@@ -308,7 +317,15 @@ class EngineServer:
         if call.slot is not None:
             body = connection.slot(call.slot, call.length)
         answer = await self.engine.infer_raw(
-            Raw(call.name, call.version, body, call.header_length, call.client)
+            Raw(
+                call.name,
+                call.version,
+                body,
+                call.header_length,
+                call.client,
+                None,
+                call.traceparent,
+            )
         )
         content, headers = answer.encode()
         if call.slot is not None and len(content) <= call.slot.capacity:
@@ -388,6 +405,18 @@ class EngineServer:
     async def _shm_status(self, connection: Connection, call: wire.ShmStatus, _: bytes) -> Handled:
         return wire.Value(await self.engine.shm_status(call.name)), b""
 
+    async def _trace_settings(
+        self, connection: Connection, call: wire.TraceSettings, _: bytes
+    ) -> Handled:
+        await self.engine.trace_settings(call.model, call.update)
+        return wire.Value(observed.STATE.snapshot()), b""
+
+    async def _log_settings(
+        self, connection: Connection, call: wire.LogSettings, _: bytes
+    ) -> Handled:
+        await self.engine.log_settings(call.update)
+        return wire.Value(observed.STATE.snapshot()), b""
+
 
 async def run(settings: Settings, control: Path, one_device: bool = False) -> int:
     """Serve the engine on ``control`` until SIGTERM (then drain) or a loading failure;
@@ -436,6 +465,7 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
         await hung_up(channel, 5.0)  # the front ends are sending their last answers
     server.close()
     await engine.stop()
+    await asyncio.to_thread(tracing.shutdown)
     await asyncio.to_thread(control.unlink, missing_ok=True)
     return 1 if failed else 0
 
@@ -475,6 +505,7 @@ def main(settings: Settings, control: str, gpu: int | None = None) -> None:
         "%(name)s: %(message)s",
     )
     one_device = gpu is not None
+    tracing.configure("engine", settings.server.log_level)
     profile = os.environ.get("STOKER_ENGINE_PROFILE")
     if os.environ.get("STOKER_PROFILE_DIR"):
         which = "engine.pstats" if gpu is None else f"engine-gpu{gpu}.pstats"

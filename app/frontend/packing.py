@@ -59,7 +59,7 @@ def run_call(frame: Frame) -> tuple[wire.Run, bytes]:
             payloads.append(payload)
             base += len(payload)
         wanted = tuple(wire.Wanted(o.name, o.classification) for o in part.wanted)
-        items.append(wire.RunItem(tuple(described), part.rows, wanted, slot))
+        items.append(wire.RunItem(tuple(described), part.rows, wanted, slot, part.traceparent))
     arrivals = [part.arrived for part in frame.parts if part.arrived is not None]
     spent = int((time.monotonic() - min(arrivals)) * 1e6) if arrivals else 0
     call = wire.Run(

@@ -20,6 +20,7 @@ from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
+from app import tracing
 from app.contract import (
     ENGINE_REGIONS,
     Answer,
@@ -224,6 +225,16 @@ class DataPlane:
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return await self.client.shm_status(name)
 
+    async def trace_settings(
+        self, model: str | None = None, update: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Triton's trace settings (``app.observed``), in every process."""
+        return await self.client.trace_settings(model, update)
+
+    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Triton's log settings, applied in every process (the engines' too)."""
+        return await self.client.log_settings(update)
+
     def body_buffer(
         self, declared: int | None, client: str = ""
     ) -> AbstractAsyncContextManager[Slot | None]:
@@ -258,6 +269,7 @@ class DataPlane:
         decoded against a contract that a reload replaced meanwhile is checked against the
         new one and sent again, once."""
         arrived = time.monotonic()
+        trace = None if tracing.tracer is None else tracing.tracer.request(name)
         contract = await self.client.contract(name, version)
         started = time.perf_counter()
         with self.drain_state.in_flight():
@@ -279,13 +291,21 @@ class DataPlane:
                     raise ForwardToEngine
             except ForwardToEngine:
                 # It names shared-memory regions, which the engine holds: the body as it came.
-                raw = Raw(name, version, body, header_length, client, slot)
+                if trace is not None:
+                    trace.stage("engine call")
+                traceparent = None if trace is None else trace.traceparent
+                raw = Raw(name, version, body, header_length, client, slot, traceparent)
                 return await again_if_reloaded(partial(self.client.infer_raw, raw))
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
             request = decoded.request
-            part = Part(request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived)
+            if trace is not None:
+                trace.stage("engine call")
+            traceparent = None if trace is None else trace.traceparent
+            part = Part(
+                request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived, traceparent
+            )
             schedule = (request.timeout_us, request.priority, client)
             try:
                 try:
@@ -297,11 +317,21 @@ class DataPlane:
                     # remote client may have copied its tensors over it in its slot.
                     contract = await self.client.contract(name, version)
                     again = checked(contract, request)
-                    part = Part(request.inputs, again.rows, again.wanted, slot, len(body), arrived)
+                    part = Part(
+                        request.inputs,
+                        again.rows,
+                        again.wanted,
+                        slot,
+                        len(body),
+                        arrived,
+                        traceparent,
+                    )
                     ran, shaped = await self.gatherer.run(contract, part, *schedule)
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
+            if trace is not None:
+                trace.stage("encode and write")
             content, headers = encode_response(ran.model, ran.version, request.id, shaped)
             self.client.request_timed(
                 ran.model, ran.version, time.perf_counter() - started, ran.engine

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from app import wire
+from app import observed, wire
 from app.channel import ChannelClosed
 from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads
 from app.errors import Reloaded, StokerError
@@ -187,7 +187,9 @@ class RemoteEngine:
         return connected(self._links)
 
     async def _engine_state(self, link: EngineLink, call: wire.State) -> wire.EngineState:
-        return await link.call(call, wire.EngineState)
+        state = await link.call(call, wire.EngineState)
+        observed.STATE.adopt(state.observed)  # a change another front end made
+        return state
 
     async def _value(
         self, call: wire.Call, name: str | None = None, version: str | None = None
@@ -291,6 +293,23 @@ class RemoteEngine:
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         value: list[dict[str, object]] = await self._value(wire.ShmStatus(name))
         return value
+
+    async def trace_settings(
+        self, model: str | None = None, update: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Changed by every engine; adopted here at once (by the other front ends with
+        their next poll)."""
+        await self._observe(wire.TraceSettings(model, update))
+        return observed.STATE.trace_settings(model)
+
+    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
+        await self._observe(wire.LogSettings(update))
+        return dict(observed.STATE.log)
+
+    async def _observe(self, call: wire.TraceSettings | wire.LogSettings) -> None:
+        answers = await ask_every(self._connected(), call, wire.Value)
+        for _, reply, _ in answers:
+            observed.STATE.adopt(reply.value)
 
     # -- what the data plane measured: reported with the next poll
 
@@ -436,7 +455,9 @@ class RemoteEngine:
             place = wire.SlotRef(slot.offset, len(slot.view))
         else:
             payload = bytes(body)
-        call = wire.Infer(raw.name, raw.version, raw.header_length, raw.client, place, len(body))
+        call = wire.Infer(
+            raw.name, raw.version, raw.header_length, raw.client, place, len(body), raw.traceparent
+        )
         link = self._choose(raw.name, raw.version)
         number = link.request(call, payload)
         reply, data = await self._held(

@@ -49,6 +49,8 @@ EXTENSIONS = [
     "statistics",
     "model_repository",
     "system_shared_memory",
+    "trace",
+    "logging",
 ]
 
 

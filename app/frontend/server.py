@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import __version__
+from app import __version__, tracing
 from app.child import watch_loading
 from app.errors import (
     BadRequest,
@@ -26,6 +26,7 @@ from app.errors import (
     Unavailable,
     client_text,
 )
+from app.frontend import observability
 from app.frontend.auth import ApiKeys
 from app.frontend.browser import BrowserGuard, HostPolicy
 from app.frontend.http_limits import Saturation
@@ -302,6 +303,7 @@ def create_app(
                 loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)
             await plane.stop()
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="Stoker",
@@ -312,6 +314,7 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(router)
+    app.include_router(observability.router)
     # The caps' fullness, for readiness: the server's connection cap and BodyLimit note here.
     saturation = Saturation(settings.limits.saturated_after_s)
     app.state.saturation = saturation
@@ -336,6 +339,9 @@ def create_app(
     server = settings.server
     hosts = HostPolicy.of(server.allowed_hosts, server.host, bool(keys))
     app.add_middleware(BrowserGuard, hosts=hosts, origins=None if keys else server.allowed_origins)
+    tracing.configure("front-end" if make_plane else "server", server.log_level)
+    if tracing.tracer is not None:  # outermost: a request's span begins at its arrival
+        app.add_middleware(observability.TraceRequests)
     if keys:
         log.info(
             "API keys required (%d configured); open: health%s",

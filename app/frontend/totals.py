@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector
 def labelled_metrics(texts: Sequence[tuple[str, bytes]]) -> bytes:
     """Several engine processes' ``/metrics`` as one exposition: every sample gains a ``gpu``
     label naming its engine's GPU, and each family is written once with every engine's
-    samples. A sample that already names a GPU (the NVML gauges, which every engine process
-    reads for every GPU of the machine) is kept once."""
+    samples. A sample that already names a GPU (the NVML gauges by ``gpu`` or, Triton's, by
+    ``gpu_uuid``: every engine process reads every GPU of the machine) is kept once."""
     families: dict[str, Metric] = {}
     seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
     for gpu, text in texts:
@@ -32,7 +32,7 @@ def labelled_metrics(texts: Sequence[tuple[str, bytes]]) -> bytes:
                 families[family.name] = merged
             for sample in family.samples:
                 labels = dict(sample.labels)
-                if "gpu" in labels:
+                if "gpu" in labels or "gpu_uuid" in labels:
                     key = (sample.name, tuple(sorted(labels.items())))
                     if key in seen:
                         continue

@@ -25,6 +25,8 @@ class GpuSample:
     memory_used_bytes: int
     memory_total_bytes: int
     power_watts: float
+    uuid: str = ""
+    """NVML's UUID of the GPU (``GPU-...``): Triton labels its GPU gauges by it."""
 
 
 class Nvml:
@@ -61,6 +63,7 @@ class Nvml:
                     utilization = nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
                     memory = nvml.nvmlDeviceGetMemoryInfo(handle)
                     power = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0  # milliwatts
+                    uuid = nvml.nvmlDeviceGetUUID(handle)
                 except Exception as exc:  # one GPU's failure must not hide the others
                     log.warning("NVML: GPU %d could not be read: %s", index, exc)
                     continue
@@ -72,6 +75,7 @@ class Nvml:
                         memory_used_bytes=int(memory.used),
                         memory_total_bytes=int(memory.total),
                         power_watts=float(power),
+                        uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
                     )
                 )
             return samples

@@ -112,6 +112,13 @@ def test_prometheus_scrapes_stoker_and_answers_the_p99(server: Server, prometheu
     assert 0 < p99 < 1.0, p99
     rows = wait_for_value(prometheus, 'sum(rate(stoker_inference_count_total{model="tiny"}[1m]))')
     assert rows > 0
+    # Triton's names, as a Triton dashboard asks for them: the mean request time in us.
+    triton = wait_for_value(
+        prometheus,
+        'sum(rate(nv_inference_request_duration_us{model="tiny"}[1m])) / '
+        'sum(rate(nv_inference_request_success{model="tiny"}[1m]))',
+    )
+    assert 0 < triton < 1e6, triton
     # The HPA's signal, as prometheus-adapter would ask for it.
     queue = wait_for_value(prometheus, adapter_query())
     assert 0 <= queue < 1.0

@@ -477,8 +477,12 @@ def test_errors_carry_tritons_codes_and_no_traceback(served: GrpcServer) -> None
         (lambda: client.get_cuda_shared_memory_status(), "UNIMPLEMENTED"),
         # models.control is none here: refused as HTTP refuses it (400 "model control is off").
         (lambda: client.load_model("tiny"), "INVALID_ARGUMENT"),
-        (lambda: client.get_trace_settings(), "UNIMPLEMENTED"),
-        (lambda: client.get_log_settings(), "UNIMPLEMENTED"),
+        # No OTEL_* variables: nothing to trace with, said as such.
+        (
+            lambda: client.update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]}),
+            "INVALID_ARGUMENT",
+        ),
+        (lambda: client.update_log_settings({"log_file": "/tmp/stoker.log"}), "INVALID_ARGUMENT"),
     ]
     for call, code in cases:
         with pytest.raises(InferenceServerException) as failed:

@@ -131,7 +131,7 @@ def test_default_model_is_prepared_at_build_time() -> None:
     assert any("docker/install.sh" in run for run in runs)
     gpu_runs = [rest for keyword, rest in dockerfile_stages()["gpu-build"] if keyword == "RUN"]
     (install,) = [shlex.split(run) for run in gpu_runs if "docker/install.sh" in run]
-    assert install[4].split(",") == ["default-model", "gpu"], "one install script for both"
+    assert install[4].split(",") == ["default-model", "gpu", "tracing"], "one install script"
     with (ROOT / "pyproject.toml").open("rb") as file:
         extras = tomllib.load(file)["project"]["optional-dependencies"]
     assert {"torch", "cuda-python", "nvidia-ml-py"} <= {

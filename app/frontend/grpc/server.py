@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2
 
+from app import tracing
 from app.errors import client_text
 from app.frontend.auth import KeyRing, presented_key
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
@@ -140,7 +141,12 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     """The gRPC server on ``server.grpc_port``, started; raises if the port cannot be bound."""
     keys = KeyRing(settings.auth.keys())
     options = core_options(settings)
-    server = grpc.aio.server(interceptors=[KeyCheck(keys)] if keys else [], options=options)
+    interceptors: list[grpc.aio.ServerInterceptor] = [KeyCheck(keys)] if keys else []
+    if tracing.tracer is not None:
+        from app.frontend.grpc.tracing import TraceCalls
+
+        interceptors.append(TraceCalls())
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     limits = CallLimits(settings.limits)
     service = InferenceService(plane, settings.limits.max_body_bytes, limits)
     for name, served in [

@@ -230,11 +230,38 @@ class InferenceService:
     ) -> NoReturn:
         await unimplemented(context, "CUDA shared memory: use system shared memory")
 
-    async def TraceSetting(self, request: pb.TraceSettingRequest, context: Context) -> NoReturn:
-        await unimplemented(context, "tracing")
+    @answered
+    async def TraceSetting(
+        self, request: pb.TraceSettingRequest, context: Context
+    ) -> pb.TraceSettingResponse:
+        """Triton's trace settings (``app.observed``): a setting sent without values drops
+        a model's override of it."""
+        update = {key: list(value.value) or None for key, value in request.settings.items()}
+        settings = await self.plane.trace_settings(request.model_name or None, update or None)
+        answer = pb.TraceSettingResponse()
+        for key, value in settings.items():
+            answer.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return answer
 
-    async def LogSettings(self, request: pb.LogSettingsRequest, context: Context) -> NoReturn:
-        await unimplemented(context, "log settings: set server.log_level")
+    @answered
+    async def LogSettings(
+        self, request: pb.LogSettingsRequest, context: Context
+    ) -> pb.LogSettingsResponse:
+        update = {}
+        for key, value in request.settings.items():
+            which = value.WhichOneof("parameter_choice")
+            update[key] = None if which is None else getattr(value, which)
+        settings = await self.plane.log_settings(update or None)
+        answer = pb.LogSettingsResponse()
+        for key, setting in settings.items():
+            into = answer.settings[key]
+            if isinstance(setting, bool):
+                into.bool_param = setting
+            elif isinstance(setting, int):
+                into.uint32_param = setting
+            else:
+                into.string_param = str(setting)
+        return answer
 
     # -- inference ----------------------------------------------------------------------
     # Requests and answers are protobuf's wire bytes here (``codec.read_request``): tensors

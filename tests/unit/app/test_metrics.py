@@ -22,6 +22,7 @@ from app.metrics import (
     BATCH_BUCKETS,
     GPU_METRICS,
     LATENCY_BUCKETS,
+    TRITON_GPU_METRICS,
     BatchTimes,
     GpuCollector,
     ModelMetrics,
@@ -234,13 +235,14 @@ def test_gpu_gauges_come_from_a_fresh_sample_at_each_scrape() -> None:
     def source() -> list[GpuSample]:
         n = next(readings)
         return [
-            GpuSample(0, "A", 0.25 + n / 100, 1 << 30, 80 << 30, 300.5),
-            GpuSample(1, "B", 1.0, 2 << 30, 80 << 30, 120.0),
+            GpuSample(0, "A", 0.25 + n / 100, 1 << 30, 80 << 30, 300.5, "GPU-a"),
+            GpuSample(1, "B", 1.0, 2 << 30, 80 << 30, 120.0, "GPU-b"),
         ]
 
     registry = CollectorRegistry()
     registry.register(GpuCollector(source))
-    first = {(s.name, s.labels["gpu"]): s.value for s in scrape(registry)}
+    samples = scrape(registry)
+    first = {(s.name, s.labels["gpu"]): s.value for s in samples if "gpu" in s.labels}
     assert first == {
         ("stoker_gpu_utilization_ratio", "0"): 0.25,
         ("stoker_gpu_utilization_ratio", "1"): 1.0,
@@ -251,7 +253,19 @@ def test_gpu_gauges_come_from_a_fresh_sample_at_each_scrape() -> None:
         ("stoker_gpu_power_watts", "0"): 300.5,
         ("stoker_gpu_power_watts", "1"): 120.0,
     }
-    second = {(s.name, s.labels["gpu"]): s.value for s in scrape(registry)}
+    # Triton's names, by Triton's label, from the same sample.
+    triton = {(s.name, s.labels["gpu_uuid"]): s.value for s in samples if "gpu_uuid" in s.labels}
+    assert triton == {
+        ("nv_gpu_utilization", "GPU-a"): 0.25,
+        ("nv_gpu_utilization", "GPU-b"): 1.0,
+        ("nv_gpu_memory_used_bytes", "GPU-a"): float(1 << 30),
+        ("nv_gpu_memory_used_bytes", "GPU-b"): float(2 << 30),
+        ("nv_gpu_memory_total_bytes", "GPU-a"): float(80 << 30),
+        ("nv_gpu_memory_total_bytes", "GPU-b"): float(80 << 30),
+        ("nv_gpu_power_usage", "GPU-a"): 300.5,
+        ("nv_gpu_power_usage", "GPU-b"): 120.0,
+    }
+    second = {(s.name, s.labels.get("gpu")): s.value for s in scrape(registry)}
     assert math.isclose(second[("stoker_gpu_utilization_ratio", "0")], 0.26)
 
 
@@ -260,7 +274,7 @@ def test_without_gpus_the_gauges_are_declared_with_no_series() -> None:
     registry.register(GpuCollector(list))
     text = generate_latest(registry).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    assert set(families) == set(GPU_METRICS)
+    assert set(families) == set(GPU_METRICS) | set(TRITON_GPU_METRICS)
     assert all(f.type == "gauge" and f.samples == [] for f in families.values())
 
 
@@ -397,3 +411,69 @@ def test_the_pending_gauge_adds_up_the_batchers_of_a_reload_until_the_old_one_cl
     assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 5
     metrics.stop_counting(old)
     assert series(model)[("stoker_inference_pending_request_count", "version=fp32")] == 2
+
+
+def test_tritons_series_move_with_stokers_from_the_same_observations() -> None:
+    """Each call updates Stoker's series and Triton's alike: Triton's as it exports them,
+    counters under bare names, durations cumulative in microseconds, failures by Triton's
+    reasons, pending requests read from the batcher's count."""
+    model = unique_model()
+    metrics = ModelMetrics(model, "fp16")
+    pending = [3]
+    metrics.count_pending(lambda: pending[0])
+    metrics.request_succeeded(0.004, 2)
+    metrics.request_failed("rejected", 0.001, 3)
+    metrics.request_failed("cancelled", 0.001)
+    metrics.request_failed("timeout", 0.5)
+    metrics.request_failed("invalid", 0.001)
+    metrics.queued(0.002, 2)
+    metrics.batch_executed(BatchTimes(5, 2, 0.001, 0.010, 0.0005))
+    got = series(model)
+    v = "version=fp16"
+    assert got[("nv_inference_request_success", v)] == 2
+    assert got[("stoker_inference_request_success_total", v)] == 2
+    assert {k[1]: n for k, n in got.items() if k[0] == "nv_inference_request_failure"} == {
+        "reason=BACKEND": 0,
+        "reason=CANCELED": 1,
+        "reason=OTHER": 2,
+        "reason=REJECTED": 3,
+    }
+    assert got[("nv_inference_count", v)] == got[("stoker_inference_count_total", v)] == 5
+    assert got[("nv_inference_exec_count", v)] == got[("stoker_inference_exec_count_total", v)]
+    assert got[("nv_inference_request_duration_us", v)] == 8000
+    assert got[("nv_inference_queue_duration_us", v)] == 4000
+    assert got[("nv_inference_compute_input_duration_us", v)] == 2000
+    assert got[("nv_inference_compute_infer_duration_us", v)] == 20000
+    assert got[("nv_inference_compute_output_duration_us", v)] == 1000
+    for stage in ("queue", "compute_input", "compute_infer", "compute_output"):
+        stoker = got[(f"stoker_inference_{stage}_duration_seconds_sum", v)]
+        assert math.isclose(got[(f"nv_inference_{stage}_duration_us", v)], stoker * 1e6)
+    assert got[("nv_inference_pending_request_count", v)] == 3
+    pending[0] = 1
+    assert series(model)[("nv_inference_pending_request_count", v)] == 1
+    metrics.forget()
+    assert series(model) == {}
+
+
+def test_the_exposition_has_no_created_series() -> None:
+    """prometheus-client's ``_created`` timestamps doubled the lines of every counter."""
+    metrics = ModelMetrics(unique_model(), "fp32")
+    metrics.request_succeeded(0.001)
+    text = generate_latest(REGISTRY).decode()
+    assert "_created" not in text
+    assert f'stoker_inference_request_success_total{{model="{metrics.model}"' in text
+
+
+def test_tritons_names_survive_the_merge_of_several_engines() -> None:
+    """With one engine per GPU the front end parses and merges the engines' texts: Triton's
+    bare counter names come out as they went in, and its GPU gauges (by ``gpu_uuid``) once."""
+    metrics = ModelMetrics(unique_model(), "fp32")
+    metrics.request_succeeded(0.001, 4)
+    own = generate_latest(REGISTRY)
+    gpu = b'nv_gpu_utilization{gpu_uuid="GPU-a"} 0.5\n'
+    merged = labelled_metrics([("0", own + gpu), ("1", own + gpu)]).decode()
+    model = metrics.model
+    for engine in ("0", "1"):
+        line = f'nv_inference_request_success{{gpu="{engine}",model="{model}",version="fp32"}} 4.0'
+        assert line in merged
+    assert merged.count('nv_gpu_utilization{gpu_uuid="GPU-a"}') == 1

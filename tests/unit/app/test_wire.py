@@ -28,7 +28,10 @@ CALLS: list[wire.Call] = [
         None,
         1,
         "127.0.0.1",
-        (wire.RunItem((TENSOR,), 2, (wire.Wanted("y", 3),), SLOT), wire.RunItem((), 1, ())),
+        (
+            wire.RunItem((TENSOR,), 2, (wire.Wanted("y", 3),), SLOT),
+            wire.RunItem((), 1, (), None, f"00-{'ab' * 16}-{'cd' * 8}-01"),
+        ),
         150,
         3,
     ),
@@ -47,6 +50,8 @@ CALLS: list[wire.Call] = [
     wire.ShmRegister("r", "/r", 0, 64),
     wire.ShmUnregister(None),
     wire.ShmStatus("r"),
+    wire.TraceSettings("m", {"trace_rate": "10", "trace_level": ["TIMESTAMPS"]}),
+    wire.LogSettings({"log_verbose_level": 1}),
 ]
 
 
@@ -68,6 +73,7 @@ def test_a_call_crosses_as_its_own_type(call: wire.Call) -> None:
         wire.Done(),
         wire.Value({"name": "m", "versions": ["fp32"]}),
         wire.EngineState(True, False, 3, (wire.Serving("m", "fp32", 8),), 12),
+        wire.EngineState(True, True, 0, (), 1, {"revision": 2, "trace": {}, "models": {}}),
         wire.Ran("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
         wire.Inferred("m", "fp32", {"Inference-Header-Content-Length": "12"}, 40),
         wire.Classified("m", "fp32"),

@@ -1,0 +1,129 @@
+"""Triton's trace and logging extensions over HTTP, and the trace of each HTTP inference.
+
+- ``GET/POST /v2/trace/setting`` and ``/v2/models/{m}/trace/setting``: the trace settings
+  (``app.observed``), global or per model, as ``tritonclient``'s ``get_trace_settings`` and
+  ``update_trace_settings`` read and write them;
+- ``GET/POST /v2/logging``: the log settings (``get_log_settings`` / ``update_log_settings``);
+- Triton's CUDA shared-memory extension, which Stoker does not implement, answers 501 with a
+  JSON error naming it (gRPC's UNIMPLEMENTED), not a bare 404.
+
+A change goes through the data plane to the engine client, so it reaches every process.
+``TraceRequests`` is the middleware that receives an inference request for ``app.tracing``:
+installed only where tracing is on.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app import tracing
+from app.errors import BadRequest, NotImplementedHere
+from app.frontend.routes import json_response, plane_of
+
+router = APIRouter()
+
+
+async def settings_update(request: Request) -> dict[str, Any]:
+    """The body of a settings POST: a JSON object (empty: nothing changes)."""
+    body = await request.body()
+    if not body.strip():
+        return {}
+    try:
+        update = orjson.loads(body)
+    except orjson.JSONDecodeError as error:
+        raise BadRequest(f"settings are not JSON: {error}") from None
+    if not isinstance(update, dict):
+        raise BadRequest("settings must be a JSON object")
+    return update
+
+
+@router.get("/v2/trace/setting")
+async def trace_setting(request: Request) -> Response:
+    return json_response(await plane_of(request).trace_settings())
+
+
+@router.post("/v2/trace/setting")
+async def update_trace_setting(request: Request) -> Response:
+    update = await settings_update(request)
+    return json_response(await plane_of(request).trace_settings(None, update))
+
+
+@router.get("/v2/models/{name}/trace/setting")
+async def model_trace_setting(request: Request, name: str) -> Response:
+    return json_response(await plane_of(request).trace_settings(name))
+
+
+@router.post("/v2/models/{name}/trace/setting")
+async def update_model_trace_setting(request: Request, name: str) -> Response:
+    update = await settings_update(request)
+    return json_response(await plane_of(request).trace_settings(name, update))
+
+
+@router.get("/v2/logging")
+async def log_settings(request: Request) -> Response:
+    return json_response(await plane_of(request).log_settings())
+
+
+@router.post("/v2/logging")
+async def update_log_settings(request: Request) -> Response:
+    update = await settings_update(request)
+    return json_response(await plane_of(request).log_settings(update))
+
+
+@router.api_route("/v2/cudasharedmemory{rest:path}", methods=["GET", "POST"])
+async def cuda_shared_memory(rest: str) -> Response:
+    raise NotImplementedHere(
+        "not supported: CUDA shared memory (Triton's cuda_shared_memory extension); use "
+        "system shared memory (/v2/systemsharedmemory)"
+    )
+
+
+def is_inference(scope: Scope) -> bool:
+    return bool(scope["method"] == "POST" and scope["path"].endswith("/infer"))
+
+
+class TraceRequests:
+    """Each HTTP inference request, for ``app.tracing``: when it arrived, its
+    ``traceparent``/``tracestate``, when its body was read; where the data plane traced it,
+    its status and its end (an error status for a 5xx answer)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not is_inference(scope):
+            await self.app(scope, receive, send)
+            return
+        carrier = {
+            key.decode("latin-1"): value.decode("latin-1")
+            for key, value in scope["headers"]
+            if key in (b"traceparent", b"tracestate")
+        }
+        incoming = tracing.Incoming(f"POST {scope['path']}", carrier)
+        status = 500
+
+        async def received() -> Message:
+            message = await receive()
+            if message["type"] == "http.request" and not message.get("more_body", False):
+                incoming.received_ns = time.time_ns()
+            return message
+
+        async def sent(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if incoming.trace is not None:
+                    incoming.trace.root.set_attribute("http.response.status_code", status)
+            await send(message)
+
+        token = tracing.INCOMING.set(incoming)
+        try:
+            await self.app(scope, received, sent)
+        finally:
+            tracing.INCOMING.reset(token)
+            incoming.finish(f"HTTP {status}" if status >= 500 else None)

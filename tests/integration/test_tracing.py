@@ -1,0 +1,454 @@
+"""OpenTelemetry traces and Triton's trace and logging extensions, for real: ``stoker serve``
+with two front ends and gRPC, configured by ``OTEL_*`` alone, exporting over OTLP/HTTP to a
+receiver in this process that decodes opentelemetry-proto's ``ExportTraceServiceRequest``.
+
+A V2 request carrying a ``traceparent`` comes back as one trace, the client's, with spans
+from a front end and from the engine process, in order, the batch linked; the trace-setting
+APIs change the sampling over HTTP and gRPC (tritonclient), the log settings reach every
+process, and the extensions Stoker lacks answer a JSON error over HTTP.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+import tritonclient.utils.shared_memory as shm
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from bench.launch import free_port
+from tests.conftest import TINY_CONFIG, tiny_onnx
+from tests.integration.conftest import Server, metric_samples, start_server, stop_server
+
+WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Received:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    start_ns: int
+    end_ns: int
+    links: tuple[str, ...]
+    """The span ids it links to."""
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+
+
+def value_of(any_value: Any) -> Any:
+    which = any_value.WhichOneof("value")
+    return getattr(any_value, which) if which else None
+
+
+class Receiver:
+    """An OTLP/HTTP trace endpoint: every span posted to ``/v1/traces``, decoded."""
+
+    def __init__(self) -> None:
+        self.spans: list[Received] = []
+        self.lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                receiver.add(request)
+                answer = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def add(self, request: ExportTraceServiceRequest) -> None:
+        found = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: value_of(a.value) for a in resource_spans.resource.attributes}
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    found.append(
+                        Received(
+                            span.name,
+                            span.trace_id.hex(),
+                            span.span_id.hex(),
+                            span.parent_span_id.hex(),
+                            span.start_time_unix_nano,
+                            span.end_time_unix_nano,
+                            tuple(link.span_id.hex() for link in span.links),
+                            {a.key: value_of(a.value) for a in span.attributes},
+                            resource,
+                        )
+                    )
+        with self.lock:
+            self.spans.extend(found)
+
+    def wait_for(self, done: Callable[[list[Received]], bool]) -> list[Received]:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            with self.lock:
+                spans = list(self.spans)
+            if done(spans):
+                return spans
+            time.sleep(0.05)
+        raise AssertionError(f"not received in {WAIT_S:g} s: {[s.name for s in spans]}")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass(frozen=True)
+class Traced:
+    server: Server
+    grpc: str
+    """Its gRPC address."""
+
+    def revisions(self) -> dict[str, int]:
+        """Per process, the latest revision of the trace and log settings it logged."""
+        found: dict[str, int] = {}
+        for who, revision in SETTINGS_LINE.findall(self.server.log.read_text()):
+            found[who] = max(found.get(who, 0), int(revision))
+        return found
+
+    def wait_adopted(self) -> None:
+        """Until every process runs with the engine's latest settings."""
+
+        def agree() -> bool:
+            got = self.revisions()
+            return len(got) == 3 and len(set(got.values())) == 1
+
+        deadline = time.monotonic() + WAIT_S
+        while not agree():
+            assert time.monotonic() < deadline, self.revisions()
+            time.sleep(0.05)
+
+
+SETTINGS_LINE = re.compile(r" (engine|front-end-\d) app\.observed: settings of revision (\d+)")
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    running = Receiver()
+    yield running
+    running.close()
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Traced]:
+    repo = tmp_path_factory.mktemp("traced") / "repository"
+    for name in ("tiny", "other"):
+        (repo / name).mkdir(parents=True)
+        onnx.save(tiny_onnx(), str(repo / name / "model.onnx"))
+        (repo / name / "config.yaml").write_text(TINY_CONFIG)
+    env = {
+        "STOKER_SERVER__FRONT_ENDS": "2",
+        "STOKER_SERVER__GRPC_PORT": str(free_port()),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        "OTEL_SERVICE_NAME": "stoker-under-test",
+        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=test",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    server = start_server(repo, repo.parent / "server.log", env)
+    yield Traced(server, f"127.0.0.1:{env['STOKER_SERVER__GRPC_PORT']}")
+    code = stop_server(server)
+    assert code == 0, f"exit {code}:\n{server.log.read_text()[-3000:]}"
+
+
+def infer(client: httpx.Client, server: Server, model: str, headers: dict[str, str]) -> None:
+    """One V2 request of one row to ``model``, answered 200."""
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]}
+    answer = client.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+
+
+def a_traceparent() -> tuple[str, str, str]:
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id, span_id
+
+
+def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
+    traced: Traced, receiver: Receiver
+) -> None:
+    header, trace_id, client_span = a_traceparent()
+    with httpx.Client(timeout=30) as client:
+        infer(client, traced.server, "tiny", {"traceparent": header, "tracestate": "vendor=1"})
+    wanted = {"receive", "decode", "engine call", "encode and write"}
+    wanted |= {"engine", "queue", "batch", "run"}
+
+    def complete(spans: list[Received]) -> bool:
+        names = {s.name for s in spans if s.trace_id == trace_id}
+        return wanted | {"POST /v2/models/tiny/infer"} <= names
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    root = spans["POST /v2/models/tiny/infer"]
+    assert root.parent_id == client_span  # the client's trace, continued
+    assert root.attributes["http.response.status_code"] == 200
+    order = ("receive", "decode", "engine call", "encode and write")
+    for stage in order:
+        assert spans[stage].parent_id == root.span_id
+    # In order, each inside the request's span.
+    stages = [spans[s] for s in order]
+    for before, after in itertools.pairwise(stages):
+        assert before.end_ns <= after.start_ns
+    assert root.start_ns <= stages[0].start_ns and stages[-1].end_ns <= root.end_ns
+    # The engine's side continues the front end's crossing, in another process.
+    engine, queue, batch, run = (spans[s] for s in ("engine", "queue", "batch", "run"))
+    assert engine.parent_id == spans["engine call"].span_id
+    assert queue.parent_id == engine.span_id and batch.parent_id == engine.span_id
+    assert run.parent_id == batch.span_id
+    assert spans["engine call"].start_ns <= engine.start_ns <= queue.start_ns
+    assert queue.end_ns <= batch.start_ns <= run.start_ns and run.end_ns <= engine.end_ns
+    assert engine.end_ns <= spans["engine call"].end_ns
+    for phase in ("compute_input_us", "compute_infer_us", "compute_output_us"):
+        assert 0 <= run.attributes[phase] <= (run.end_ns - run.start_ns) / 1e3
+    # The batch, linked both ways, says its size.
+    assert engine.span_id in batch.links and batch.span_id in engine.links
+    assert batch.attributes["batch.size"] == 1 and batch.attributes["batch.requests"] == 1
+    # Each process reports its own resource, named by the OTEL_* variables.
+    front, back = root.resource, engine.resource
+    assert front["stoker.process"] == "front-end" and back["stoker.process"] == "engine"
+    assert front["process.pid"] != back["process.pid"]
+    assert front["service.instance.id"] != back["service.instance.id"]
+    for resource in (front, back):
+        assert resource["service.name"] == "stoker-under-test"
+        assert resource["deployment.environment"] == "test"
+
+
+def roots(spans: list[Received], model: str) -> list[Received]:
+    return [s for s in spans if s.name == f"POST /v2/models/{model}/infer"]
+
+
+def traced_count(
+    traced: Traced, receiver: Receiver, model: str, requests: int, sentinel_model: str
+) -> int:
+    """How many of ``requests`` untraced requests to ``model`` (over one connection, so one
+    front end) were traced: counted once a later request to ``sentinel_model`` that carries
+    a sampled traceparent has arrived (each front end exports its spans in the order they
+    end)."""
+    with receiver.lock:
+        seen = {s.span_id for s in roots(receiver.spans, model)}
+    header, trace_id, _ = a_traceparent()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(requests):
+            infer(client, traced.server, model, {})
+        infer(client, traced.server, sentinel_model, {"traceparent": header})
+    spans = receiver.wait_for(lambda got: any(s.trace_id == trace_id for s in roots(got, "other")))
+    return len([s for s in roots(spans, model) if s.span_id not in seen])
+
+
+def wait_until(read: Callable[[], Any], expected: Any) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while (got := read()) != expected:
+        assert time.monotonic() < deadline, f"{got} is not {expected}"
+        time.sleep(0.05)
+
+
+def test_the_trace_settings_change_the_sampling_over_http_and_grpc(
+    traced: Traced, receiver: Receiver
+) -> None:
+    http = triton_http.InferenceServerClient(traced.server.address)
+    grpc = triton_grpc.InferenceServerClient(traced.grpc)
+    started = http.get_trace_settings()
+    assert started["trace_level"] == ["TIMESTAMPS"] and started["trace_rate"] == "1"
+    assert started["trace_mode"] == "opentelemetry" and started["trace_count"] == "-1"
+    assert traced_count(traced, receiver, "tiny", 4, "other") == 4
+
+    # One in three, set over HTTP: every front end takes it (the other within a poll).
+    changed = http.update_trace_settings(settings={"trace_rate": "3"})
+    assert changed["trace_rate"] == "3"
+    traced.wait_adopted()
+    assert grpc.get_trace_settings(as_json=True)["settings"]["trace_rate"] == {"value": ["3"]}
+    assert traced_count(traced, receiver, "tiny", 6, "other") == 2
+
+    # Off for one model, over gRPC: its requests are not traced, the other model's are.
+    grpc.update_trace_settings(model_name="tiny", settings={"trace_level": ["OFF"]})
+    traced.wait_adopted()
+    assert http.get_trace_settings(model_name="tiny")["trace_level"] == ["OFF"]
+    assert http.get_trace_settings()["trace_level"] == ["TIMESTAMPS"]
+    assert traced_count(traced, receiver, "tiny", 3, "other") == 0
+    # A null setting drops the model's own: the global one holds again.
+    grpc.update_trace_settings(model_name="tiny", settings={"trace_level": None})
+    traced.wait_adopted()
+    assert http.get_trace_settings(model_name="tiny")["trace_level"] == ["TIMESTAMPS"]
+    http.update_trace_settings(settings={"trace_rate": "1"})
+    traced.wait_adopted()
+    assert traced_count(traced, receiver, "tiny", 2, "other") == 2
+
+
+def test_bad_trace_settings_are_refused_with_a_json_error(traced: Traced) -> None:
+    for body in ({"trace_rate": "often"}, {"trace_level": ["LOUD"]}, {"colour": "1"}):
+        answer = httpx.post(f"{traced.server.url}/v2/trace/setting", json=body)
+        assert answer.status_code == 400 and "error" in answer.json()
+    answer = httpx.get(f"{traced.server.url}/v2/models/absent/trace/setting")
+    assert answer.status_code == 404 and "absent" in answer.json()["error"]
+
+
+def test_the_log_settings_reach_every_process(traced: Traced) -> None:
+    http = triton_http.InferenceServerClient(traced.server.address)
+    grpc = triton_grpc.InferenceServerClient(traced.grpc)
+    started = http.get_log_settings()
+    assert started == {
+        "log_file": "",
+        "log_info": True,
+        "log_warning": True,
+        "log_error": True,
+        "log_verbose_level": 0,
+        "log_format": "default",
+    }
+    grpc.update_log_settings({"log_verbose_level": 1})
+    # Each of the three processes says it took the change, at the new level.
+    line = "app.observed: log level now DEBUG"
+
+    def processes() -> set[str]:
+        lines = [row for row in traced.server.log.read_text().splitlines() if line in row]
+        return {row.split(" DEBUG ")[1].split(" ")[0] for row in lines}
+
+    wait_until(processes, {"engine", "front-end-0", "front-end-1"})
+    assert http.get_log_settings()["log_verbose_level"] == 1
+    answer = http.update_log_settings({"log_verbose_level": 0, "log_format": "ISO8601"})
+    assert answer["log_verbose_level"] == 0 and answer["log_format"] == "ISO8601"
+    traced.wait_adopted()
+    assert grpc.get_log_settings(as_json=True)["settings"]["log_format"] == {
+        "string_param": "ISO8601"
+    }
+    refused = httpx.post(f"{traced.server.url}/v2/logging", json={"log_info": "yes"})
+    assert refused.status_code == 400 and "log_info" in refused.json()["error"]
+
+
+def test_the_extensions_are_listed_and_cuda_shared_memory_is_a_json_refusal(
+    traced: Traced,
+) -> None:
+    extensions = httpx.get(f"{traced.server.url}/v2").json()["extensions"]
+    assert {"trace", "logging"} <= set(extensions)
+    assert "cuda_shared_memory" not in extensions
+    for method, path in (
+        ("GET", "/v2/cudasharedmemory/status"),
+        ("POST", "/v2/cudasharedmemory/region/r/register"),
+        ("POST", "/v2/cudasharedmemory/unregister"),
+    ):
+        answer = httpx.request(method, f"{traced.server.url}{path}", json={})
+        assert answer.status_code == 501
+        assert "CUDA shared memory" in answer.json()["error"]
+
+
+def test_a_grpc_call_joins_the_trace_its_metadata_names(traced: Traced, receiver: Receiver) -> None:
+    grpc = triton_grpc.InferenceServerClient(traced.grpc)
+    tensor = triton_grpc.InferInput("x", [1, 4], "FP32")
+    tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+    header, trace_id, client_span = a_traceparent()
+    result = grpc.infer("tiny", [tensor], headers={"traceparent": header})
+    assert result.as_numpy("y").shape == (1, 3)
+    name = "inference.GRPCInferenceService/ModelInfer"
+
+    def complete(spans: list[Received]) -> bool:
+        return {name, "engine", "batch"} <= {s.name for s in spans if s.trace_id == trace_id}
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    assert spans[name].parent_id == client_span
+
+
+def test_off_without_otel_variables(tmp_path: Path) -> None:
+    """No ``OTEL_*``: no SDK imported, no exporter thread, no middleware on the path."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, threading\n"
+        "from app.settings import Settings\n"
+        "from app.frontend.server import create_app\n"
+        "from app import tracing\n"
+        "app = create_app(Settings())\n"
+        "kinds = [type(m.cls).__name__ for m in app.user_middleware]\n"
+        "print(tracing.tracer is None, 'opentelemetry.sdk' in sys.modules,\n"
+        "      [t.name for t in threading.enumerate() if 'Otel' in t.name],\n"
+        "      any('TraceRequests' in repr(m.cls) for m in app.user_middleware))\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert out.stdout.split() == ["True", "False", "[]", "False"], out.stderr
+
+
+def test_a_request_the_engine_decodes_carries_its_trace_too(
+    traced: Traced, receiver: Receiver
+) -> None:
+    """A request naming shared-memory regions crosses as its body (``wire.Infer``): the
+    engine's spans still continue the front end's."""
+    tag = secrets.token_hex(4)
+    region = shm.create_shared_memory_region(f"out-{tag}", f"/stoker_trace_{tag}", 4096)
+    client = triton_http.InferenceServerClient(traced.server.address)
+    header, trace_id, _ = a_traceparent()
+    try:
+        client.register_system_shared_memory(f"out-{tag}", f"/stoker_trace_{tag}", 4096)
+        tensor = triton_http.InferInput("x", [1, 4], "FP32")
+        tensor.set_data_from_numpy(np.ones((1, 4), np.float32))
+        y_out = triton_http.InferRequestedOutput("y")
+        y_out.set_shared_memory(f"out-{tag}", 3 * 4)
+        client.infer("tiny", [tensor], outputs=[y_out], headers={"traceparent": header})
+    finally:
+        client.unregister_system_shared_memory()
+        client.close()
+        shm.destroy_shared_memory_region(region)
+
+    def complete(spans: list[Received]) -> bool:
+        return {"engine call", "engine", "batch"} <= {
+            s.name for s in spans if s.trace_id == trace_id
+        }
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    assert spans["engine"].parent_id == spans["engine call"].span_id
+    assert spans["engine"].resource["stoker.process"] == "engine"
+
+
+def test_tritons_metric_names_move_with_stokers_through_the_front_ends(traced: Traced) -> None:
+    """With front ends, ``/metrics`` is the engine's one set of totals, in both vocabularies."""
+
+    def both() -> tuple[float, float, float, float]:
+        found = metric_samples(traced.server)
+        labels = (("model", "tiny"), ("version", "fp32"))
+        return (
+            found[("nv_inference_request_success", labels)],
+            found[("stoker_inference_request_success_total", labels)],
+            found[("nv_inference_count", labels)],
+            found[("stoker_inference_count_total", labels)],
+        )
+
+    before = both()
+    with httpx.Client(timeout=30) as client:
+        for _ in range(3):
+            infer(client, traced.server, "tiny", {})
+    # Successes reach the engine's totals with the front ends' next poll.
+    wait_until(lambda: both()[1] - before[1], 3.0)
+    after = both()
+    assert after[0] == after[1] and after[2] == after[3] and after[2] - before[2] == 3
+    text = httpx.get(f"{traced.server.url}/metrics").text
+    assert "_created" not in text
