@@ -31,9 +31,9 @@ INFER = orjson.dumps(
 
 
 def start(tmp_path: Path, env: dict[str, str]) -> Server:
-    return serve_one_model(
-        tmp_path, "tiny", tiny_onnx(), CONFIG, {"STOKER_MODELS__CONTROL": "explicit", **env}
-    )
+    # Model control without keys is the operator's explicit choice (models.control_without_keys).
+    control = {"STOKER_MODELS__CONTROL": "explicit", "STOKER_MODELS__CONTROL_WITHOUT_KEYS": "true"}
+    return serve_one_model(tmp_path, "tiny", tiny_onnx(), CONFIG, {**control, **env})
 
 
 @pytest.fixture(scope="module")
