@@ -327,18 +327,20 @@ def run_tool(
 
 def main(argv: list[str] | None = None) -> int:
     arguments = sys.argv[1:] if argv is None else argv
-    name = arguments[0] if arguments[:1] and arguments[0] in FROM_SOURCE else None
-    module = tool(name) if name is not None else None
-    if name is not None and module is None:
-        print(
-            f"stoker: the {name} tool is not installed (pip install -e . from the project "
-            f"folder); from the source checkout: {FROM_SOURCE[name]} ...",
-            file=sys.stderr,
-        )
-        return 2
-    if name == "bench":
-        code: int = module.main(arguments[1:])
-        return code
+    module: Any = None
+    if arguments[:1] and arguments[0] in FROM_SOURCE:
+        name = arguments[0]
+        module = tool(name)
+        if module is None:
+            print(
+                f"stoker: the {name} tool is not installed (pip install -e . from the project "
+                f"folder); from the source checkout: {FROM_SOURCE[name]} ...",
+                file=sys.stderr,
+            )
+            return 2
+        if name == "bench":
+            code: int = module.main(arguments[1:])
+            return code
     args = parse_args(argv)
     if args.command == "accuracy":
         return run_tool(module.run, args)

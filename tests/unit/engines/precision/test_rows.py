@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from engines.precision import build, calibration_sets
+from engines.precision import accuracy, calibration_sets
 from engines.precision.build import AccuracyBudgetExceeded, BuildPlan, ensure_variant
 from engines.precision.options import Budget, Int8Options
 from engines.precision.rows import NoCalibrationRows, load_array_rows, spec_rows
@@ -77,7 +77,7 @@ def test_fp16_of_a_plain_model_is_checked_on_rows_made_from_its_spec(tmp_path: P
     # The variant computes y = x @ W + b in float16: a 4-term dot product rounded to 11 bits
     # is within a few 0.1% of the output's scale, and not exactly float32's.
     x = np.random.default_rng(5).standard_normal((8, 4)).astype(np.float32)
-    y, s = build.accuracy.run_outputs(path, [{"x": x}])
+    y, s = accuracy.run_outputs(path, [{"x": x}])
     want = x.astype(np.float64) @ TINY_WEIGHTS + TINY_BIAS
     error = np.abs(y - want).max() / np.abs(want).max()
     assert 0 < error < 1e-2
