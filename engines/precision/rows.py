@@ -105,8 +105,8 @@ def chunk_of(spec: TensorSpec) -> int:
 def spec_rows(inputs: tuple[TensorSpec, ...], samples: int, seed: int = 0) -> CheckRows:
     """Seeded random rows for every input, of its dtype and shape: ``samples`` rows (whole
     runs of a static first dimension), dynamic dimensions past the first ``DYNAMIC_SIZE``
-    long. Floats are
-    standard normal; integers and booleans 0 or 1, valid as indices, masks and flags."""
+    long. Floats are standard normal; integers and booleans 0 or 1, valid as indices, masks
+    and flags."""
     if not inputs:
         raise ValueError("the model has no inputs to make rows for")
     rng = np.random.default_rng(seed)
