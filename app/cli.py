@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -282,33 +283,19 @@ def tool(name: str) -> Any:
     return found[0].load() if found else None
 
 
-def tool_module(name: str) -> Any:
-    module = tool(name)
-    if module is None:
-        raise SystemExit(f"stoker: the {name} tool is not installed")
-    return module
+# How a source checkout that was not installed (no entry point names the tools) runs each
+# tool: ``python -m bench`` reaches them without one.
+FROM_SOURCE = {"bench": "python -m bench", "accuracy": "python -m bench accuracy"}
 
 
-def main(argv: list[str] | None = None) -> int:
-    arguments = sys.argv[1:] if argv is None else argv
-    if arguments[:1] == ["bench"]:
-        bench = tool("bench")
-        if bench is None:
-            print(
-                "stoker: the bench tools are not installed (pip install -e ., or python -m bench)",
-                file=sys.stderr,
-            )
-            return 2
-        code: int = bench.main(arguments[1:])
-        return code
-    args = parse_args(argv)
-    from app.engine.repository import ConfigError
-
+def settings_for(args: argparse.Namespace) -> Settings:
+    """A command's settings (environment first, its options on top), with the log set up as
+    they say; invalid settings end the command with one line."""
     try:
         settings = build_settings(args)
     except ValueError as exc:
         print(f"stoker: invalid settings: {exc}", file=sys.stderr)
-        return 2
+        raise SystemExit(2) from None
     logging.basicConfig(
         level=settings.server.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -318,9 +305,48 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().addFilter(
         lambda record: record.levelno >= logging.WARNING or "onnxruntime" not in record.pathname
     )
+    return settings
+
+
+def run_tool(
+    command: Callable[[argparse.Namespace, Settings], int], args: argparse.Namespace
+) -> int:
+    """A tooling command (``stoker accuracy``, or ``python -m bench accuracy`` from a source
+    checkout) with the service's settings and log; a config error (an unknown model, a bad
+    config.yaml) is one line, not a traceback."""
+    from app.engine.repository import ConfigError
+
+    settings = settings_for(args)
+    try:
+        code = command(args, settings)
+    except ConfigError as exc:
+        print(f"stoker: {exc}", file=sys.stderr)
+        return 2
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    module: Any = None
+    if arguments[:1] and arguments[0] in FROM_SOURCE:
+        name = arguments[0]
+        module = tool(name)
+        if module is None:
+            print(
+                f"stoker: the {name} tool is not installed (pip install -e . from the project "
+                f"folder); from the source checkout: {FROM_SOURCE[name]} ...",
+                file=sys.stderr,
+            )
+            return 2
+        if name == "bench":
+            code: int = module.main(arguments[1:])
+            return code
+    args = parse_args(argv)
     if args.command == "accuracy":
-        report: int = tool_module("accuracy").run(args, settings)
-        return report
+        return run_tool(module.run, args)
+    from app.engine.repository import ConfigError
+
+    settings = settings_for(args)
     if args.command == "models" and (args.load or args.unload or args.index):
         return control_models(settings, args)
     commands = {

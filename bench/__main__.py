@@ -1,5 +1,6 @@
-"""`python -m bench ...`: the load generator from a source checkout, as `stoker bench ...`
-(which finds it through the `stoker.tools` entry point of an installed package)."""
+"""`python -m bench ...`: the load generator from a source checkout, as `stoker bench ...`, and
+`python -m bench accuracy ...`, as `stoker accuracy ...` (which find them through the
+`stoker.tools` entry points of an installed package)."""
 
 import sys
 

@@ -2,7 +2,8 @@
 
 Per precision: top-1 agreement with FP32, mean KL divergence of the softmax, top-1/top-5
 against the labels that ImageNet file names carry, and img/s on this machine at several batch
-sizes. Writes Markdown and a PNG (accuracy against speed).
+sizes. Writes Markdown and a PNG (accuracy against speed; skipped, saying so, where matplotlib
+is not installed). ``python -m bench accuracy`` is the same command from a source checkout.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
+import importlib.util
 import os
 import statistics
 import subprocess
@@ -168,15 +170,31 @@ def throughput(
     return speeds, memory, latency
 
 
+def no_plot() -> str | None:
+    """Why the PNG cannot be drawn here (matplotlib, of the bench extra, is not installed);
+    None where it can."""
+    if importlib.util.find_spec("matplotlib") is not None:
+        return None
+    pip = Path(sys.executable).parent / "pip"
+    return f"matplotlib is not installed ({pip} install -e '.[bench]' from the project folder)"
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    if not args.images.is_dir():
+        print(f"stoker accuracy: --images {args.images} is not a folder", file=sys.stderr)
+        return 2
+    files = photos(args.images, args.limit)
+    if not files:
+        suffixes = ", ".join(sorted(IMAGE_SUFFIXES))
+        print(f"stoker accuracy: no photos ({suffixes}) in {args.images}", file=sys.stderr)
+        return 2
+    unplotted = no_plot()
+    if unplotted is not None:
+        print(f"stoker accuracy: no plot: {unplotted}; the table is written and printed")
     (entry,) = discover(args.repository or settings.models.repository, [args.model])
     model = models.source(entry)
     plan = model.plan
     prep = plan.preprocess or ImagePreprocess()
-    files = photos(args.images, args.limit)
-    if not files:
-        print(f"no photos in {args.images}")
-        return 2
     if args.gpu and not backends.cuda_available():
         print("--gpu needs a CUDA GPU and torch built with CUDA; none is usable here")
         return 2
@@ -291,11 +309,28 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             "for one runner's buffers and CUDA graphs.\n\n" + markdown_table(gpu_results)
         )
     (args.out / "accuracy.md").write_text(header + table)
-    plot(results, batches[-1], args.out / "accuracy.png", entry.config.name)
     print()
     print(table)
-    print(f"wrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.png'}")
+    if unplotted is None:
+        plot(results, batches[-1], args.out / "accuracy.png", entry.config.name)
+        print(f"wrote {args.out / 'accuracy.md'} and {args.out / 'accuracy.png'}")
+    else:
+        print(f"wrote {args.out / 'accuracy.md'}; no plot: {unplotted}")
     return 0
+
+
+def main(argv: list[str]) -> int:
+    """``python -m bench accuracy ...``: this command from a source checkout, where no entry
+    point names it for ``stoker accuracy``."""
+    from app.cli import run_tool
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench accuracy",
+        description="Measure each precision against fp32 on labelled photos (Markdown and PNG); "
+        "the same command as stoker accuracy.",
+    )
+    add_arguments(parser)
+    return run_tool(run, parser.parse_args(argv))
 
 
 def gate_verdict(plan: BuildPlan, precision: str, report: dict[str, float]) -> str:

@@ -49,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="Load-test KServe V2 servers: a closed-loop concurrency sweep, open-loop "
         "Poisson rates, and the rate that keeps p99 under a target. The first target is "
         "compared with the others.",
+        epilog="From a source checkout: python -m bench ... (this command) and python -m bench "
+        "accuracy ... (stoker accuracy).",
     )
     targets = parser.add_argument_group("targets (in this order; at least one)")
     targets.add_argument("--url", action="append", default=[], help="a V2 server (repeatable)")
@@ -395,6 +397,13 @@ def missing_extra() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    arguments = sys.argv[1:] if argv is None else argv
+    if arguments[:1] == ["accuracy"]:
+        # ``python -m bench accuracy``: the accuracy report from a source checkout, where no
+        # entry point names it for ``stoker accuracy``.
+        from bench import accuracy_report
+
+        return accuracy_report.main(arguments[1:])
     args = parse_args(argv)
     problem = missing_extra()
     if problem is not None:

@@ -447,16 +447,20 @@ async def load(
     spec = engine.spec
     batcher = Batcher(pool, config.dynamic_batching, metrics, spec.max_batch_size)
     batcher.start()
+    # Pixels and JPEG uploads are said only of a model that takes them (it has preprocessing).
     log.info(
-        "model %s version %s: %s backend, %d runner(s)%s, pixels normalised on the %s, "
-        "JPEG uploads decoded on the %s; loaded and warmed in %.1f s",
+        "model %s version %s: %s backend, %d runner(s)%s%s%s; loaded and warmed in %.1f s",
         config.name,
         precision,
         backend,
         pool.size,
         f" on GPUs {config.gpus}" if config.gpus else "",
-        "device" if policy.on_device else "CPU",
-        describe_decoding(decoders, settings),
+        f", pixels normalised on the {'device' if policy.on_device else 'CPU'}"
+        if policy.pixels is not None
+        else "",
+        f", JPEG uploads decoded on the {describe_decoding(decoders, settings)}"
+        if config.preprocess is not None
+        else ", no preprocessing",
         time.perf_counter() - started,
     )
     rows_handler = handler if isinstance(handler, RowsHandler) and decoder is None else None

@@ -2,12 +2,14 @@
 
 Pure numpy apart from ``run_onnx``, which produces the logits. The gate in the build uses
 ``top1_agreement`` and ``mean_kl``; ``topk_accuracy`` needs labels, which ImageNet file names
-carry (``imagenet_label_of``).
+carry (``imagenet_label_of``). ``max_relative_error`` compares every output, for models whose
+outputs are not class scores; ``run_outputs`` produces them.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Sequence
 from functools import cache
 from pathlib import Path
 
@@ -62,6 +64,30 @@ def mean_kl(reference_logits: np.ndarray, candidate_logits: np.ndarray) -> float
     kl = (np.exp(log_p) * (log_p - log_q)).sum(axis=-1)
     # Rounding can leave a tiny negative where the two are identical.
     return float(np.maximum(kl, 0.0).mean())
+
+
+# Where an output is zero everywhere, errors are measured against float16's smallest normal
+# number rather than against zero.
+_SMALLEST_SCALE = float(np.finfo(np.float16).tiny)
+
+
+def max_relative_error(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) -> float:
+    """The largest |candidate - reference| of any value of any output, relative to that
+    output's largest |reference| value: 0.01 means within 1% of the output's scale."""
+    if len(reference) != len(candidate) or not reference:
+        raise ValueError(f"{len(reference)} reference outputs against {len(candidate)}")
+    worst = 0.0
+    for want, got in zip(reference, candidate, strict=True):
+        if want.shape != got.shape:
+            raise ValueError(f"outputs differ in shape: {want.shape} vs {got.shape}")
+        want64, got64 = np.asarray(want, np.float64), np.asarray(got, np.float64)
+        if want64.size == 0:
+            continue
+        if not np.isfinite(got64).all():
+            return float("inf")
+        scale = max(float(np.abs(want64).max()), _SMALLEST_SCALE)
+        worst = max(worst, float(np.abs(got64 - want64).max()) / scale)
+    return worst
 
 
 def topk_accuracy(logits: np.ndarray, labels: np.ndarray, k: int) -> float:
@@ -147,3 +173,23 @@ def run_onnx(
     if not chunks:
         raise ValueError("no rows to run")
     return np.concatenate(chunks)
+
+
+def run_outputs(
+    model: onnx.ModelProto | Path,
+    runs: Iterable[dict[str, np.ndarray]],
+    threads: int = 0,
+    *,
+    optimize: bool = True,
+) -> list[np.ndarray]:
+    """Every output of ``model`` for every feed of ``runs``, each output's runs joined along
+    its first axis (``optimize``: as ``session``)."""
+    runner = session(model, threads, optimize=optimize)
+    names = [output.name for output in runner.get_outputs()]
+    chunks: list[list[np.ndarray]] = [[] for _ in names]
+    for feed in runs:
+        for found, value in zip(chunks, runner.run(names, feed), strict=True):
+            found.append(np.atleast_1d(np.asarray(value)))
+    if not chunks[0]:
+        raise ValueError("no rows to run")
+    return [np.concatenate(found) for found in chunks]

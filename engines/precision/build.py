@@ -8,8 +8,6 @@ against FP32 when it is built; one that misses its accuracy budget is refused, n
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 import platform
 import time
@@ -18,14 +16,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import onnxruntime as ort
 
 from engines.devices import cpu
-from engines.precision import accuracy, calibration, calibration_sets, fp16, int8
+from engines.precision import accuracy, calibration, fp16, int8, rows
 from engines.precision.options import (
-    BUILTIN_CALIBRATION,
+    FP16_TOLERANCE,
     Budget,
     Fp16Options,
     Int8Options,
@@ -38,19 +35,16 @@ from engines.store import EngineKey, EngineStore, StoredEngine, sha256_file
 log = logging.getLogger(__name__)
 
 
-# Bumped when the builtin augmented set changes, so cached ranges are recalibrated.
-BUILTIN_VERSION = "skimage-augmented-1"
-
-
 # Bumped when what calibration records changes (2: per-channel input means for bias
 # correction), so ranges cached by an older build are recalibrated rather than reused.
 RANGES_VERSION = 2
 
 
 # Bumped when the code that makes or measures a variant changes what it builds (3: the INT8
-# recipe follows the CPU's integer kernels), so stored variants and their accuracy reports,
-# refusals included, are rebuilt rather than trusted.
-VARIANTS_VERSION = 3
+# recipe follows the CPU's integer kernels; 4: fp16 checked on its own few rows, every output
+# compared), so stored variants and their accuracy reports, refusals included, are rebuilt
+# rather than trusted.
+VARIANTS_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -95,105 +89,66 @@ def backend_identity(backend: str) -> tuple[str, str]:
     return ort.__version__, f"cpu-{platform.machine()}"
 
 
-class CalibrationData:
-    """Rows from the model's calibration source, loaded once per build and sliced for
-    calibration and evaluation."""
-
-    def __init__(self, plan: BuildPlan) -> None:
-        self._plan = plan
-        self._rows: np.ndarray | None = None
-        self._held_out: np.ndarray | None = None
-
-    def source_path(self) -> Path | None:
-        source = self._plan.int8.calibration
-        if source == BUILTIN_CALIBRATION:
-            return None
-        path = Path(source)
-        return path if path.is_absolute() else self._plan.folder / path
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """Identifies the calibration data for cache keys without reading it all (the
-        folder's names, sizes and times, listed once per build)."""
-        path = self.source_path()
-        if path is None:
-            return BUILTIN_VERSION
-        digest = hashlib.sha256()
-        files = sorted(p for p in (path.rglob("*") if path.is_dir() else [path]) if p.is_file())
-        for file in files:
-            stat = file.stat()
-            digest.update(
-                f"{file.relative_to(path.parent)}:{stat.st_size}:{stat.st_mtime_ns}".encode()
-            )
-        return digest.hexdigest()[:20]
-
-    def split(self) -> tuple[np.ndarray, np.ndarray]:
-        """(calibration rows, held-out evaluation rows), loaded once: the evaluation rows are
-        never used for calibration."""
-        if self._rows is None:
-            plan = self._plan
-            total = plan.int8.samples + plan.evaluation_samples
-            preprocess = plan.preprocess or ImagePreprocess()
-            path = self.source_path()
-            started = time.perf_counter()
-            if path is None:
-                rows = calibration_sets.augmented_builtin_set(preprocess, samples=total, seed=0)
-            else:
-                rows = calibration_sets.load_calibration_set(
-                    path, preprocess, samples=total, seed=0
-                )
-            log.info(
-                "%s: %d calibration and evaluation rows from %s in %.1f s",
-                plan.model,
-                len(rows),
-                path or "the builtin photo set",
-                time.perf_counter() - started,
-            )
-            held_out = min(plan.evaluation_samples, len(rows) // 2)
-            self._rows = rows[: len(rows) - held_out]
-            self._held_out = rows[len(rows) - held_out :]
-        assert self._held_out is not None
-        return self._rows, self._held_out
+def variant_rows(plan: BuildPlan) -> rows.VariantRows:
+    """The rows ``plan``'s variants are calibrated and checked on, loaded as they are used."""
+    return rows.VariantRows(
+        plan.model, plan.source, plan.folder, plan.preprocess, plan.int8, plan.evaluation_samples
+    )
 
 
 def evaluate(
     plan: BuildPlan,
+    precision: str,
     reference: onnx.ModelProto,
     candidate: onnx.ModelProto,
-    data: np.ndarray,
+    data: rows.CheckRows,
     *,
     integer_kernels: bool = True,
 ) -> dict[str, float]:
-    """Top-1 agreement and mean softmax KL of a variant against FP32 on ``data``.
+    """A variant against FP32 on ``data``: the largest relative error of any output and, for
+    a model with preprocessing (a classifier) or an INT8 variant, the top-1 agreement and
+    mean softmax KL of the first output. The fp16 variant of a model without preprocessing is
+    judged by the error alone: its outputs are not known to be class scores.
 
     With ``integer_kernels`` the variant runs as ONNX Runtime serves it (Q/DQ fused into
     this CPU's integer kernels); without, its Q/DQ nodes run as written, in float, which is
     what a GPU's INT8 arithmetic computes and what no CPU's int16 saturation can distort.
     """
-    want = accuracy.run_onnx(reference, data, plan.input_name)
-    got = accuracy.run_onnx(candidate, data, plan.input_name, optimize=integer_kernels)
-    return {
-        "top1_agreement": accuracy.top1_agreement(want, got),
-        "mean_kl": accuracy.mean_kl(want, got),
-        "samples": float(len(data)),
-    }
+    want = accuracy.run_outputs(reference, data.runs())
+    got = accuracy.run_outputs(candidate, data.runs(), optimize=integer_kernels)
+    report = {"max_relative_error": accuracy.max_relative_error(want, got)}
+    if plan.preprocess is not None or precision == "int8":
+        report["top1_agreement"] = accuracy.top1_agreement(want[0], got[0])
+        report["mean_kl"] = accuracy.mean_kl(want[0], got[0])
+    report["samples"] = float(data.samples)
+    return report
+
+
+def tolerance(plan: BuildPlan, precision: str, budget: Budget | None) -> float | None:
+    """The largest relative error a variant may have: the budget's, else FP16's own for
+    the fp16 variant of a model without preprocessing; None: not checked."""
+    if budget is not None and budget.max_relative_error is not None:
+        return budget.max_relative_error
+    return FP16_TOLERANCE if precision == "fp16" and plan.preprocess is None else None
 
 
 def budget_problems(plan: BuildPlan, precision: str, report: Mapping[str, float]) -> list[str]:
     """How a variant's accuracy report misses the model's budget (empty when it does not)."""
     budget = plan.budgets.get(precision)
-    if budget is None:
-        return []
     problems = []
-    agreement = report["top1_agreement"]
-    if agreement < budget.min_top1_agreement:
+    agreement = report.get("top1_agreement")
+    if budget is not None and agreement is not None and agreement < budget.min_top1_agreement:
         short = (budget.min_top1_agreement - agreement) * 100
         problems.append(
             f"top-1 agreement with fp32 {agreement:.4f} < {budget.min_top1_agreement} "
             f"(short by {short:.2f} points)"
         )
-    if budget.max_mean_kl is not None and report["mean_kl"] > budget.max_mean_kl:
-        problems.append(f"mean KL {report['mean_kl']:.4f} > {budget.max_mean_kl}")
+    kl, kl_limit = report.get("mean_kl"), budget.max_mean_kl if budget is not None else None
+    if kl is not None and kl_limit is not None and kl > kl_limit:
+        problems.append(f"mean KL {kl:.4f} > {kl_limit}")
+    error, allowed = report.get("max_relative_error"), tolerance(plan, precision, budget)
+    if error is not None and allowed is not None and not error <= allowed:
+        problems.append(f"largest error relative to the output's scale {error:.3g} > {allowed:g}")
     return problems
 
 
@@ -206,7 +161,8 @@ def check_budget(plan: BuildPlan, precision: str, report: Mapping[str, float]) -
         "samples (int8.samples), a real calibration set (int8.calibration: <folder>), or "
         "keeping sensitive nodes out (int8.exclude_nodes / exclude_op_types)"
         if precision == "int8"
-        else "keep more ops in fp32 (fp16.keep_fp32_ops, keep_fp32_nodes, keep_first_and_last)"
+        else "keep more ops in fp32 (fp16.keep_fp32_ops, keep_fp32_nodes, keep_first_and_last), "
+        "or allow more (accuracy.budgets.fp16.max_relative_error)"
     )
     message = (
         f"{plan.model} {precision} misses its accuracy budget on "
@@ -224,7 +180,7 @@ def calibration_ranges(
     plan: BuildPlan,
     model_hash: str,
     recipe: Int8Recipe,
-    data: CalibrationData,
+    data: rows.VariantRows,
     cancelled: Cancelled = never,
 ) -> calibration.Ranges:
     """The activation ranges for the INT8 variant, cached in the store so a rebuild (another
@@ -251,7 +207,7 @@ def calibration_ranges(
     )
 
     def calibrate(path: Path) -> dict[str, Any]:
-        rows, _ = data.split()
+        calibration_rows, _ = data.split()
         model = onnx.load(str(plan.source))
         started = time.perf_counter()
 
@@ -267,7 +223,7 @@ def calibration_ranges(
         if options.calibrator == "auto":
             ranges, scores = int8.calibrate_auto(
                 model,
-                rows,
+                calibration_rows,
                 plan.input_name,
                 recipe.form,
                 exclude_op_types=options.exclude_op_types,
@@ -281,7 +237,7 @@ def calibration_ranges(
         else:
             ranges = calibration.collect_ranges(
                 model,
-                rows,
+                calibration_rows,
                 plan.input_name,
                 options.calibrator,
                 percentile=options.percentile,
@@ -303,7 +259,7 @@ def make_variant(
     precision: str,
     recipe: Int8Recipe,
     model_hash: str,
-    data: CalibrationData,
+    data: rows.VariantRows,
     cancelled: Cancelled = never,
 ) -> onnx.ModelProto:
     model = onnx.load(str(plan.source))
@@ -336,7 +292,7 @@ def variant_key(
     precision: str,
     backend: str,
     recipe: Int8Recipe | None = None,
-    data: CalibrationData | None = None,
+    data: rows.VariantRows | None = None,
 ) -> EngineKey:
     """The store key of a precision variant: everything that changes its numbers or speed
     (the model, the build options and calibration data, the recipe and the CPU's integer
@@ -344,7 +300,7 @@ def variant_key(
     ``recipe`` and ``data`` where the caller has them already (the data's fingerprint reads
     every file of a calibration folder)."""
     recipe = recipe or int8_recipe(backend, plan.int8)
-    data = data or CalibrationData(plan)
+    data = data or variant_rows(plan)
     backend_version, device = backend_identity(backend)
     options: dict[str, Any] = {
         "variants_version": VARIANTS_VERSION,
@@ -385,7 +341,7 @@ def ensure_variant(
     if precision == "fp32":
         return plan.source, {}
     recipe = int8_recipe(backend, plan.int8)
-    data = CalibrationData(plan)
+    data = variant_rows(plan)
     key = variant_key(plan, precision, backend, recipe, data)
 
     def build(path: Path) -> dict[str, Any]:
@@ -397,15 +353,16 @@ def ensure_variant(
             raise BuildCancelled(f"{plan.model}: the {precision} build stopped")
         onnx.save(variant, str(path))
         reference = onnx.load(str(plan.source))
+        # FP16 needs no calibration: its check reads only the rows it runs.
+        check = data.held_out() if precision == "int8" else data.check_rows()
         report = evaluate(
-            plan, reference, variant, data.split()[1], integer_kernels=recipe.gate_fused
+            plan, precision, reference, variant, check, integer_kernels=recipe.gate_fused
         )
         log.info(
-            "%s %s: top-1 agreement %.4f, mean KL %.5f on %d rows (built in %.1f s)",
+            "%s %s: %s on %d rows (built in %.1f s)",
             plan.model,
             precision,
-            report["top1_agreement"],
-            report["mean_kl"],
+            describe(report),
             int(report["samples"]),
             time.perf_counter() - started,
         )
@@ -421,6 +378,17 @@ def ensure_variant(
     # never served against its budget.
     check_budget(plan, precision, report)
     return stored.path, report
+
+
+def describe(report: Mapping[str, float]) -> str:
+    """A variant's accuracy report, as the build's log line says it."""
+    said = []
+    if "top1_agreement" in report:
+        said.append(f"top-1 agreement {report['top1_agreement']:.4f}")
+    if "mean_kl" in report:
+        said.append(f"mean KL {report['mean_kl']:.5f}")
+    said.append(f"largest relative error {report['max_relative_error']:.2g}")
+    return ", ".join(said)
 
 
 def variant_state(store: EngineStore, plan: BuildPlan, precision: str, backend: str) -> str:

@@ -28,7 +28,7 @@ _ARRAY_SUFFIXES = (".npy", ".npz")
 BUILTIN_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field")
 
 
-def _sample_indices(count: int, samples: int, seed: int) -> np.ndarray:
+def sample_indices(count: int, samples: int, seed: int) -> np.ndarray:
     """The indices to keep of ``count``: all, or ``samples`` chosen by ``seed``, in order."""
     if samples < 1:
         raise ValueError(f"samples must be positive, got {samples}")
@@ -37,7 +37,7 @@ def _sample_indices(count: int, samples: int, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(count, size=samples, replace=False))
 
 
-def _array_rows(path: Path, row_ndim: int) -> list[np.ndarray]:
+def array_rows(path: Path, row_ndim: int) -> list[np.ndarray]:
     """The rows in a .npy file or in each array of a .npz file (a lone row is one row)."""
     if path.suffix == ".npz":
         with np.load(path) as archive:
@@ -77,11 +77,11 @@ def load_calibration_set(
     images = [p for p in files if p.suffix.lower() not in _ARRAY_SUFFIXES]
     rows: list[np.ndarray] = []
     for path in arrays:
-        rows.extend(_array_rows(path, len(row_shape)))
+        rows.extend(array_rows(path, len(row_shape)))
     if rows:
-        rows = [rows[i] for i in _sample_indices(len(rows), samples, seed)]
+        rows = [rows[i] for i in sample_indices(len(rows), samples, seed)]
 
-    chosen = [images[i] for i in _sample_indices(len(images), samples, seed)] if images else []
+    chosen = [images[i] for i in sample_indices(len(images), samples, seed)] if images else []
     skipped = 0
     for done, path in enumerate(chosen, start=1):
         try:

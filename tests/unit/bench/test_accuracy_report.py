@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from skimage import data
 
+from app import cli
 from app.cli import main
 from engines.backends import cuda_available
+from tests.conftest import ROOT
 
 
 def labelled_photos(folder: Path, each: int = 3) -> Path:
@@ -93,3 +97,72 @@ def test_gpu_rows_need_a_gpu(
     assert code == 2
     assert "--gpu needs a CUDA GPU" in capsys.readouterr().out
     assert not (tmp_path / "report").exists()
+
+
+def test_without_matplotlib_the_table_is_printed_and_the_plot_skipped_saying_why(
+    tmp_path: Path,
+    efficientnet_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A plain install has no matplotlib (the bench extra): the report used to run the whole
+    measurement and die importing it, the table never printed."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # ``import matplotlib`` fails
+    monkeypatch.setenv("STOKER_STORE__PATH", str(tmp_path / "store"))
+    repo = report_repository(tmp_path, efficientnet_dir)
+    photos = labelled_photos(tmp_path / "photos", each=1)
+    out = tmp_path / "report"
+    code = main(
+        [
+            "accuracy", "--model", "efficientnet_lite0", "--repository", str(repo),
+            "--images", str(photos), "--precisions", "fp32", "--batches", "1",
+            "--out", str(out),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    first = printed.splitlines()[0]
+    assert "no plot: matplotlib is not installed" in first and "[bench]" in first
+    assert "| fp32 |" in printed and "no plot: matplotlib" in printed.splitlines()[-1]
+    assert "| fp32 |" in (out / "accuracy.md").read_text()
+    assert not (out / "accuracy.png").exists()
+
+
+def test_a_missing_folder_or_model_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    photos = labelled_photos(tmp_path / "photos", each=1)
+    missing = ["accuracy", "--model", "efficientnet_lite0", "--images", "/nonexistent"]
+    assert main(missing) == 2
+    assert capsys.readouterr().err == "stoker accuracy: --images /nonexistent is not a folder\n"
+    unknown = ["accuracy", "--model", "nope", "--images", str(photos)]
+    assert main([*unknown, "--repository", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("stoker: model 'nope'") and len(error.splitlines()) == 1
+
+
+def test_a_source_checkout_reaches_the_accuracy_tool(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the installed entry points, ``stoker accuracy`` says how to run it from the
+    checkout, and ``python -m bench accuracy`` is that command."""
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    assert main(["accuracy", "--model", "x", "--images", str(tmp_path)]) == 2
+    assert "python -m bench accuracy" in capsys.readouterr().err
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "accuracy", "--model", "x", "--images", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "stoker accuracy: --images /nonexistent is not a folder\n"
+    usage = subprocess.run(
+        [sys.executable, "-m", "bench", "accuracy", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=True,
+    ).stdout
+    assert usage.startswith("usage: python -m bench accuracy") and "--calibrate-on" in usage

@@ -76,3 +76,15 @@ def test_run_onnx_in_batches(tmp_path: Path) -> None:
     path = tmp_path / "tiny.onnx"
     onnx.save(tiny_onnx(), str(path))
     np.testing.assert_allclose(accuracy.run_onnx(path, x, "x", threads=1), expected, rtol=1e-5)
+
+
+def test_max_relative_error_is_relative_to_each_outputs_scale() -> None:
+    big = np.array([[100.0, -200.0]])
+    small = np.array([[0.001, 0.002]])
+    # 1 off on a scale of 200, and 0.0001 off on a scale of 0.002: the worst is 5%.
+    found = accuracy.max_relative_error([big, small], [big + 1.0, small + 0.0001])
+    assert found == pytest.approx(0.05)
+    assert accuracy.max_relative_error([big], [big]) == 0.0
+    assert accuracy.max_relative_error([big], [np.array([[np.inf, 0.0]])]) == float("inf")
+    with pytest.raises(ValueError, match="differ in shape"):
+        accuracy.max_relative_error([big], [small.T])

@@ -127,8 +127,8 @@ def test_calibration_folder_is_part_of_the_key(tmp_path: Path, efficientnet_dir:
     photos = tmp_path / "photos"
     photos.mkdir()
     shutil.copy(ROOT / "README.md", photos / "a.txt")
-    builtin = build.CalibrationData(plan).fingerprint
+    builtin = build.variant_rows(plan).fingerprint
     mine = dataclasses.replace(plan, int8=plan.int8.model_copy(update={"calibration": str(photos)}))
-    first = build.CalibrationData(mine).fingerprint
+    first = build.variant_rows(mine).fingerprint
     (photos / "b.txt").write_text("another file")
-    assert len({builtin, first, build.CalibrationData(mine).fingerprint}) == 3
+    assert len({builtin, first, build.variant_rows(mine).fingerprint}) == 3
