@@ -257,7 +257,7 @@ class Part:
 @dataclass(frozen=True)
 class Frame:
     """Decoded requests that run as one queue entry: one model version, batch key, deadline
-    (``timeout_us``), priority and client (``app.frontend.plane`` gathers them)."""
+    (``timeout_us``), priority and client (``app.frontend.gathering`` gathers them)."""
 
     model: str
     version: str

@@ -7,8 +7,9 @@ message, so the engine decodes and checks a frame in one step and dispatches it 
 (``app.engine.process``). Tensors cross as ``TensorRef``: a typed reference to bytes in the
 front end's arena or the frame's payload, never the bytes themselves and never a pickle.
 
-A front end of another wire version is refused at ``Hello`` with both versions named; a
-frame that does not decode is answered with a ``Failure`` that says why.
+Every frame carries its sender's wire version: a frame of another version is answered with a
+``BadFrame`` naming both versions (``checked``), and one that does not decode with a
+``Failure`` that says why.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Raised whenever a message changes shape: front ends and engines of one release agree."""
 
 
@@ -116,11 +117,11 @@ class Serving(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Hello(_Message, frozen=True, tag=Op.HELLO.value):
-    """The first call on a connection: the front end's arena and the wire it speaks."""
+    """The first call on a connection: the front end's arena (its wire version is the
+    frame's, checked as every frame's is)."""
 
     arena: str
     slot_bytes: int
-    wire: int = WIRE_VERSION
 
 
 class Cancel(_Message, frozen=True, tag=Op.CANCEL.value):

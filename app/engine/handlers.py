@@ -3,8 +3,8 @@
 The V2 tensor routes need none of it: tensors in, tensors out. An upload route needs to know
 how bytes become the engine's input rows and how its outputs become an answer, which is
 the model's business, not the server's. A ``Handler`` says both, the way LitServe's
-``decode_request`` / ``encode_response`` do; the data plane batches what ``decode`` gives
-through the model's batcher and hands the outputs to ``encode``.
+``decode_request`` / ``encode_response`` do; the engine (``app.engine.uploads``) batches what
+``decode`` gives through the model's batcher and hands the outputs to ``encode``.
 
 A model picks its handler with ``handler:`` in its config: ``image-classifier`` (the default
 when the config has ``preprocess``: images decoded, resized and cropped, softmax, top-k

@@ -1,10 +1,12 @@
-"""The engine process: the data plane (registry, batchers, runners) behind a control socket.
+"""The engine process: the engine (registry, batchers, runners: ``LocalEngine``) behind a
+control socket.
 
 Front ends (``app.frontend.remote``) connect over a Unix socket (``app.channel``), say which
-shared-memory arena they lend bodies in, and send one frame per call. An inference request's
-body is read where the front end wrote it, decoded and run exactly as in one process
-(``DataPlane.infer``), and the encoded answer is written back into the same slot. The engine
-is the one source of metrics, readiness and liveness.
+shared-memory arena they lend bodies in, and send one frame per call. A front end decodes and
+validates a request itself; what arrives here is the decoded ``Run`` (tensors as references
+into the front end's arena), dispatched by type to the same ``LocalEngine`` methods that one
+process calls, and the outputs go back into the same slot, encoded by the front end. The
+engine is the one source of metrics, readiness and liveness.
 
 SIGTERM drains: readiness turns false at once; the requests the front ends accepted before
 their own drains closed their doors are taken until they hang up, within

@@ -1,4 +1,4 @@
-"""HTTP routes: parse, call one data-plane method, serialise. Nothing else lives here.
+"""HTTP routes: parse, call one data-plane method, serialise.
 
 KServe V2 / Open Inference Protocol with Triton's binary tensor, classification and
 statistics extensions; ``POST /infer`` for image uploads; ``GET /metrics``.
@@ -402,6 +402,8 @@ INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
     responses=INFER_RESPONSES,
 )
 async def infer(request: Request, name: str, version: str | None = None) -> Response:
+    """Declared for the OpenAPI document and for a stack without ``InferFastPath``; in the
+    served app ``InferFastPath`` answers these paths before FastAPI's routing is reached."""
     return await infer_response(request, name, version)
 
 

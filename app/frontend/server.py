@@ -1,4 +1,4 @@
-"""The ASGI application: lifespan, the body-size guard, the one error handler, the routes."""
+"""The ASGI application: lifespan, the body-size guard, the error handlers, the routes."""
 
 from __future__ import annotations
 
