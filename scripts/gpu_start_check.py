@@ -110,8 +110,9 @@ def replay(store_root: str) -> None:
         runner.close()
         engine.close()
     a, b = results["default"].astype(np.float64), results["none"].astype(np.float64)
-    print(f"compiled against uncompiled: relative error {np.linalg.norm(a - b) / np.linalg.norm(b):.2e}, "
-          f"top-1 {np.mean(a.argmax(1) == b.argmax(1)):.2f}")  # fmt: skip
+    error = np.linalg.norm(a - b) / np.linalg.norm(b)
+    top1 = np.mean(a.argmax(1) == b.argmax(1))
+    print(f"compiled against uncompiled: relative error {error:.2e}, top-1 {top1:.2f}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@
 # for one or more trees: per tree, from an empty engine store, then restarted with the store it
 # filled (STARTS, default empty,filled,filled). Every start has an empty Inductor cache of its
 # own, so only the engine store carries compiled code. After each start one batch of 8 UINT8
-# images is inferred over HTTP; its logits are kept (answers_<tree>_<start>.json) and the trees'
-# compared. Then, in the first tree, the compiled package's CUDA-graph replay rate against
-# the uncompiled graph's at batch 32 and 256 (scripts/gpu_start_check.py).
+# images is inferred over HTTP; its logits are kept and every start's compared with the first's.
+# The servers' logs are joined in $OUT/starts.log. Then, in the first tree, the compiled
+# package's CUDA-graph replay rate against the uncompiled graph's at batch 32 and 256
+# (scripts/gpu_start_check.py).
 #
 #   TREES="start=.gpu/start base=.gpu/base" bash .gpu/start/scripts/h200_start.sh   (from the
 #   checkout's root on the GPU machine, wheels installed; logs to $OUT)
@@ -16,6 +17,8 @@
 set -u
 OUT=${OUT:-/tmp/stoker-start}
 mkdir -p "$OUT"
+work=/tmp/stoker-start-work
+rm -rf "$work" && mkdir -p "$work"
 export PYTHONUNBUFFERED=1
 root=$PWD
 began=$(date +%s)
@@ -42,11 +45,11 @@ for pair in ${TREES:-start=.}; do
     store=/tmp/stoker-store-$label
     rm -rf "$store" "$repo"
     (cd "$tree" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$tree" python3 scripts/gpu_repo.py "$repo" \
-        >"$OUT/repo_$label.log" 2>&1)
+        >"$work/repo_$label.log" 2>&1)
     i=0
     for start in ${STARTS:-empty filled filled}; do
         i=$((i + 1))
-        log=$OUT/${label}_$i.log
+        log=$work/${label}_$i.log
         t0=$(date +%s.%N)
         (cd "$tree" && TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-$label-$i STOKER_STORE__PATH=$store \
             PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$tree" STOKER_MODELS__BACKEND=torch \
@@ -61,13 +64,14 @@ for pair in ${TREES:-start=.}; do
         echo "$label $i ($start store): ready in $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
         grep -E "engine store|compil|loaded and warmed|ready:|Traceback|Error" "$log" | cut -c1-400 | tail -8
         python3 "$root/.gpu/start/scripts/gpu_start_check.py" answer 8124 \
-            "$OUT/answers_${label}_$i.json" 2>&1 | tail -2
+            "$work/answers_${label}_$i.json" 2>&1 | tail -2
         kill -TERM $pid 2>/dev/null
         wait $pid
+        { echo "==== $label $i ($start store)"; cat "$log"; } >>"$OUT/starts.log"
     done
     du -sh "$store" | sed "s/^/store: /"
 done
-python3 "$root/.gpu/start/scripts/gpu_start_check.py" compare "$OUT" 2>&1 | tail -12
+python3 "$root/.gpu/start/scripts/gpu_start_check.py" compare "$work" 2>&1 | tail -12
 if [[ ${CHECK:-1} == 1 ]]; then
     echo "== replay: the compiled package against the uncompiled graph ($first's store)"
     (cd "$root/.gpu/start" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" timeout 150 \
