@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,14 @@ SUFFIX = ".pt2"
 # Inductor's options per mode. Inductor's own CUDA graphs are never made: the runner
 # captures the package's call in graphs of its own.
 # ``cpp.vec_isa_ok`` takes the CPU's vector instruction set from its flags rather than by
-# compiling test programs for each (about a minute on a fresh machine): the package's own
-# code runs on the GPU.
+# compiling test programs for each (about a minute on a fresh machine), and the host code
+# that launches the kernels is compiled unoptimised (``O0``: seconds less): the runners
+# replay CUDA graphs of it, so its own speed never counts.
+_HOST = {"cpp.vec_isa_ok": True, "aot_inductor.compile_wrapper_opt_level": "O0"}
 INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
-    "default": {"cpp.vec_isa_ok": True},
-    "max-autotune": {"cpp.vec_isa_ok": True, "max_autotune": True},
+    "default": _HOST,
+    "max-autotune": {**_HOST, "max_autotune": True},
 }
-
-Compiled = Callable[..., Sequence[torch.Tensor]]
 
 
 def versions() -> str:
@@ -91,18 +91,22 @@ def package_key(
 
 
 def compile_package(
-    module: torch.nn.Module, example: tuple[torch.Tensor, ...], mode: CompileMode, path: Path
+    module: torch.nn.Module,
+    example: Callable[[], tuple[torch.Tensor, ...]],
+    mode: CompileMode,
+    path: Path,
+    max_batch: int,
 ) -> None:
-    """``module`` exported with ``example``'s first dimension symbolic from 1 to its size
-    (static where that size is 1 or the model is unbatched: ``example`` is then 0-d in no
-    dimension that varies) and compiled into a package written to ``path``."""
+    """``module`` exported with the first dimension of ``example()``'s inputs (``max_batch``
+    rows) symbolic from 1 to ``max_batch``, and compiled into a package written to ``path``.
+    A max batch of 1, or 0 (an unbatched model), keeps every dimension static."""
     with torch.no_grad():
+        inputs = example()
         dynamic = None
-        rows = int(example[0].shape[0]) if example and example[0].dim() else 1
-        if rows > 1:
-            batch = torch.export.Dim("batch", min=1, max=rows)
-            dynamic = (tuple({0: batch} for _ in example),)
-        program = torch.export.export(module, example, dynamic_shapes=dynamic, strict=False)
+        if max_batch > 1:
+            batch = torch.export.Dim("batch", min=1, max=max_batch)
+            dynamic = (tuple({0: batch} for _ in inputs),)
+        program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
         # AOTInductor names its packages ``*.pt2``; the store's temporary file is not.
         with tempfile.TemporaryDirectory(dir=path.parent) as folder:
             package = Path(folder) / "model.pt2"
@@ -112,42 +116,52 @@ def compile_package(
             os.replace(package, path)
 
 
-def load_package(path: Path, device: torch.device, single_threaded: bool) -> Compiled:
+class Package:
+    """A loaded package, called as the module is (its tensors in, a tuple of tensors out)."""
+
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(self._loader.boxed_run(list(inputs)))
+
+
+def load_package(path: Path, device: torch.device, single_threaded: bool) -> Package:
     """The package at ``path`` loaded onto ``device``, ready to call.
 
-    The package's own loader (``aoti_load_package``) first compares the machine with the one
+    AOTInductor's own loader (``aoti_load_package``) first compares the machine with the one
     that compiled it, and that comparison picks the CPU's vector instruction set by compiling
     test programs into Inductor's cache: about a minute on a fresh machine (an H200's, run
-    52). The store's key already holds the GPU and the versions, so the loader underneath is
-    called directly."""
-    from torch.export.pt2_archive._package import AOTICompiledModel
-
+    52); its Python wrapper also imports ``torch.export``'s archive code (seconds). The
+    store's key already holds the GPU and the versions, and the module's inputs and outputs
+    are flat tuples of tensors, so the C++ loader underneath is called directly."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
-    loader = torch._C._aoti.AOTIModelPackageLoader(  # type: ignore[attr-defined]
-        str(path), "model", single_threaded, 1, index
+    return Package(
+        torch._C._aoti.AOTIModelPackageLoader(  # type: ignore[attr-defined]
+            str(path), "model", single_threaded, 1, index
+        )
     )
-    loaded: Compiled = AOTICompiledModel(loader)
-    return loaded
 
 
 def load_or_compile(
     store: EngineStore | None,
     key: EngineKey,
     module: torch.nn.Module,
-    example: tuple[torch.Tensor, ...],
+    example: Callable[[], tuple[torch.Tensor, ...]],
     device: torch.device,
     single_threaded: bool = True,
-) -> Compiled:
+) -> Package:
     """The package of ``key`` from the store, compiled (once, for every process sharing the
     store) where it is missing, foreign or corrupt; refused and compiled again where it
-    verifies but does not load. Without a store it is compiled in a temporary folder."""
+    verifies but does not load. Without a store it is compiled in a temporary folder.
+    ``example`` makes the inputs it is traced and tuned with, only where it is compiled."""
     mode: CompileMode = key.options["mode"]
 
     def build(path: Path) -> dict[str, Any]:
         started = time.perf_counter()
         log.info("%s: compiling for batches of 1 to %d (AOTInductor, %s); once per GPU model",
                  key.model, key.profile[0], mode)  # fmt: skip
-        compile_package(module, example, mode, path)
+        compile_package(module, example, mode, path, key.profile[0])
         log.info("%s: compiled in %.1f s (%.1f MB)", key.model, time.perf_counter() - started,
                  path.stat().st_size / 1e6)  # fmt: skip
         return {"artifact": "AOTInductor package", "torch": versions()}
@@ -166,7 +180,7 @@ def load_or_compile(
 
 def _loaded(
     store: EngineStore, key: EngineKey, stored: StoredEngine, device: torch.device, single: bool
-) -> Compiled:
+) -> Package:
     """The stored package loaded; discarded from the store where it does not load."""
     started = time.perf_counter()
     try:

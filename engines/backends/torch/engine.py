@@ -157,12 +157,16 @@ class TorchEngine:
             self.buckets[-1],
             {"channels_last": self.options.channels_last},
         )
-        example = self.example_inputs(torch_device, dtype)
         try:
             # Outside a CUDA graph its calls are one at a time (the runners' capture lock);
             # eager runners run side by side, so they need its own synchronisation.
             return compiled.load_or_compile(
-                self._store, key, module, example, torch_device, single_threaded=self.cuda_graphs
+                self._store,
+                key,
+                module,
+                lambda: self.example_inputs(torch_device, dtype),
+                torch_device,
+                single_threaded=self.cuda_graphs,
             )
         except Exception as error:
             self._compile_failed(device, error)
