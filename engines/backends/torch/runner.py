@@ -192,7 +192,7 @@ class TorchRunner:
         return tuple(result)
 
     def _capture_all(self) -> None:
-        started = time.perf_counter()
+        began = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         with _CAPTURE_LOCK, torch.no_grad(), tf32(self.engine.precision == "tf32"):
             # Largest first: the smaller graphs then fit in the memory the pool already has.
@@ -218,7 +218,7 @@ class TorchRunner:
                     self._graphs[(bucket, fmt)] = (graph, outputs)
         self._stream.synchronize()
         log.info("%s: %d CUDA graphs captured on GPU %d in %.1f s", self._spec.name,
-                 len(self._graphs), self.device, time.perf_counter() - started)  # fmt: skip
+                 len(self._graphs), self.device, time.perf_counter() - began)  # fmt: skip
 
     # -- running --------------------------------------------------------------------------
 
