@@ -131,10 +131,11 @@ def load_package(path: Path, device: torch.device, single_threaded: bool) -> Pac
 
     AOTInductor's own loader (``aoti_load_package``) first compares the machine with the one
     that compiled it, and that comparison picks the CPU's vector instruction set by compiling
-    test programs into Inductor's cache: about a minute on a fresh machine (an H200's, run
-    52); its Python wrapper also imports ``torch.export``'s archive code (seconds). The
-    store's key already holds the GPU and the versions, and the module's inputs and outputs
-    are flat tuples of tensors, so the C++ loader underneath is called directly."""
+    test programs into Inductor's cache: 67-70 s a start on a fresh H200 machine
+    (BENCHMARKS.md, "Start in seconds"); its Python wrapper also imports ``torch.export``'s
+    archive code (seconds more). The store's key already holds the GPU and the versions, and
+    the module's inputs and outputs are flat tuples of tensors, so the C++ loader underneath
+    is called directly."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return Package(
         torch._C._aoti.AOTIModelPackageLoader(  # type: ignore[attr-defined]
