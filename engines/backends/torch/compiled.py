@@ -138,9 +138,7 @@ def load_package(path: Path, device: torch.device, single_threaded: bool) -> Pac
     is called directly."""
     index = device.index if device.type == "cuda" and device.index is not None else -1
     return Package(
-        torch._C._aoti.AOTIModelPackageLoader(  # type: ignore[attr-defined]
-            str(path), "model", single_threaded, 1, index
-        )
+        torch._C._aoti.AOTIModelPackageLoader(str(path), "model", single_threaded, 1, index)
     )
 
 
