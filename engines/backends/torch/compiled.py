@@ -8,9 +8,10 @@ tuned at the max batch. The package is written to the engine store under a key o
 precision, GPU, torch and Triton versions, max batch and mode. Every runner on every GPU of
 that name loads the same package, and a start that finds it loads it and compiles nothing:
 no tracing, no code generation, no autotuning. The runner captures the package's call in its
-own CUDA graph per bucket; the package is loaded single-threaded (without the stream
-synchronisation of its own that a capture forbids), so its calls outside a graph are made
-one at a time (the runners' capture lock).
+own CUDA graph per bucket; for that the package is loaded single-threaded (without the
+stream synchronisation of its own that a capture forbids), its calls outside a graph made one
+at a time (the runners' capture lock). Eager runners (``cuda_graphs`` off), which call it side
+by side, get it with that synchronisation.
 
 A package that verifies (manifest, checksum) but does not load is refused: discarded and
 compiled again, once.
@@ -36,12 +37,12 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".pt2"
 
-# Inductor's options per mode. Inductor's own CUDA graphs are never made: the runner
-# captures the package's call in graphs of its own.
-# ``cpp.vec_isa_ok`` takes the CPU's vector instruction set from its flags rather than by
-# compiling test programs for each (about a minute on a fresh machine), and the host code
-# that launches the kernels is compiled unoptimised (``O0``: seconds less): the runners
-# replay CUDA graphs of it, so its own speed never counts.
+# Inductor's options per mode (its own CUDA graphs are never made: the runner captures the
+# package's call in graphs of its own). ``cpp.vec_isa_ok`` takes the CPU's vector
+# instruction set from its flags rather than by compiling test programs for each (about a
+# minute on a fresh machine), and the host code that launches the kernels is compiled
+# unoptimised (``O0``: seconds less): the runners replay CUDA graphs of it, so its own speed
+# never counts.
 _HOST = {"cpp.vec_isa_ok": True, "aot_inductor.compile_wrapper_opt_level": "O0"}
 INDUCTOR_CONFIGS: dict[str, dict[str, Any]] = {
     "default": _HOST,
