@@ -5,7 +5,12 @@ shapes, build options), with a manifest beside it that repeats the key and the f
 SHA-256. Writes go to a temporary file that is renamed into place, under an exclusive lock
 per key, so two processes never build the same engine twice and a killed build never leaves
 a file that loads. A file whose manifest is missing, foreign or does not match its checksum is
-rebuilt, never loaded.
+rebuilt, never loaded. A file that verifies but that its backend cannot load is discarded by
+the backend (``discard``) and rebuilt.
+
+The store also keeps what each model's start spent in it (``phases``): looking artefacts up
+(reading and verifying them), building and compiling them, and loading what was found, so the
+start-up log can say where a slow start went.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +32,10 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MANIFEST_VERSION = 1
+
+# The kinds of artefact whose build is a compile of generated code (the torch backend's
+# packages), not a precision variant or an engine plan: their time is the "compile" phase.
+COMPILED_KINDS = frozenset({"aoti"})
 
 
 def sha256_file(path: Path) -> str:
@@ -80,9 +91,36 @@ class StoredEngine:
         return extra
 
 
+class StartPhases:
+    """Seconds spent per model and phase (``store lookup``, ``build``, ``compile``, ``load``),
+    summed over every artefact of the model; thread-safe (versions load side by side)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seconds: defaultdict[str, defaultdict[str, float]] = defaultdict(
+            lambda: defaultdict(float)
+        )
+
+    def add(self, model: str, phase: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[model][phase] += seconds
+
+    def of(self, model: str) -> dict[str, float]:
+        """The model's totals so far (a copy: subtract two to time one load)."""
+        with self._lock:
+            return dict(self._seconds.get(model, {}))
+
+
 class EngineStore:
     def __init__(self, root: Path) -> None:
         self.root = root
+        self.phases = StartPhases()
+        # Builds nested in a build (a variant's calibration) are that build's time, counted
+        # once: only the outermost call of a thread adds to ``phases``.
+        self._building = threading.local()
+
+    def _outermost(self) -> bool:
+        return not getattr(self._building, "depth", 0)
 
     def path_for(self, key: EngineKey, suffix: str) -> Path:
         safe_model = "".join(c if c.isalnum() or c in "-_." else "_" for c in key.model)
@@ -102,6 +140,14 @@ class EngineStore:
         Only a caller holding the key's lock may ``discard`` a file that fails verification:
         without the lock it may be a build that is being renamed into place right now.
         """
+        started = time.perf_counter()
+        try:
+            return self._verified(key, suffix, discard)
+        finally:
+            if self._outermost():
+                self.phases.add(key.model, "store lookup", time.perf_counter() - started)
+
+    def _verified(self, key: EngineKey, suffix: str, discard: bool) -> StoredEngine | None:
         path = self.path_for(key, suffix)
         manifest_path = self._manifest_path(path)
         if not path.exists():
@@ -118,13 +164,23 @@ class EngineStore:
         if problem is not None:
             if not discard:
                 return None
-            log.warning("engine store: discarding %s: %s; it will be rebuilt", path, problem)
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            with contextlib.suppress(FileNotFoundError):
-                manifest_path.unlink()
+            self._remove(path, problem)
             return None
         return StoredEngine(path, manifest)
+
+    def _remove(self, path: Path, why: str) -> None:
+        log.warning("engine store: discarding %s: %s; it will be rebuilt", path, why)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self._manifest_path(path).unlink()
+
+    def discard(self, key: EngineKey, suffix: str, why: str) -> None:
+        """Remove ``key``'s artefact that verified but does not load (``why``), under its
+        lock, so that the next ``get_or_build`` builds it again."""
+        path = self.path_for(key, suffix)
+        with self._locked(path):
+            self._remove(path, why)
 
     @contextlib.contextmanager
     def _locked(self, path: Path) -> Iterator[None]:
@@ -169,6 +225,9 @@ class EngineStore:
                 stale.unlink()  # left by a killed build; we hold the lock, so nobody owns it
             temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
             started = time.perf_counter()
+            phase = "compile" if key.kind in COMPILED_KINDS else "build"
+            outermost = self._outermost()
+            self._building.depth = getattr(self._building, "depth", 0) + 1
             try:
                 extra = build(temporary)
                 with temporary.open("rb") as f:
@@ -184,6 +243,9 @@ class EngineStore:
                 }
                 os.replace(temporary, path)
             finally:
+                self._building.depth -= 1
+                if outermost:
+                    self.phases.add(key.model, phase, time.perf_counter() - started)
                 with contextlib.suppress(FileNotFoundError):
                     temporary.unlink()
             manifest_tmp = path.with_name(f".{path.name}.manifest.{os.getpid()}.tmp")

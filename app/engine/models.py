@@ -32,10 +32,11 @@ import zoo
 from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
-from app.engine.decoders import decode_queue, describe_decoding, gpu_decoders
+from app.engine.decoders import decode_queue, describe_decoding
 from app.engine.handlers import Handler, HandlerContext, RowsHandler, handler_for
 from app.engine.pool import RunnerPool
 from app.engine.repository import DynamicBatching, ModelEntry, triton_layout, version_folders
+from app.engine.startup import describe_phases, start_decoders, start_phases, stop_decoders
 from app.errors import BadRequest, Reloaded, client_text
 from app.metrics import ModelMetrics
 from app.settings import Settings
@@ -310,6 +311,8 @@ class LoadedModel:
     """The handler, where a front end may make this model's input rows of its uploads
     itself: one that takes rows (``RowsHandler``), the engine decoding on the CPU (no device
     decoder). None: uploads cross as files."""
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)
+    """What its load spent per phase, in seconds (``start_phases``)."""
     replaced_by: LoadedModel | None = None
     """The version that serves in its place since a reload switched to it."""
 
@@ -420,9 +423,18 @@ async def load(
     ``metrics``: those of the version it replaces (a reload), whose totals it continues."""
     entry, config = model.entry, model.entry.config
     started = time.perf_counter()
-    engine, policy = await asyncio.to_thread(
-        load_engine, model, precision, backend, store, cancelled
-    )
+    in_store = store.phases.of(config.name)
+    # The decode processes start beside the engine (each imports torch and makes a CUDA
+    # context: seconds), not after it.
+    decoding = asyncio.ensure_future(asyncio.to_thread(start_decoders, entry, backend, settings))
+    try:
+        engine, policy = await asyncio.to_thread(
+            load_engine, model, precision, backend, store, cancelled
+        )
+    except BaseException:
+        await stop_decoders(decoding)
+        raise
+    phases = start_phases(in_store, store.phases.of(config.name), time.perf_counter() - started)
     pool: RunnerPool | None = None
     handler: Handler | None = None
     decoder: images.DecodeQueue | None = None
@@ -431,15 +443,23 @@ async def load(
     labels = entry.labels()
     try:
         runners = config.runner_count(backends.resolve(backend))
+        step = time.perf_counter()
         pool = await RunnerPool.create(engine, runners, f"{config.name}-{precision}")
+        phases["capture"] = time.perf_counter() - step
+        step = time.perf_counter()
         await pool.warm()
-        decoders = await asyncio.to_thread(gpu_decoders, entry, backend, settings)
+        phases["warm-up"] = time.perf_counter() - step
+        decoders, decoding_s = await decoding
+        if decoders:
+            phases["decode processes"] = decoding_s
         decoder = decode_queue(config.name, decoders, settings, metrics)
         context = handler_context(model, labels, settings, metrics, policy, decoder)
         handler = handler_for(config.handler, context, settings.models.handlers)
     except BaseException:
         if decoder is not None:
             await decoder.close()
+        else:
+            await stop_decoders(decoding)
         await asyncio.to_thread(pool.close if pool is not None else engine.close)
         raise
     # The engine's spec, not the config's: a GPU engine told to shrink serves a smaller max
@@ -449,7 +469,7 @@ async def load(
     batcher.start()
     # Pixels and JPEG uploads are said only of a model that takes them (it has preprocessing).
     log.info(
-        "model %s version %s: %s backend, %d runner(s)%s%s%s; loaded and warmed in %.1f s",
+        "model %s version %s: %s backend, %d runner(s)%s%s%s; loaded and warmed in %.1f s (%s)",
         config.name,
         precision,
         backend,
@@ -462,6 +482,7 @@ async def load(
         if config.preprocess is not None
         else ", no preprocessing",
         time.perf_counter() - started,
+        describe_phases(phases),
     )
     rows_handler = handler if isinstance(handler, RowsHandler) and decoder is None else None
     return LoadedModel(
@@ -476,4 +497,5 @@ async def load(
         policy,
         handler,
         rows_handler,
+        phases,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, NoReturn
 
 from app.engine.index import (
@@ -43,6 +44,7 @@ from app.engine.repository import (
     version_folders,
     without_paths,
 )
+from app.engine.startup import describe_phases
 from app.errors import BadRequest, NotFound, Unavailable, client_text
 from app.metrics import model_available, model_unavailable
 from app.settings import Settings
@@ -101,6 +103,7 @@ class Registry:
         its accuracy budget or fails to load is not served and says why (unless
         ``models.exit_on_error``); the others serve. Nothing at all to serve is an error in
         mode none, where nothing can be loaded later."""
+        started = time.perf_counter()
         entries = [self._placed(e) for e in await asyncio.to_thread(self.startup_entries)]
         for entry in entries:
             self._known[entry.config.name] = Known(state=LOADING, loading=entry)
@@ -124,10 +127,18 @@ class Registry:
         await asyncio.to_thread(freeze_heap)
         self.loading_done = True
         served = {n: sorted(k.versions) for n, k in self._known.items() if k.versions}
+        # The last start-up line says where the start went, per version and phase.
+        phases = [
+            f"{name} {version}: {describe_phases(loaded.phases)}"
+            for name, known in self._known.items()
+            for version, loaded in sorted(known.versions.items())
+        ]
         log.info(
-            "ready: %s%s",
+            "ready: %s%s in %.1f s (%s)",
             ", ".join(f"{n}{v}" for n, v in served.items()) or "no model",
             f"; NOT served: {', '.join(refused_all)} (see above)" if refused_all else "",
+            time.perf_counter() - started,
+            "; ".join(phases) or "nothing loaded",
         )
 
     def _refuse(self, entry: ModelEntry, version: str, error: Exception, startup: bool) -> str:

@@ -6,8 +6,9 @@ The model is the ONNX file itself, converted op by op into a ``torch.nn.Module``
 as it is. The engine holds one copy of the weights per GPU; a runner
 (``engines.backends.torch.runner``) is one execution lane with a CUDA graph per batch bucket.
 
-With ``gpu.compile`` the module is compiled by ``torch.compile`` before the graphs are
-captured (``engines.backends.torch.compiled``; kept in the engine store). The engine's GPU
+With ``gpu.compile`` the module is compiled ahead of time by AOTInductor into one package
+for every bucket, shared by every runner and kept in the engine store
+(``engines.backends.torch.compiled``); the runners capture its call. The engine's GPU
 memory is capped at ``gpu.memory_fraction`` of each GPU (``engines.backends.torch.memory``):
 a runner whose graphs do not fit is retried with smaller max batches, and the model is refused
 naming the largest that fits, or served with it (``gpu.on_out_of_memory``).
@@ -20,6 +21,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from engines.backends.torch import compiled
 from engines.backends.torch.convert import OnnxModule, UnsupportedModel, convert
 from engines.backends.torch.memory import limit_memory, reserved
 from engines.backends.torch.precision import PRECISIONS, compute_dtype, graph_precision
+from engines.backends.torch.runner import TORCH_DTYPES
 
 # Re-exported: scripts/gpu_bench.py imports the runner from here.
 from engines.backends.torch.runner import TorchRunner as TorchRunner
@@ -37,7 +40,6 @@ from engines.base import EngineOptions, ModelDoesNotFit
 from engines.devices.options import GpuOptions
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec
-from engines.store import EngineKey
 
 BACKEND = "torch"
 
@@ -116,9 +118,6 @@ class TorchEngine:
         self._store = options.store
         self._modules: dict[int, OnnxModule] = {}
         self._calls: dict[int, Any] = {}
-        self._artifacts: dict[int, EngineKey] = {}
-        self._unsaved: set[int] = set()
-        self._compiled_on: set[int] = set()
         self.weight_bytes: dict[int, int] = {}
         """Per GPU, the bytes of the engine's copy of the weights (parameters and buffers)."""
         self.runner_bytes: list[int] = []
@@ -137,23 +136,73 @@ class TorchEngine:
             )
             self._calls[device] = module
             if gpu.compile != "none":
-                key = compiled.artifact_key(
-                    path,
-                    spec.name,
-                    precision,
-                    gpu.compile,
-                    torch.device("cuda", device),
-                    self.buckets,
-                    {"channels_last": torch_options.channels_last},
-                )
-                self._artifacts[device] = key
-                if not compiled.load_artifacts(self._store, key):
-                    self._unsaved.add(device)
-                self._calls[device] = compiled.compile_module(
-                    module, gpu.compile, len(self.buckets)
-                )
+                self._calls[device] = self._compiled(path, device, module, dtype)
         self._next = 0
         self._lock = threading.Lock()
+        self._capture = ThreadPoolExecutor(1, thread_name_prefix=f"{spec.name}-capture")
+
+    def _compiled(
+        self, path: Path, device: int, module: OnnxModule, dtype: torch.dtype | None
+    ) -> Any:
+        """The module's package for every bucket (``compiled``), from the store or compiled;
+        the module itself where compiling fails (slower: the warning says so)."""
+        torch_device = torch.device("cuda", device)
+        gpu = self.options.gpu
+        key = compiled.package_key(
+            path,
+            self.spec.name,
+            self.precision,
+            gpu.compile,
+            torch_device,
+            self.buckets[-1],
+            {"channels_last": self.options.channels_last},
+        )
+        try:
+            # Outside a CUDA graph its calls are one at a time (the runners' capture lock);
+            # eager runners run side by side, so they need its own synchronisation.
+            return compiled.load_or_compile(
+                self._store,
+                key,
+                module,
+                lambda: self.example_inputs(torch_device, dtype),
+                torch_device,
+                single_threaded=self.cuda_graphs,
+            )
+        except Exception as error:
+            self._compile_failed(device, error)
+            return module
+
+    def example_inputs(
+        self, device: torch.device, dtype: torch.dtype | None
+    ) -> tuple[torch.Tensor, ...]:
+        """Inputs shaped, typed and laid out as a runner hands them to the module at the max
+        batch (``TorchRunner._prepare``): what the package is traced and tuned with."""
+        rows = self.buckets[-1]
+        generator = torch.Generator().manual_seed(0)
+        values = []
+        for tensor in self.spec.inputs:
+            row = tuple(1 if d == -1 else d for d in tensor.shape)
+            shape = (rows, *row) if self.spec.batched else row
+            want = TORCH_DTYPES[tensor.datatype]
+            if want.is_floating_point:
+                x = torch.randn(shape, generator=generator).to(device, dtype or want)
+            else:
+                x = torch.zeros(shape, dtype=want, device=device)
+            if self.options.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            values.append(x)
+        return tuple(values)
+
+    def _compile_failed(self, device: int, error: Exception) -> None:
+        # A graph the converter runs but Inductor cannot compile still serves, uncompiled,
+        # rather than not at all.
+        log.warning(
+            "%s: compiling failed on GPU %d (%s: %s); serving the converted graph uncompiled",
+            self.spec.name,
+            device,
+            type(error).__name__,
+            str(error).splitlines()[0][:300] if str(error) else "",
+        )
 
     def module(self, device: int) -> OnnxModule:
         return self._modules[device]
@@ -163,6 +212,13 @@ class TorchEngine:
         return self._calls[device]
 
     def new_runner(self) -> TorchRunner:
+        """A runner with a CUDA graph per bucket, made on the engine's one capture thread
+        whichever thread asks: cuDNN's timed choice of algorithms (``cudnn.benchmark``) is
+        kept per thread, so runners made in other threads would each time every convolution
+        of every bucket again (seconds a runner at ResNet-50's 9 buckets)."""
+        return self._capture.submit(self._new_runner).result()
+
+    def _new_runner(self) -> TorchRunner:
         with self._lock:
             device = self.devices[self._next % len(self.devices)]
             self._next += 1
@@ -173,41 +229,23 @@ class TorchEngine:
         except Exception as error:
             if not self._compiles(device):
                 raise
-            # A graph the converter runs but Inductor cannot compile still serves,
-            # uncompiled (slower: the warning says so), rather than not at all.
-            log.warning(
-                "%s: torch.compile failed on GPU %d (%s: %s); serving the converted graph "
-                "uncompiled",
-                self.spec.name,
-                device,
-                type(error).__name__,
-                str(error).splitlines()[0][:300] if str(error) else "",
-            )
+            self._compile_failed(device, error)  # the package loaded but its calls fail
             self._calls[device] = self._modules[device]
-            self._unsaved.discard(device)
             fell_back = True
         if fell_back:  # made again here, once the failed one's memory went with the error
             runner = self._runner_or_none(device)
         if runner is None:
             runner = self._fit(device)
-        self._compiled_on.add(device)
         self.runner_bytes.append(reserved(device) - before)
-        if device in self._unsaved and compiled.save_artifacts(
-            self._store, self._artifacts[device]
-        ):
-            self._unsaved.discard(device)
         return runner
 
     def _compiles(self, device: int) -> bool:
         return self._calls[device] is not self._modules[device]
 
     def _runner_or_none(self, device: int) -> TorchRunner | None:
-        """A runner with every bucket; None where it does not fit the memory left. The first
-        runner on a GPU compiles (or traces, with kernels from the store) and logs each bucket
-        as it goes, the first build being minutes long."""
-        announce = self._compiles(device) and device not in self._compiled_on
+        """A runner with every bucket; None where it does not fit the memory left."""
         try:
-            return TorchRunner(self, device, self.buckets, announce=announce)
+            return TorchRunner(self, device, self.buckets)
         except torch.OutOfMemoryError:
             return None  # the caller retries smaller, once this runner's memory is released
 
@@ -245,6 +283,7 @@ class TorchEngine:
         )
 
     def close(self) -> None:
+        self._capture.shutdown(wait=True)
         self._calls.clear()
         self._modules.clear()
         torch.cuda.empty_cache()

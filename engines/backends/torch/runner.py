@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 _CAPTURE_LOCK = threading.Lock()
 
 
-_NUMPY_TO_TORCH: dict[str, torch.dtype] = {
+TORCH_DTYPES: dict[str, torch.dtype] = {
     "FP32": torch.float32,
     "FP16": torch.float16,
     "BF16": torch.bfloat16,
@@ -97,16 +97,13 @@ class _Input:
 class TorchRunner:
     """One lane: a stream, pinned staging, static device buffers and a graph per bucket."""
 
-    def __init__(
-        self, engine: TorchEngine, device: int, buckets: Sequence[int], announce: bool = False
-    ) -> None:
+    def __init__(self, engine: TorchEngine, device: int, buckets: Sequence[int]) -> None:
         self.engine = engine
         self.device = device
         spec = engine.spec
         self._spec = spec
         self._module = engine.call(device)
         self._buckets = list(buckets)
-        self._announce = announce
         self._max = max(1, self._buckets[-1]) if spec.batched else 1
         self._dtype = compute_dtype(engine.precision)
         image = engine.options.image
@@ -153,7 +150,7 @@ class TorchRunner:
         return (rows, *row) if self._spec.batched else row
 
     def _make_input(self, tensor: TensorSpec, device: torch.device) -> None:
-        formats = {tensor.datatype: _NUMPY_TO_TORCH[tensor.datatype]}
+        formats = {tensor.datatype: TORCH_DTYPES[tensor.datatype]}
         if tensor.name == self._image_input:
             formats["UINT8"] = torch.uint8
         slot = _Input(tensor, formats, {}, {})
@@ -190,11 +187,12 @@ class TorchRunner:
         outputs = self._module(*self._prepare(fmt, rows))
         result = []
         for tensor, value in zip(self._spec.outputs, outputs, strict=True):
-            want = _NUMPY_TO_TORCH[tensor.datatype]
+            want = TORCH_DTYPES[tensor.datatype]
             result.append(value.to(want).contiguous())
         return tuple(result)
 
     def _capture_all(self) -> None:
+        began = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         with _CAPTURE_LOCK, torch.no_grad(), tf32(self.engine.precision == "tf32"):
             # Largest first: the smaller graphs then fit in the memory the pool already has.
@@ -202,15 +200,13 @@ class TorchRunner:
                 for i, bucket in enumerate(sorted(self._buckets, reverse=True)):
                     started = time.perf_counter()
                     with torch.cuda.stream(self._torch_stream):
-                        # cuDNN picks its algorithms (and torch.compile compiles) outside the
-                        # capture
+                        # cuDNN picks its algorithms outside the capture
                         for _ in range(2):
                             self._forward(fmt, bucket)
                     self._stream.synchronize()
-                    if self._announce and fmt == self._formats()[0]:
-                        log.info("%s: batch %d compiled (%d of %d buckets) in %.1f s",
-                                 self._spec.name, bucket, i + 1, len(self._buckets),
-                                 time.perf_counter() - started)  # fmt: skip
+                    log.debug("%s: batch %d warmed (%d of %d buckets) in %.1f s",
+                              self._spec.name, bucket, i + 1, len(self._buckets),
+                              time.perf_counter() - started)  # fmt: skip
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(
                         graph,
@@ -221,6 +217,8 @@ class TorchRunner:
                         outputs = self._forward(fmt, bucket)
                     self._graphs[(bucket, fmt)] = (graph, outputs)
         self._stream.synchronize()
+        log.info("%s: %d CUDA graphs captured on GPU %d in %.1f s", self._spec.name,
+                 len(self._graphs), self.device, time.perf_counter() - began)  # fmt: skip
 
     # -- running --------------------------------------------------------------------------
 

@@ -159,3 +159,37 @@ def test_two_concurrent_builders_build_once(tmp_path: Path) -> None:
     assert len(marker.read_text().split()) == 1
     stored = EngineStore(tmp_path / "store").load(KEY, ".onnx")
     assert stored is not None and stored.path.read_bytes() == b"complete engine"
+
+
+def test_a_discarded_entry_is_built_again(tmp_path: Path) -> None:
+    """What verifies but its backend cannot load is discarded, and the next lookup builds."""
+    store = EngineStore(tmp_path)
+    store.get_or_build(KEY, write(b"refused"), ".bin")
+    store.discard(KEY, ".bin", "its backend could not load it")
+    assert store.load(KEY, ".bin") is None
+    assert store.get_or_build(KEY, write(b"good"), ".bin").path.read_bytes() == b"good"
+
+
+def test_the_store_times_each_model_s_lookups_builds_and_compiles(tmp_path: Path) -> None:
+    """Per model: lookups, builds, and compiles (the ``aoti`` kind) apart; a build nested in
+    a build (a variant's calibration) counted once, as the outer build's time."""
+    store = EngineStore(tmp_path)
+    calibration = EngineKey("m", "abc", "int8", "onnxruntime", "1.0", "cpu", kind="calibration")
+
+    def variant(path: Path) -> None:
+        time.sleep(0.05)
+        store.get_or_build(calibration, write(b"table"), ".json")
+        path.write_bytes(b"variant")
+
+    store.get_or_build(KEY, variant, ".onnx")
+    package = EngineKey("m", "abc", "fp16", "torch", "2.11", "H200", kind="aoti")
+    store.get_or_build(package, write(b"package"), ".pt2")
+    first = store.phases.of("m")
+    assert set(first) == {"store lookup", "build", "compile"}
+    assert 0.05 <= first["build"] < 5 and first["compile"] > 0
+    assert store.phases.of("other") == {}
+
+    again = EngineStore(tmp_path)  # a restart: everything found
+    again.get_or_build(KEY, variant, ".onnx")
+    again.get_or_build(package, write(b"package"), ".pt2")
+    assert set(again.phases.of("m")) == {"store lookup"}
