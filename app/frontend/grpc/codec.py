@@ -17,7 +17,7 @@ response once. Every other field goes through the generated classes.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any
@@ -27,13 +27,17 @@ import orjson
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from app.contract import Answer
-from app.errors import BadRequest, EngineError
+from app.contract import Answer, input_mismatch
+from app.errors import BadRequest, EngineError, PayloadTooLarge
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
+from app.tensor_data import quote
+from engines.spec import ModelSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # grpc_service.proto's field numbers of what is read or written as wire bytes.
+_INPUTS = 5  # ModelInferRequest.inputs
+_CONTENTS = 5  # ModelInferRequest.InferInputTensor.contents
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
 _RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
 _INFER_RESPONSE = 2  # ModelStreamInferResponse.infer_response
@@ -41,6 +45,12 @@ _LENGTH_DELIMITED = 2
 _BYTES_LENGTH = struct.Struct("<I")
 _SHARED_MEMORY = "shared_memory_region"
 _INT64_MAX = 2**63 - 1
+# The most fields a request's top level and each of its inputs may hold (a valid one holds a
+# few per input and output): walked in Python, and protobuf makes an object of each.
+MAX_FIELDS = 4096
+MAX_INPUT_FIELDS = 256
+# A failed stream answer echoes its request's id up to this many characters.
+ECHOED_ID_CHARS = 1024
 
 # The typed field of InferTensorContents each datatype is sent in, and the numpy type its
 # bytes take. FP16 and BF16 have none: they travel in raw_input_contents only (as in Triton).
@@ -68,6 +78,19 @@ _CONFIG_FIELDS = (
     "output",
     "dynamic_batching",
 )
+# InferTensorContents' field numbers and how each packs its values on the wire: the bytes of
+# a fixed-width value, 0 for varints, -1 for length-delimited strings (one field each).
+_WIRE_FIELDS = {
+    "bool_contents": (1, 0),
+    "int_contents": (2, 0),
+    "int64_contents": (3, 0),
+    "uint_contents": (4, 0),
+    "uint64_contents": (5, 0),
+    "fp32_contents": (6, 4),
+    "fp64_contents": (7, 8),
+    "bytes_contents": (8, -1),
+}
+_WIRE_WIDTH = {0: 0, 1: 8, 5: 4}  # a scalar's wire type, its bytes (0: a varint)
 _WIDE: dict[str, type[np.generic]] = {
     "b": np.bool_,
     "i": np.int64,
@@ -104,23 +127,32 @@ def _parameters(entries: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class InferCall:
-    """A ModelInferRequest as it arrived: every field but ``raw_input_contents`` parsed into
-    ``request``; those as ``raw``, views of the received message."""
+    """A ModelInferRequest as it arrived: every field but ``raw_input_contents`` and the
+    inputs' typed ``contents`` parsed into ``request``; those as ``raw`` and ``contents``
+    (one entry per input, None where it has none), views of the received message."""
 
     request: pb.ModelInferRequest
     raw: list[memoryview]
+    contents: list[memoryview | None]
 
 
 def read_request(data: bytes) -> InferCall:
     """A serialized ModelInferRequest, its tensors' bytes left where they are. Its top-level
-    fields are walked (a few, however large the tensors): ``raw_input_contents`` entries are
-    kept as views, the rest (names, shapes, parameters) parsed by protobuf."""
+    fields and its inputs' fields are walked (a few, however large the tensors):
+    ``raw_input_contents`` entries and typed ``contents`` are kept as views, the rest
+    (names, shapes, parameters) parsed by protobuf. Typed contents are counted against the
+    model before they are parsed (``typed_bytes``): protobuf would turn 33.5 M empty strings
+    (64 MiB) into a gigabyte of objects first."""
     view = memoryview(data)
     raw: list[memoryview] = []
-    rest: list[memoryview] = []
-    at = kept = 0
+    contents: list[memoryview | None] = []
+    rest: list[bytes | memoryview] = []
+    at = kept = fields = 0
     end = len(data)
     while at < end:
+        fields += 1
+        if fields > MAX_FIELDS:
+            raise BadRequest(f"the request holds over {MAX_FIELDS} fields")
         start = at
         key, at = _varint(data, at)
         kind = key & 7
@@ -132,10 +164,16 @@ def read_request(data: bytes) -> InferCall:
             at += 4
         elif kind == _LENGTH_DELIMITED:
             length, at = _varint(data, at)
-            if key >> 3 == _RAW_INPUT_CONTENTS and at + length <= end:
+            if at + length <= end and key >> 3 == _RAW_INPUT_CONTENTS:
                 rest.append(view[kept:start])
                 raw.append(view[at : at + length])
                 kept = at + length
+            elif at + length <= end and key >> 3 == _INPUTS:
+                tensor, typed = _split_contents(view[at : at + length])
+                contents.append(typed)
+                if typed is not None:
+                    rest += [view[kept:start], _length_prefix(_INPUTS, len(tensor)), tensor]
+                    kept = at + length
             at += length
         else:
             raise BadRequest("the request is not a ModelInferRequest")
@@ -146,10 +184,61 @@ def read_request(data: bytes) -> InferCall:
         request = pb.ModelInferRequest.FromString(b"".join(rest))
     except DecodeError:
         raise BadRequest("the request is not a ModelInferRequest") from None
-    return InferCall(request, raw)
+    if len(contents) != len(request.inputs):  # never, for what protobuf parsed
+        raise BadRequest("the request is not a ModelInferRequest")
+    return InferCall(request, raw, contents)
 
 
-def _varint(data: bytes, at: int) -> tuple[int, int]:
+def _fields(data: memoryview, most: int) -> Iterator[tuple[int, int, int, int]]:
+    """A message's fields as (field number, wire type, start of the field, start of its
+    value), in order; the end of each is the next one's start (the last: the data's end).
+    More than ``most`` are refused."""
+    at, end, seen = 0, len(data), 0
+    while at < end:
+        if seen == most:
+            raise BadRequest(f"an input holds over {most} fields")
+        seen += 1
+        start = at
+        key, at = _varint(data, at)
+        yield key >> 3, key & 7, start, at
+        at = _skip(data, key & 7, at)
+
+
+def _skip(data: memoryview, kind: int, at: int) -> int:
+    """Where the value of wire type ``kind`` at ``at`` ends."""
+    if kind == 0:
+        return _varint(data, at)[1]
+    if kind in _WIRE_WIDTH:
+        at += _WIRE_WIDTH[kind]
+    elif kind == _LENGTH_DELIMITED:
+        length, at = _varint(data, at)
+        at += length
+    else:
+        raise BadRequest("the request is not a ModelInferRequest")
+    if at > len(data):
+        raise BadRequest("the request is not a ModelInferRequest (it is cut short)")
+    return at
+
+
+def _split_contents(tensor: memoryview) -> tuple[bytes | memoryview, memoryview | None]:
+    """An InferInputTensor without its ``contents``, and those contents' bytes (None: it has
+    none). Several ``contents`` fields merge, as protobuf merges them: their bytes joined."""
+    fields = list(_fields(tensor, MAX_INPUT_FIELDS))
+    ends = [start for _, _, start, _ in fields[1:]] + [len(tensor)]
+    kept: list[memoryview] = []
+    found: list[memoryview] = []
+    for (number, kind, start, value), stop in zip(fields, ends, strict=True):
+        if number == _CONTENTS and kind == _LENGTH_DELIMITED:
+            found.append(tensor[_varint(tensor, value)[1] : stop])
+        else:
+            kept.append(tensor[start:stop])
+    if not found:
+        return tensor, None
+    typed = found[0] if len(found) == 1 else memoryview(b"".join(found))
+    return b"".join(kept), typed
+
+
+def _varint(data: bytes | memoryview, at: int) -> tuple[int, int]:
     value = shift = 0
     while at < len(data) and shift < 64:
         byte = data[at]
@@ -172,18 +261,29 @@ def _length_prefix(field: int, length: int) -> bytes:
 
 
 def request_body(
-    call: InferCall, deadline_us: int | None = None
+    call: InferCall,
+    spec: ModelSpec | None = None,
+    max_bytes: int = _INT64_MAX,
+    deadline_us: int | None = None,
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The V2 binary request for ``call``: its JSON header and the binary parts that follow
     it, in order. ``deadline_us``: what is left of the call's gRPC deadline, which bounds the
     request's ``timeout`` parameter (the engine then refuses work that cannot finish in
     time). Inputs take their data from ``raw_input_contents`` in order, or from their typed
-    ``contents``, or from a registered shared-memory region, as Triton reads them."""
+    ``contents``, or from a registered shared-memory region, as Triton reads them. Typed
+    contents are counted against ``spec`` (the model's; needed when any input has them) and
+    ``max_bytes`` before they are parsed (``typed_bytes``)."""
     request, raw = call.request, call.raw
+    if spec is not None:  # refused before any contents are read, as the data plane would
+        unexpected = [t.name for t in request.inputs if spec.input(t.name) is None]
+        if unexpected:
+            names = {t.name for t in request.inputs}
+            missing = [t.name for t in spec.inputs if t.name not in names]
+            raise BadRequest(input_mismatch(spec, missing, unexpected))
     used = 0
     inputs: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
-    for tensor in request.inputs:
+    for tensor, typed in zip(request.inputs, call.contents, strict=True):
         parameters = _parameters(tensor.parameters)
         parameters.pop("binary_data_size", None)
         entry: dict[str, Any] = {
@@ -193,19 +293,21 @@ def request_body(
         }
         if _SHARED_MEMORY not in parameters:
             chunk: bytes | memoryview
-            if tensor.HasField("contents"):
+            if typed is not None:
                 if raw:
                     raise BadRequest(
-                        f"input {tensor.name!r}: contents must not be set when "
+                        f"input {quote(tensor.name)}: contents must not be set when "
                         "raw_input_contents are used"
                     )
-                chunk = typed_bytes(tensor)
+                if spec is None:
+                    raise ValueError("typed contents are counted against the model's spec")
+                chunk = typed_bytes(tensor, typed, most_values(spec, tensor, max_bytes))
             elif used < len(raw):
                 chunk = raw[used]
                 used += 1
             else:
                 raise BadRequest(
-                    f"input {tensor.name!r} has no data: send it in raw_input_contents, "
+                    f"input {quote(tensor.name)} has no data: send it in raw_input_contents, "
                     "contents or shared memory"
                 )
             parameters["binary_data_size"] = len(chunk)
@@ -237,38 +339,98 @@ def request_body(
     return orjson.dumps(document), chunks
 
 
-def typed_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes:
-    """An input's typed ``contents`` as V2 binary data (little-endian; BYTES length-prefixed)."""
-    name, datatype = tensor.name, tensor.datatype
-    contents = tensor.contents
+def most_values(
+    spec: ModelSpec, tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: int
+) -> int:
+    """The most values an input's typed contents may hold: what the model takes of it at its
+    most rows when its shape is fixed, else what fits in ``max_bytes`` as tensor data; and
+    no more than its declared shape holds (an input the model lacks: none)."""
+    model_tensor = spec.input(tensor.name)
+    if model_tensor is None:
+        return 0
+    if model_tensor.is_static:
+        rows = max(spec.max_batch_size, 1)
+        most = rows * prod(model_tensor.shape)
+    else:
+        field = TYPED_CONTENTS.get(tensor.datatype)
+        size = np.dtype(field[1]).itemsize if field else _BYTES_LENGTH.size
+        most = max_bytes // size
+    shape = list(tensor.shape)
+    if all(d >= 0 for d in shape):
+        most = min(most, prod(shape))
+    return most
+
+
+def typed_bytes(
+    tensor: pb.ModelInferRequest.InferInputTensor, contents: memoryview, most: int
+) -> bytes:
+    """An input's typed ``contents`` (their wire bytes) as V2 binary data (little-endian;
+    BYTES length-prefixed). Its values are counted before anything is parsed, and more than
+    ``most`` are refused (413): packed numbers at C speed, strings (one field each) by a walk
+    that stops past ``most``. Strings are then copied out of the walk, numbers parsed by
+    protobuf and checked."""
+    name, datatype = quote(tensor.name), tensor.datatype
     if datatype == "BYTES":
-        elements: Sequence[bytes] = contents.bytes_contents
-        values: Any = elements
+        field = "bytes_contents"
     elif datatype in TYPED_CONTENTS:
         field, dtype = TYPED_CONTENTS[datatype]
-        values = getattr(contents, field)
     else:
         raise BadRequest(
-            f"input {name!r}: {datatype!r} has no typed contents field; send it in "
-            "raw_input_contents"
+            f"input {name}: {datatype!r} has no typed contents field; send it in raw_input_contents"
         )
+    number, width = _WIRE_FIELDS[field]
+    count = 0
+    strings = bytearray()
+    for found, kind, _, at in _fields(contents, most + 64):
+        if found != number:
+            continue
+        if kind == _LENGTH_DELIMITED:
+            length, start = _varint(contents, at)
+            if width < 0:
+                strings += _BYTES_LENGTH.pack(length)
+                strings += contents[start : start + length]
+                count += 1
+            else:
+                count += _packed_count(contents[start : start + length], width, name)
+        elif width >= 0 and _WIRE_WIDTH.get(kind) == width:
+            count += 1
+        else:
+            raise BadRequest(f"input {name}: its {field} are not {datatype} values")
+        if count > most:
+            raise PayloadTooLarge(
+                f"input {name}: contents hold over {most} {datatype} values, more than its "
+                "shape and the model take"
+            )
     shape = list(tensor.shape)
-    if all(d >= 0 for d in shape) and len(values) != prod(shape):
+    if all(d >= 0 for d in shape) and count != prod(shape):
         raise BadRequest(
-            f"input {name!r}: contents hold {len(values)} {datatype} values, the shape "
-            f"{prod(shape)}"
+            f"input {name}: contents hold {count} {datatype} values, the shape {prod(shape)}"
         )
-    if datatype == "BYTES":
-        return b"".join(_BYTES_LENGTH.pack(len(e)) + e for e in elements)
+    if width < 0:
+        return bytes(strings)
+    try:
+        values: Any = getattr(pb.InferTensorContents.FromString(contents), field)
+    except DecodeError:
+        raise BadRequest(f"input {name}: its contents do not parse") from None
     target = np.dtype(dtype)
     # The field's own type first (int32 for int_contents...), then the datatype's, checked.
     array = np.fromiter(values, dtype=_WIDE[target.kind], count=len(values))
     if array.size and target.kind in "iu":
         limits = np.iinfo(target)
         if array.min() < limits.min or array.max() > limits.max:
-            raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
+            raise BadRequest(f"input {name}: a value is out of range for {datatype}")
     with np.errstate(over="ignore"):
         return array.astype(target.newbyteorder("<")).tobytes()
+
+
+def _packed_count(values: memoryview, width: int, name: str) -> int:
+    """How many numbers a packed field's bytes hold: fixed-width ones by their length,
+    varints by their last bytes (those under 0x80), at C speed."""
+    if width:
+        if len(values) % width:
+            raise BadRequest(f"input {name}: its contents are cut short")
+        return len(values) // width
+    return int(np.count_nonzero(np.frombuffer(values, np.uint8) < 0x80))
 
 
 def infer_response(answer: Answer) -> bytes:
@@ -315,9 +477,12 @@ def stream_answer(response: bytes) -> bytes:
 
 def stream_error(request: pb.ModelInferRequest, message: str) -> bytes:
     """A stream's answer to one request that failed: the error, and the request's id so a
-    client with many in flight can tell which."""
+    client with many in flight can tell which (its first ``ECHOED_ID_CHARS``, as the model's
+    name and version: a failed answer never echoes a megabyte)."""
     failed = pb.ModelInferResponse(
-        model_name=request.model_name, model_version=request.model_version, id=request.id
+        model_name=request.model_name[:ECHOED_ID_CHARS],
+        model_version=request.model_version[:ECHOED_ID_CHARS],
+        id=request.id[:ECHOED_ID_CHARS],
     )
     answer = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
     data: bytes = answer.SerializeToString()

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health_pb2
 
-from app.errors import client_text
-from app.frontend.auth import KeyRing, presented_key
+from app.frontend.auth import KeyRing, RefusalLog, presented_key
+from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
-from app.frontend.grpc.limits import CallLimits, core_options, limited
+from app.frontend.grpc.limits import CallLimits, core_options, limited, peer_host
 from app.frontend.grpc.service import SERVICE, Health, InferenceService
 from app.frontend.plane import DataPlane
 from app.settings import Settings
@@ -48,15 +48,21 @@ OPEN_METHODS = frozenset(
     }
 )
 # Not counted against the calls in flight, so that probes answer while the server is full
-# (a Watch is counted: it stays open).
+# (a Watch is counted, against watches: it stays open).
 PROBES = frozenset({"ServerLive", "ServerReady"})
+# Messages held to ``limits.max_control_body_bytes``, refused before they are parsed.
+CONTROL_METHODS = frozenset(
+    {"RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryRegister"}
+)
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
-    """Calls without an accepted key end UNAUTHENTICATED before their handler runs."""
+    """Calls without an accepted key end UNAUTHENTICATED before their handler runs; logged
+    at most once a second per client address, as HTTP's 401s are."""
 
     def __init__(self, ring: KeyRing) -> None:
         self.ring = ring
+        self.refusals = RefusalLog(label="gRPC UNAUTHENTICATED")
 
     async def intercept_service(
         self,
@@ -75,15 +81,20 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         if key is not None and self.ring.accepts(key):
             return handler
         problem = "invalid API key" if key is not None else "missing API key"
-        log.warning("UNAUTHENTICATED %s for %s", problem, client_text(method))
-        return refusal(handler, f"{problem}: send authorization: Bearer <key> or x-api-key: <key>")
+        return refusal(handler, problem, method, self.refusals)
 
 
-def refusal(handler: Handler, message: str) -> Handler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+def refusal(handler: Handler, problem: str, method: str, refusals: RefusalLog) -> Handler:
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED, its
+    refusal logged through ``refusals``."""
+    ended = Ended(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{problem}: send authorization: Bearer <key> or x-api-key: <key>",
+    )
 
     async def refuse(_: Any, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        refusals.refused(peer_host(context), problem, method)
+        ended.end(context)
 
     decode, encode = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -102,8 +113,9 @@ RAW_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler]:
     """A handler for every method the proto declares, by its name, each calling the method of
-    ``service`` of that name under ``limits`` (``PROBES`` not counted); the messages
-    of all but ``RAW_METHODS`` (de)serialized by the generated classes."""
+    ``service`` of that name under ``limits`` (``PROBES`` not counted, ``CONTROL_METHODS``'
+    messages held to their own size); the messages of all but ``RAW_METHODS``
+    (de)serialized by the generated classes."""
     found: dict[str, Handler] = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         behaviour = getattr(service, method.name)
@@ -116,19 +128,22 @@ def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler
             handler = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
         else:
             handler = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
-        found[method.name] = limited(handler, limits, counted=method.name not in PROBES)
+        counted = None if method.name in PROBES else limits.calls
+        most = limits.max_control_bytes if method.name in CONTROL_METHODS else None
+        found[method.name] = limited(handler, limits, counted, most)
     return found
 
 
 def health_handlers(health: Health, limits: CallLimits) -> dict[str, Handler]:
-    """``grpc.health.v1.Health``'s two methods under ``limits``, a Check not counted."""
+    """``grpc.health.v1.Health``'s two methods under ``limits``: a Check not counted, a
+    Watch counted against the watches, apart from the calls."""
     decode = health_pb2.HealthCheckRequest.FromString
     encode = health_pb2.HealthCheckResponse.SerializeToString
     check = grpc.unary_unary_rpc_method_handler(health.Check, decode, encode)
     watch = grpc.unary_stream_rpc_method_handler(health.Watch, decode, encode)
     return {
-        "Check": limited(check, limits, counted=False),
-        "Watch": limited(watch, limits),
+        "Check": limited(check, limits, None),
+        "Watch": limited(watch, limits, limits.watches),
     }
 
 

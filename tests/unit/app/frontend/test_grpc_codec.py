@@ -47,8 +47,14 @@ def arrived(request: pb.ModelInferRequest) -> codec.InferCall:
     return codec.read_request(request.SerializeToString())
 
 
+def spec_of(request: pb.ModelInferRequest) -> ModelSpec:
+    """A model that takes ``request``'s inputs in any shape of their rank."""
+    inputs = tuple(TensorSpec(t.name, t.datatype, (-1,) * len(t.shape)) for t in request.inputs)
+    return ModelSpec("m", inputs, (TensorSpec("y", "FP32", (3,)),))
+
+
 def decoded(request: pb.ModelInferRequest, deadline_us: int | None = None) -> Any:
-    header, chunks = codec.request_body(arrived(request), deadline_us)
+    header, chunks = codec.request_body(arrived(request), spec_of(request), deadline_us=deadline_us)
     return decode_request(b"".join([header, *chunks]), len(header), ANY_MODEL)
 
 
@@ -93,7 +99,7 @@ def test_half_floats_have_no_typed_field(datatype: str) -> None:
     tensor = request.inputs.add(name="h", datatype=datatype, shape=[1])
     tensor.contents.fp32_contents.append(1.0)
     with pytest.raises(BadRequest, match="send it in raw_input_contents"):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_bf16_raw_bytes_are_read_as_bfloat16() -> None:
@@ -119,7 +125,7 @@ def test_typed_contents_that_do_not_fit_are_refused(
     tensor = request.inputs.add(name="t", datatype=datatype, shape=[3])
     getattr(tensor.contents, field).extend(values)
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_raw_contents_are_views_of_the_message_as_it_arrived() -> None:
@@ -163,7 +169,7 @@ def test_raw_contents_are_read_in_input_order_skipping_shared_memory() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 16
     request.inputs.add(name="b", datatype="FP64", shape=[2])
     request.raw_input_contents.extend([a.tobytes(), b.tobytes()])
-    header, chunks = codec.request_body(arrived(request))
+    header, chunks = codec.request_body(arrived(request), spec_of(request))
     document = orjson.loads(header)
     assert document["id"] == "req-1"
     assert [i["parameters"] for i in document["inputs"]] == [
@@ -191,7 +197,7 @@ def test_inputs_and_raw_contents_that_disagree_are_refused(change: str, problem:
     else:
         request.inputs[0].contents.fp32_contents.extend([0.0, 0.0, 0.0])
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
@@ -203,7 +209,7 @@ def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 12
     request.parameters["priority"].uint64_param = 2
     request.parameters["sequence_id"].int64_param = 9  # a parameter the decoder ignores
-    header, _ = codec.request_body(arrived(request))
+    header, _ = codec.request_body(arrived(request), spec_of(request))
     document = orjson.loads(header)
     assert document["outputs"] == [
         {"name": "scores", "parameters": {"classification": 3, "binary_data": True}},

@@ -30,6 +30,7 @@ from app.errors import (
     Unavailable,
 )
 from app.frontend.auth import KeyRing
+from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, peer_host
 from app.frontend.grpc.server import KeyCheck
@@ -42,12 +43,6 @@ from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
 
 T = TypeVar("T")
 LIMIT = 1 << 20
-
-
-class Aborted(grpc.aio.AbortError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__()
-        self.code, self.details = code, details
 
 
 class Context:
@@ -63,8 +58,11 @@ class Context:
     def time_remaining(self) -> float | None:
         return self.remaining
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise Aborted(code, details)
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
 
 def with_service(tmp_path: Path, scenario: Callable[[InferenceService], Awaitable[T]]) -> T:
@@ -150,14 +148,14 @@ def test_infer_answers_the_models_numbers_and_refuses_with_codes(tmp_path: Path)
             (b"\x0b", grpc.StatusCode.INVALID_ARGUMENT),
             (tiny_request(np.ones((1, 5), np.float32)), grpc.StatusCode.INVALID_ARGUMENT),
         ]:
-            with pytest.raises(Aborted) as refused:
+            with pytest.raises(Ended) as refused:
                 await service.ModelInfer(request, context)
             assert refused.value.code == code and "Traceback" not in refused.value.details
         # Typed contents past the body limit as tensors: refused before anything is decoded.
         big = pb.ModelInferRequest(model_name="tiny")
         tensor = big.inputs.add(name="x", datatype="FP32", shape=[LIMIT // 16 + 1, 4])
         tensor.contents.fp32_contents.extend([0.0] * ((LIMIT // 16 + 1) * 4))
-        with pytest.raises(Aborted) as too_large:
+        with pytest.raises(Ended) as too_large:
             await service.ModelInfer(big.SerializeToString(), context)
         assert too_large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         ready = await service.ModelReady(pb.ModelReadyRequest(name="tiny"), context)
@@ -275,7 +273,7 @@ def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() ->
         ({"config": Parameter(string_param="{not json")}, "not JSON"),
     ):
         bad = pb.RepositoryModelLoadRequest(model_name="tiny", parameters=parameters)
-        with pytest.raises(Aborted) as refused:
+        with pytest.raises(Ended) as refused:
             asyncio.run(service.RepositoryModelLoad(bad, context))
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert why in refused.value.details
@@ -301,7 +299,7 @@ def test_health_follows_readiness() -> None:
         assert (
             await health.Check(health_pb2.HealthCheckRequest(), context)
         ).status == Status.NOT_SERVING
-        with pytest.raises(Aborted) as unknown:
+        with pytest.raises(Ended) as unknown:
             await health.Check(health_pb2.HealthCheckRequest(service="other"), context)
         assert unknown.value.code == grpc.StatusCode.NOT_FOUND
         watch = health.Watch(health_pb2.HealthCheckRequest(service="other"), context)
@@ -326,12 +324,10 @@ async def streaming(requests: Any, context: Any) -> AsyncIterator[str]:
 
 
 @contextlib.contextmanager
-def refused_with(problem: str) -> Iterator[None]:
-    with pytest.raises(Aborted) as refused:
-        yield
-    assert (
-        refused.value.code == grpc.StatusCode.UNAUTHENTICATED and problem in refused.value.details
-    )
+def refused_with(problem: str) -> Iterator[Context]:
+    context = Context()
+    yield context
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED and problem in context.details
 
 
 def test_keys_are_asked_for_in_metadata_as_in_headers() -> None:
@@ -370,14 +366,14 @@ def test_keys_are_asked_for_in_metadata_as_in_headers() -> None:
         for metadata, problem in refused:
             refusal = await intercepted(infer, *metadata)
             assert refusal is not unary and not refusal.request_streaming
-            with refused_with(problem):
-                await refusal.unary_unary(pb.ModelInferRequest(), Context())
+            with refused_with(problem) as context:
+                await refusal.unary_unary(pb.ModelInferRequest(), context)
         refusal = await intercepted(
             "/inference.GRPCInferenceService/ModelStreamInfer", handler=stream
         )
         assert refusal.request_streaming and refusal.response_streaming
-        with refused_with("missing API key"):
-            await refusal.stream_stream(iter(()), Context())
+        with refused_with("missing API key") as context:
+            await refusal.stream_stream(iter(()), context)
         assert await intercepted("/no.Such/Method", handler=None) is None
 
     asyncio.run(scenario())
