@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app import __version__
+from app.contract import THREADED_DECODE_BYTES
 from app.errors import PayloadTooLarge, StokerError
 from app.frontend.grpc import codec
 from app.frontend.grpc.ending import Ended
@@ -35,6 +36,7 @@ from app.frontend.routes import (
     check_parameters,
     config_override,
 )
+from app.json_bounds import LARGE_DECODES
 from app.metrics import http_refused
 from app.tensor_data import quote
 
@@ -338,11 +340,21 @@ class InferenceService:
         contents are counted against the model's contract first (``codec.typed_bytes``)."""
         request = call.request
         name, version = request.model_name, request.model_version or None
-        spec = None
-        if any(typed is not None for typed in call.contents):
+        limit, left_us = self.max_body_bytes, deadline_us(context)
+        typed = sum(len(c) for c in call.contents if c is not None)
+        if not typed:
+            header, chunks = codec.request_body(call, None, limit, left_us)
+        else:
             spec = (await self.plane.client.contract(name, version)).spec
-        limit = self.max_body_bytes
-        header, chunks = codec.request_body(call, spec, limit, deadline_us(context))
+
+            def expand() -> tuple[bytes, list[bytes | memoryview]]:
+                return codec.request_body(call, spec, limit, left_us)
+
+            if typed <= THREADED_DECODE_BYTES:
+                header, chunks = expand()
+            else:  # a value costs Python work each: off the loop, as large JSON is decoded
+                most = self.plane.settings.limits.max_json_decodes
+                header, chunks = await LARGE_DECODES.run(expand, most)
         total = len(header) + sum(map(len, chunks))
         if total > limit:  # typed contents take more bytes as tensors than in the message
             raise PayloadTooLarge(f"request of {total} bytes as tensors exceeds {limit}")
