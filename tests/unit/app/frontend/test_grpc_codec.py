@@ -326,6 +326,13 @@ def test_a_stream_error_names_the_request() -> None:
     assert (answer.infer_response.id, answer.infer_response.model_version) == ("r-3", "fp16")
 
 
+def test_a_stream_error_echoes_no_megabyte() -> None:
+    request = pb.ModelInferRequest(model_name="m" * 2**20, id="i" * 2**20)
+    answer = pb.ModelStreamInferResponse.FromString(codec.stream_error(request, "refused"))
+    assert answer.infer_response.id == "i" * codec.ECHOED_ID_CHARS
+    assert answer.infer_response.model_name == "m" * codec.ECHOED_ID_CHARS
+
+
 def test_parameters_keep_their_json_types() -> None:
     for value, field in [
         (True, "bool_param"),
