@@ -22,6 +22,7 @@ import pytest
 import tritonclient.grpc.aio as tgrpc_aio
 from grpc_health.v1 import health_pb2
 from onnx import TensorProto, helper
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TINY_CONFIG, tiny_onnx
@@ -38,6 +39,8 @@ MAX_CALLS = 8  # 6 per address, at the default share of 0.75
 MAX_CONNECTIONS = 6
 MiB = 1024 * 1024
 MAX_BYTES = 4 * MiB  # 3 MiB per address
+MAX_WATCHES = 4  # 3 per address
+MAX_CONTROL_BYTES = 1024
 # A request to "hold" waits a minute for a fuller batch: its bytes stay in flight until then,
 # or until its client cancels it.
 HOLD_CONFIG = """\
@@ -76,6 +79,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
         "STOKER_LIMITS__BODY_TIMEOUT_S": "1.5",
         "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
         "STOKER_SERVER__KEEP_ALIVE_S": "2",
+        "STOKER_LIMITS__MAX_GRPC_WATCHES": str(MAX_WATCHES),
+        "STOKER_LIMITS__MAX_CONTROL_BODY_BYTES": str(MAX_CONTROL_BYTES),
     }
     running = start_grpc(repo, repo.parent / "server.log", env)
     yield running
@@ -428,3 +433,74 @@ def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
 
     refused = asyncio.run(scenario())
     assert refused.status() == "StatusCode.UNAVAILABLE", refused.message()
+
+
+def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcServer) -> None:
+    """One address opens as many health watches as it may hold calls: it gets its share of
+    the watches (3 of 4), the rest are RESOURCE_EXHAUSTED, and its inference calls are
+    served beside them; 127.0.0.2 still gets the last watch."""
+
+    async def scenario() -> tuple[int, list[grpc.aio.AioRpcError], Any, Any]:
+        channel = grpc.aio.insecure_channel(limited.address)
+        client = tgrpc_aio.InferenceServerClient(limited.address)
+        watches, refused = [], []
+        for _ in range(6):
+            watch = health_stub(channel).Watch(health_pb2.HealthCheckRequest())
+            try:
+                await asyncio.wait_for(watch.read(), 30)
+                watches.append(watch)
+            except grpc.aio.AioRpcError as error:
+                refused.append(error)
+        answer = await client.infer("tiny", [grpc_input("x", X, "FP32")])
+        with relay(limited.address, "127.0.0.2") as far_address:
+            far = grpc.aio.insecure_channel(far_address)
+            far_watch = health_stub(far).Watch(health_pb2.HealthCheckRequest())
+            far_status = (await asyncio.wait_for(far_watch.read(), 30)).status
+            far_watch.cancel()
+            await far.close()
+        for watch in watches:
+            watch.cancel()
+        await client.close()
+        await channel.close()
+        return len(watches), refused, answer, far_status
+
+    held, refused, answer, far_status = asyncio.run(scenario())
+    assert held == 3 and len(refused) == 3
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "its share of limits.max_grpc_watches (3 of 4)" in str(error.details())
+    assert answer.as_numpy("y").shape == (1, 3)
+    assert far_status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
+    limited: GrpcServer,
+) -> None:
+    """Load, unload and shared-memory registration messages over
+    limits.max_control_body_bytes are RESOURCE_EXHAUSTED, whatever the server would say of
+    them; one under it gets its own answer (model control is off here)."""
+    channel = grpc.insecure_channel(limited.address)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    Parameter = service_pb2.ModelRepositoryParameter
+    config = Parameter(string_param='{"max_batch_size": 4, "padding": "' + "x" * 2048 + '"}')
+    for call in (
+        lambda: stub.RepositoryModelLoad(
+            service_pb2.RepositoryModelLoadRequest(model_name="tiny", parameters={"config": config})
+        ),
+        lambda: stub.RepositoryModelUnload(
+            service_pb2.RepositoryModelUnloadRequest(model_name="t" * 2048)
+        ),
+        lambda: stub.SystemSharedMemoryRegister(
+            service_pb2.SystemSharedMemoryRegisterRequest(
+                name="r" * 2048, key="/k", offset=0, byte_size=8
+            )
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limits.max_control_body_bytes (1024)" in str(refused.value.details())
+    with pytest.raises(grpc.RpcError) as small:
+        stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="tiny"))
+    assert small.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+    channel.close()
