@@ -411,20 +411,24 @@ async def hold_on_own_connection(
 
 def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
     """Six clients each keep a call open on a connection of its own (6 connections, the
-    cap): a seventh client's connection is closed as it opens (UNAVAILABLE; its probes' too:
-    use HTTP's), and once one of the six goes, a new client is served."""
+    cap; four from 127.0.0.3, its share, two from 127.0.0.4: addresses of this test alone,
+    which no connection of an earlier one still counts against): a seventh client's
+    connection is closed as it opens (UNAVAILABLE; its probes' too: use HTTP's), and once
+    the six go, a new client is served."""
 
     async def scenario() -> InferenceServerException:
         release = asyncio.Event()
-        holders = [await hold_on_own_connection(limited.address, release) for _ in range(6)]
-        late = own_connection(limited.address)
-        with pytest.raises(InferenceServerException) as refused:
-            await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
-        await late.close()
-        release.set()
-        for client, answers in holders:
-            assert [item async for item in answers] == []
-            await client.close()
+        with relay(limited.address, "127.0.0.3") as one, relay(limited.address, "127.0.0.4") as two:
+            holders = [await hold_on_own_connection(one, release) for _ in range(4)]
+            holders += [await hold_on_own_connection(two, release) for _ in range(2)]
+            late = own_connection(limited.address)
+            with pytest.raises(InferenceServerException) as refused:
+                await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
+            await late.close()
+            release.set()
+            for client, answers in holders:
+                assert [item async for item in answers] == []
+                await client.close()
         # All six are closed now: a seventh gets its place once the server has seen a close.
         later, answers = await hold_on_own_connection(limited.address, release)
         assert [item async for item in answers] == []
@@ -433,6 +437,81 @@ def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
 
     refused = asyncio.run(scenario())
     assert refused.status() == "StatusCode.UNAVAILABLE", refused.message()
+
+
+async def opened(address: str) -> grpc.aio.Channel:
+    """A channel on a connection of its own that has been served once, tried again while
+    the server still counts connections that earlier tests closed."""
+    deadline = time.monotonic() + 60
+    while True:
+        channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                service_pb2.ServerLiveRequest()
+            )
+            return channel
+        except grpc.aio.AioRpcError:
+            await channel.close()
+            assert time.monotonic() < deadline, "never served"
+            await asyncio.sleep(0.1)
+
+
+def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
+    limited: GrpcServer,
+) -> None:
+    """127.0.0.5 keeps six connections busy (the cap; its share is 4 of 6), as idle clients
+    kept past the idle timeout by a probe now and then: within a sweep it is cut back to
+    its share, and 127.0.0.6 is served on the room left. (Its clients do not connect again
+    once closed, so that what the server closed can be counted; the addresses are this
+    test's alone, so no connection of an earlier test counts against their shares.)"""
+    before = refusals(limited, "grpc_connections")
+
+    async def scenario() -> tuple[int, Any]:
+        near: list[grpc.aio.Channel] = []
+        ended: list[grpc.aio.Channel] = []
+        stop = asyncio.Event()
+
+        async def keep(channel: grpc.aio.Channel) -> None:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                while not stop.is_set():
+                    if channel.get_state() != grpc.ChannelConnectivity.READY:
+                        break  # closed by the server
+                    await stub.ServerLive(service_pb2.ServerLiveRequest())
+                    await asyncio.sleep(0.2)
+                else:
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # closed under a call
+            ended.append(channel)
+
+        keepers = []
+        with relay(limited.address, "127.0.0.5") as near_address:
+            for _ in range(6):  # each kept busy from its start: idle ones close after 2 s
+                near.append(await opened(near_address))
+                keepers.append(asyncio.create_task(keep(near[-1])))
+            deadline = time.monotonic() + 60
+            while len(ended) < 2:
+                assert time.monotonic() < deadline, "no connection of 127.0.0.5 was closed"
+                await asyncio.sleep(0.1)
+            with relay(limited.address, "127.0.0.6") as far_address:
+                far = await opened(far_address)
+                answer = await tgrpc_aio.InferenceServerClient(far_address).infer(
+                    "tiny", [grpc_input("x", X, "FP32")]
+                )
+                await far.close()
+            stop.set()
+            await asyncio.gather(*keepers)
+            for channel in near:
+                await channel.close()
+        return len(ended), answer
+
+    ended, answer = asyncio.run(scenario())
+    assert ended == 2  # the four under its share were never touched
+    assert answer.as_numpy("y").shape == (1, 3)
+    assert refusals(limited, "grpc_connections") - before >= 2
 
 
 def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcServer) -> None:

@@ -1,15 +1,16 @@
 """What a gRPC client may hold of a front end: HTTP's limits where gRPC can have them.
 
 grpc.aio gives Python no hook per connection and hands a message over only once it has
-arrived whole, so the limits sit at three levels (``limits`` in the settings):
+arrived whole, so the limits sit at these levels (``limits`` in the settings):
 
 - **gRPC core, per process**: at most ``max_connections`` connections (one past it is
   closed as it opens, a health probe's too: HTTP's probes stay open), counted apart from
-  HTTP's; a connection must open HTTP/2 within ``header_timeout_s``; one with no call for
-  ``server.keep_alive_s`` is told GOAWAY; a peer that stops answering keepalive pings (sent
-  every ``keep_alive_s``) is dropped 20 s later; a message over ``max_body_bytes`` is
-  RESOURCE_EXHAUSTED; a client that pings more often than every 5 minutes without calls is
-  disconnected (core's defaults). grpc core cannot count connections by address.
+  HTTP's, and ``max_share_per_address`` of them from one address (swept once a second,
+  here: ``app.frontend.grpc.connections``); a connection must open HTTP/2 within
+  ``header_timeout_s``; one with no call for ``server.keep_alive_s`` is told GOAWAY; a
+  peer that stops answering keepalive pings (sent every ``keep_alive_s``) is dropped 20 s
+  later; a message over ``max_body_bytes`` is RESOURCE_EXHAUSTED; a client that pings more
+  often than every 5 minutes without calls is disconnected (core's defaults).
 - **Calls, here, per process and per address**: at most ``max_grpc_calls`` calls in flight
   and ``max_share_per_address`` of them from one client address (RESOURCE_EXHAUSTED, naming
   the limit and its value). A gRPC connection carries many calls, so this is what bounds an

@@ -6,14 +6,17 @@ with one process a port that is taken fails the start) and serves ``inference.
 GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, every call but
 the probes' counted against the limits of ``app.frontend.grpc.limits`` (connections, calls
 and request bytes in flight, per process and per address; message size and arrival time;
-idle connections). With API keys, every call but the health and liveness ones needs one
-(``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's headers) or is
-UNAUTHENTICATED before its handler runs (and before it is counted). ``stop`` lets calls in
-flight finish: the data plane's drain has already refused new inference with UNAVAILABLE.
+idle connections), and every client address held to its share of the connections
+(``app.frontend.grpc.connections``). With API keys, every call but the health and liveness
+ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's
+headers) or is UNAUTHENTICATED before its handler runs (and before it is counted). ``stop``
+lets calls in flight finish: the data plane's drain has already refused new inference with
+UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -22,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from app.frontend.auth import KeyRing, RefusalLog, presented_key
+from app.frontend.grpc.connections import ConnectionShares
 from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, core_options, limited, peer_host
@@ -36,6 +40,8 @@ if TYPE_CHECKING:
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger(__name__)
+_SWEEPS: set[asyncio.Task[None]] = set()
+"""Each server's ``ConnectionShares`` task, until the server stops (a reference to each)."""
 
 HEALTH = "grpc.health.v1.Health"
 # Open without a key, as /v2/health/live and /v2/health/ready are over HTTP.
@@ -172,6 +178,10 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     if not bound:
         raise OSError(f"gRPC cannot listen on {where} (in use, or not an address of this host)")
     await server.start()
+    shares = ConnectionShares(settings.limits, bound)
+    sweeping = asyncio.create_task(shares.run(server), name="grpc-connection-shares")
+    _SWEEPS.add(sweeping)
+    sweeping.add_done_callback(_SWEEPS.discard)
     log.info("serving gRPC on %s%s", where, " (API keys required)" if keys else "")
     return server
 
