@@ -458,6 +458,10 @@ async def opened(address: str) -> grpc.aio.Channel:
             await asyncio.sleep(0.1)
 
 
+async def served_once(address: str) -> None:
+    await (await opened(address)).close()
+
+
 def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
     limited: GrpcServer,
 ) -> None:
@@ -519,28 +523,33 @@ def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcSe
     the watches (3 of 4), the rest are RESOURCE_EXHAUSTED, and its inference calls are
     served beside them; 127.0.0.2 still gets the last watch."""
 
+    request = service_pb2.ModelInferRequest(model_name="tiny")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(X.tobytes())
+
     async def scenario() -> tuple[int, list[grpc.aio.AioRpcError], Any, Any]:
-        channel = grpc.aio.insecure_channel(limited.address)
-        client = tgrpc_aio.InferenceServerClient(limited.address)
+        channel = await opened(limited.address)  # once earlier tests' connections are gone
         watches, refused = [], []
-        for _ in range(6):
-            watch = health_stub(channel).Watch(health_pb2.HealthCheckRequest())
-            try:
-                await asyncio.wait_for(watch.read(), 30)
-                watches.append(watch)
-            except grpc.aio.AioRpcError as error:
-                refused.append(error)
-        answer = await client.infer("tiny", [grpc_input("x", X, "FP32")])
-        with relay(limited.address, "127.0.0.2") as far_address:
-            far = grpc.aio.insecure_channel(far_address)
-            far_watch = health_stub(far).Watch(health_pb2.HealthCheckRequest())
-            far_status = (await asyncio.wait_for(far_watch.read(), 30)).status
-            far_watch.cancel()
-            await far.close()
-        for watch in watches:
-            watch.cancel()
-        await client.close()
-        await channel.close()
+        try:
+            for _ in range(6):
+                watch = health_stub(channel).Watch(health_pb2.HealthCheckRequest())
+                try:
+                    await asyncio.wait_for(watch.read(), 30)
+                    watches.append(watch)
+                except grpc.aio.AioRpcError as error:
+                    refused.append(error)
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            answer = await stub.ModelInfer(request)
+            with relay(limited.address, "127.0.0.2") as far_address:
+                far = await opened(far_address)
+                far_watch = health_stub(far).Watch(health_pb2.HealthCheckRequest())
+                far_status = (await asyncio.wait_for(far_watch.read(), 30)).status
+                far_watch.cancel()
+                await far.close()
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await channel.close()
         return len(watches), refused, answer, far_status
 
     held, refused, answer, far_status = asyncio.run(scenario())
@@ -548,7 +557,7 @@ def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcSe
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "its share of limits.max_grpc_watches (3 of 4)" in str(error.details())
-    assert answer.as_numpy("y").shape == (1, 3)
+    assert list(answer.outputs[0].shape) == [1, 3]
     assert far_status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -558,6 +567,7 @@ def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
     """Load, unload and shared-memory registration messages over
     limits.max_control_body_bytes are RESOURCE_EXHAUSTED, whatever the server would say of
     them; one under it gets its own answer (model control is off here)."""
+    asyncio.run(served_once(limited.address))  # once earlier tests' connections are gone
     channel = grpc.insecure_channel(limited.address)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     Parameter = service_pb2.ModelRepositoryParameter
