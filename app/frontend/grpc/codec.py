@@ -16,19 +16,23 @@ response once. Every other field goes through the generated classes.
 
 from __future__ import annotations
 
-import struct
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
-import numpy as np
 import orjson
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
 from app.contract import Answer, input_mismatch
-from app.errors import BadRequest, EngineError, PayloadTooLarge
+from app.errors import BadRequest, EngineError
+from app.frontend.grpc.contents import (
+    LENGTH_DELIMITED,
+    most_values,
+    split_contents,
+    typed_bytes,
+    varint,
+)
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
 from app.tensor_data import quote
@@ -37,36 +41,17 @@ from engines.spec import ModelSpec
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # grpc_service.proto's field numbers of what is read or written as wire bytes.
 _INPUTS = 5  # ModelInferRequest.inputs
-_CONTENTS = 5  # ModelInferRequest.InferInputTensor.contents
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
 _RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
 _INFER_RESPONSE = 2  # ModelStreamInferResponse.infer_response
-_LENGTH_DELIMITED = 2
-_BYTES_LENGTH = struct.Struct("<I")
 _SHARED_MEMORY = "shared_memory_region"
 _INT64_MAX = 2**63 - 1
-# The most fields a request's top level and each of its inputs may hold (a valid one holds a
-# few per input and output): walked in Python, and protobuf makes an object of each.
+# The most fields a request's top level may hold (a valid one holds a few per input and
+# output): walked in Python, and protobuf makes an object of each.
 MAX_FIELDS = 4096
-MAX_INPUT_FIELDS = 256
 # A failed stream answer echoes its request's id up to this many characters.
 ECHOED_ID_CHARS = 1024
 
-# The typed field of InferTensorContents each datatype is sent in, and the numpy type its
-# bytes take. FP16 and BF16 have none: they travel in raw_input_contents only (as in Triton).
-TYPED_CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
-    "BOOL": ("bool_contents", np.bool_),
-    "INT8": ("int_contents", np.int8),
-    "INT16": ("int_contents", np.int16),
-    "INT32": ("int_contents", np.int32),
-    "INT64": ("int64_contents", np.int64),
-    "UINT8": ("uint_contents", np.uint8),
-    "UINT16": ("uint_contents", np.uint16),
-    "UINT32": ("uint_contents", np.uint32),
-    "UINT64": ("uint64_contents", np.uint64),
-    "FP32": ("fp32_contents", np.float32),
-    "FP64": ("fp64_contents", np.float64),
-}
 # Of a model configuration, what Triton's ModelConfig message holds (the HTTP document adds
 # fields of Stoker's own, and versions named by precision that the message cannot hold).
 _CONFIG_FIELDS = (
@@ -78,25 +63,6 @@ _CONFIG_FIELDS = (
     "output",
     "dynamic_batching",
 )
-# InferTensorContents' field numbers and how each packs its values on the wire: the bytes of
-# a fixed-width value, 0 for varints, -1 for length-delimited strings (one field each).
-_WIRE_FIELDS = {
-    "bool_contents": (1, 0),
-    "int_contents": (2, 0),
-    "int64_contents": (3, 0),
-    "uint_contents": (4, 0),
-    "uint64_contents": (5, 0),
-    "fp32_contents": (6, 4),
-    "fp64_contents": (7, 8),
-    "bytes_contents": (8, -1),
-}
-_WIRE_WIDTH = {0: 0, 1: 8, 5: 4}  # a scalar's wire type, its bytes (0: a varint)
-_WIDE: dict[str, type[np.generic]] = {
-    "b": np.bool_,
-    "i": np.int64,
-    "u": np.uint64,
-    "f": np.float64,
-}
 _INSTANCE_KINDS = frozenset(config_pb.ModelInstanceGroup.Kind.keys())
 
 
@@ -141,7 +107,7 @@ def read_request(data: bytes) -> InferCall:
     fields and its inputs' fields are walked (a few, however large the tensors):
     ``raw_input_contents`` entries and typed ``contents`` are kept as views, the rest
     (names, shapes, parameters) parsed by protobuf. Typed contents are counted against the
-    model before they are parsed (``typed_bytes``): protobuf would turn 33.5 M empty strings
+    model before they are parsed (``contents.typed_bytes``): protobuf would turn 33.5 M empty strings
     (64 MiB) into a gigabyte of objects first."""
     view = memoryview(data)
     raw: list[memoryview] = []
@@ -154,22 +120,22 @@ def read_request(data: bytes) -> InferCall:
         if fields > MAX_FIELDS:
             raise BadRequest(f"the request holds over {MAX_FIELDS} fields")
         start = at
-        key, at = _varint(data, at)
+        key, at = varint(data, at)
         kind = key & 7
         if kind == 0:
-            _, at = _varint(data, at)
+            _, at = varint(data, at)
         elif kind == 1:
             at += 8
         elif kind == 5:
             at += 4
-        elif kind == _LENGTH_DELIMITED:
-            length, at = _varint(data, at)
+        elif kind == LENGTH_DELIMITED:
+            length, at = varint(data, at)
             if at + length <= end and key >> 3 == _RAW_INPUT_CONTENTS:
                 rest.append(view[kept:start])
                 raw.append(view[at : at + length])
                 kept = at + length
             elif at + length <= end and key >> 3 == _INPUTS:
-                tensor, typed = _split_contents(view[at : at + length])
+                tensor, typed = split_contents(view[at : at + length])
                 contents.append(typed)
                 if typed is not None:
                     rest += [view[kept:start], _length_prefix(_INPUTS, len(tensor)), tensor]
@@ -189,70 +155,9 @@ def read_request(data: bytes) -> InferCall:
     return InferCall(request, raw, contents)
 
 
-def _fields(data: memoryview, most: int) -> Iterator[tuple[int, int, int, int]]:
-    """A message's fields as (field number, wire type, start of the field, start of its
-    value), in order; the end of each is the next one's start (the last: the data's end).
-    More than ``most`` are refused."""
-    at, end, seen = 0, len(data), 0
-    while at < end:
-        if seen == most:
-            raise BadRequest(f"an input holds over {most} fields")
-        seen += 1
-        start = at
-        key, at = _varint(data, at)
-        yield key >> 3, key & 7, start, at
-        at = _skip(data, key & 7, at)
-
-
-def _skip(data: memoryview, kind: int, at: int) -> int:
-    """Where the value of wire type ``kind`` at ``at`` ends."""
-    if kind == 0:
-        return _varint(data, at)[1]
-    if kind in _WIRE_WIDTH:
-        at += _WIRE_WIDTH[kind]
-    elif kind == _LENGTH_DELIMITED:
-        length, at = _varint(data, at)
-        at += length
-    else:
-        raise BadRequest("the request is not a ModelInferRequest")
-    if at > len(data):
-        raise BadRequest("the request is not a ModelInferRequest (it is cut short)")
-    return at
-
-
-def _split_contents(tensor: memoryview) -> tuple[bytes | memoryview, memoryview | None]:
-    """An InferInputTensor without its ``contents``, and those contents' bytes (None: it has
-    none). Several ``contents`` fields merge, as protobuf merges them: their bytes joined."""
-    fields = list(_fields(tensor, MAX_INPUT_FIELDS))
-    ends = [start for _, _, start, _ in fields[1:]] + [len(tensor)]
-    kept: list[memoryview] = []
-    found: list[memoryview] = []
-    for (number, kind, start, value), stop in zip(fields, ends, strict=True):
-        if number == _CONTENTS and kind == _LENGTH_DELIMITED:
-            found.append(tensor[_varint(tensor, value)[1] : stop])
-        else:
-            kept.append(tensor[start:stop])
-    if not found:
-        return tensor, None
-    typed = found[0] if len(found) == 1 else memoryview(b"".join(found))
-    return b"".join(kept), typed
-
-
-def _varint(data: bytes | memoryview, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < len(data) and shift < 64:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-    raise BadRequest("the request is not a ModelInferRequest (a bad varint)")
-
-
 def _length_prefix(field: int, length: int) -> bytes:
     """The key of a length-delimited ``field`` and the varint ``length`` that follows it."""
-    out = bytearray([field << 3 | _LENGTH_DELIMITED])
+    out = bytearray([field << 3 | LENGTH_DELIMITED])
     while length >= 0x80:
         out.append(length & 0x7F | 0x80)
         length >>= 7
@@ -272,7 +177,7 @@ def request_body(
     time). Inputs take their data from ``raw_input_contents`` in order, or from their typed
     ``contents``, or from a registered shared-memory region, as Triton reads them. Typed
     contents are counted against ``spec`` (the model's; needed when any input has them) and
-    ``max_bytes`` before they are parsed (``typed_bytes``)."""
+    ``max_bytes`` before they are parsed (``contents.typed_bytes``)."""
     request, raw = call.request, call.raw
     if spec is not None:  # refused before any contents are read, as the data plane would
         unexpected = [t.name for t in request.inputs if spec.input(t.name) is None]
@@ -337,135 +242,6 @@ def request_body(
             outputs.append({"name": output.name, "parameters": wanted})
         document["outputs"] = outputs
     return orjson.dumps(document), chunks
-
-
-def most_values(
-    spec: ModelSpec, tensor: pb.ModelInferRequest.InferInputTensor, max_bytes: int
-) -> int:
-    """The most values an input's typed contents may hold: what the model takes of it at its
-    most rows when its shape is fixed, else what fits in ``max_bytes`` as tensor data; and
-    no more than its declared shape holds (an input the model lacks: none)."""
-    model_tensor = spec.input(tensor.name)
-    if model_tensor is None:
-        return 0
-    if model_tensor.is_static:
-        rows = max(spec.max_batch_size, 1)
-        most = rows * prod(model_tensor.shape)
-    else:
-        field = TYPED_CONTENTS.get(tensor.datatype)
-        size = np.dtype(field[1]).itemsize if field else _BYTES_LENGTH.size
-        most = max_bytes // size
-    shape = list(tensor.shape)
-    if all(d >= 0 for d in shape):
-        most = min(most, prod(shape))
-    return most
-
-
-def typed_bytes(
-    tensor: pb.ModelInferRequest.InferInputTensor, contents: memoryview, most: int
-) -> bytes:
-    """An input's typed ``contents`` (their wire bytes) as V2 binary data (little-endian;
-    BYTES length-prefixed). Its values are counted before anything is parsed, and more than
-    ``most`` are refused (413): packed numbers at C speed, strings (one field each) by a walk
-    that stops past ``most``. Strings are then copied out of the walk, numbers parsed by
-    protobuf and checked."""
-    name, datatype = quote(tensor.name), tensor.datatype
-    if datatype == "BYTES":
-        field = "bytes_contents"
-    elif datatype in TYPED_CONTENTS:
-        field, dtype = TYPED_CONTENTS[datatype]
-    else:
-        raise BadRequest(
-            f"input {name}: {datatype!r} has no typed contents field; send it in raw_input_contents"
-        )
-    number, width = _WIRE_FIELDS[field]
-    if width < 0:
-        count, strings = _strings(contents, number, most, name)
-    else:
-        count = 0
-        for found, kind, _, at in _fields(contents, most + 64):
-            if found != number:
-                continue
-            if kind == _LENGTH_DELIMITED:
-                length, start = _varint(contents, at)
-                count += _packed_count(contents[start : start + length], width, name)
-            elif _WIRE_WIDTH.get(kind) == width:
-                count += 1
-            else:
-                raise BadRequest(f"input {name}: its {field} are not {datatype} values")
-            if count > most:
-                raise _too_many(name, most, datatype)
-    shape = list(tensor.shape)
-    if all(d >= 0 for d in shape) and count != prod(shape):
-        raise BadRequest(
-            f"input {name}: contents hold {count} {datatype} values, the shape {prod(shape)}"
-        )
-    if width < 0:
-        return strings
-    try:
-        values: Any = getattr(pb.InferTensorContents.FromString(contents), field)
-    except DecodeError:
-        raise BadRequest(f"input {name}: its contents do not parse") from None
-    target = np.dtype(dtype)
-    # The field's own type first (int32 for int_contents...), then the datatype's, checked.
-    array = np.fromiter(values, dtype=_WIDE[target.kind], count=len(values))
-    if array.size and target.kind in "iu":
-        limits = np.iinfo(target)
-        if array.min() < limits.min or array.max() > limits.max:
-            raise BadRequest(f"input {name}: a value is out of range for {datatype}")
-    with np.errstate(over="ignore"):
-        return array.astype(target.newbyteorder("<")).tobytes()
-
-
-def _too_many(name: str, most: int, datatype: str) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"input {name}: contents hold over {most} {datatype} values, more than its shape "
-        "and the model take"
-    )
-
-
-def _strings(contents: memoryview, number: int, most: int, name: str) -> tuple[int, bytes]:
-    """The strings of field ``number`` in ``contents`` as V2 binary BYTES data, and how
-    many; more than ``most`` are refused as soon as they are seen. Every string is a field
-    of its own (a tag, its length, its bytes), so they are walked one by one, in a loop kept
-    tight: it runs for every string a dynamic BYTES input may hold."""
-    data = bytes(contents)  # indexing bytes is faster than indexing a view
-    tag = number << 3 | _LENGTH_DELIMITED
-    pack = _BYTES_LENGTH.pack
-    out = bytearray()
-    at, end, count, other = 0, len(data), 0, 0
-    while at < end:
-        if data[at] != tag:  # another field, skipped (a few at most)
-            other += 1
-            if other > 64:
-                raise BadRequest(f"input {name}: its contents hold more than its strings")
-            key, value = _varint(data, at)
-            at = _skip(memoryview(data), key & 7, value)
-            continue
-        length = data[at + 1] if at + 1 < end else 0x80
-        if length < 0x80:
-            start = at + 2
-        else:
-            length, start = _varint(data, at + 1)
-        at = start + length
-        if at > end:
-            raise BadRequest(f"input {name}: its contents are cut short")
-        count += 1
-        if count > most:
-            raise _too_many(name, most, "BYTES")
-        out += pack(length)
-        out += data[start:at]
-    return count, bytes(out)
-
-
-def _packed_count(values: memoryview, width: int, name: str) -> int:
-    """How many numbers a packed field's bytes hold: fixed-width ones by their length,
-    varints by their last bytes (those under 0x80), at C speed."""
-    if width:
-        if len(values) % width:
-            raise BadRequest(f"input {name}: its contents are cut short")
-        return len(values) // width
-    return int(np.count_nonzero(np.frombuffer(values, np.uint8) < 0x80))
 
 
 def infer_response(answer: Answer) -> bytes:

@@ -337,7 +337,7 @@ class InferenceService:
     async def _infer(self, call: codec.InferCall, context: Context) -> bytes:
         """What HTTP's infer route does with a binary body: into an arena slot when the
         engine client lends one (the tensors' one copy), through ``plane.infer``. Typed
-        contents are counted against the model's contract first (``codec.typed_bytes``)."""
+        contents are counted against the model's contract first (``contents.typed_bytes``)."""
         request = call.request
         name, version = request.model_name, request.model_version or None
         limit, left_us = self.max_body_bytes, deadline_us(context)

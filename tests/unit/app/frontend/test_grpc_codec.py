@@ -14,7 +14,7 @@ import pytest
 
 from app.contract import Answer
 from app.errors import BadRequest
-from app.frontend.grpc import codec
+from app.frontend.grpc import codec, contents
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
 from app.protocol import RequestedOutput, decode_request, encode_response
@@ -83,12 +83,12 @@ def test_raw_contents_decode_to_the_tensors_sent(datatype: str) -> None:
     assert request.outputs == () and request.binary_data_output is True
 
 
-@pytest.mark.parametrize("datatype", [*sorted(codec.TYPED_CONTENTS), "BYTES"])
+@pytest.mark.parametrize("datatype", [*sorted(contents.TYPED_CONTENTS), "BYTES"])
 def test_typed_contents_decode_to_the_tensors_sent(datatype: str) -> None:
     want = sample(datatype)
     request = pb.ModelInferRequest(model_name="m")
     tensor = request.inputs.add(name="t", datatype=datatype, shape=[2, 3])
-    field = "bytes_contents" if datatype == "BYTES" else codec.TYPED_CONTENTS[datatype][0]
+    field = "bytes_contents" if datatype == "BYTES" else contents.TYPED_CONTENTS[datatype][0]
     getattr(tensor.contents, field).extend(want.reshape(-1).tolist())
     assert_same(decoded(request).inputs["t"], want)
 
