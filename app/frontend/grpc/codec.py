@@ -107,8 +107,8 @@ def read_request(data: bytes) -> InferCall:
     fields and its inputs' fields are walked (a few, however large the tensors):
     ``raw_input_contents`` entries and typed ``contents`` are kept as views, the rest
     (names, shapes, parameters) parsed by protobuf. Typed contents are counted against the
-    model before they are parsed (``contents.typed_bytes``): protobuf would turn 33.5 M empty strings
-    (64 MiB) into a gigabyte of objects first."""
+    model before they are parsed (``contents.typed_bytes``): protobuf would turn 33.5 M
+    empty strings (64 MiB) into a gigabyte of objects first."""
     view = memoryview(data)
     raw: list[memoryview] = []
     contents: list[memoryview | None] = []
