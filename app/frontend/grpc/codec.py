@@ -33,6 +33,7 @@ from app.frontend.grpc.contents import (
     typed_bytes,
     varint,
 )
+from app.frontend.grpc.contents import TYPED_CONTENTS as TYPED_CONTENTS  # bench's payloads
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
 from app.tensor_data import quote

@@ -193,7 +193,7 @@ def typed_bytes(
     if width < 0:
         return strings
     try:
-        values: Any = getattr(pb.InferTensorContents.FromString(contents), field)
+        values: Any = getattr(pb.InferTensorContents.FromString(bytes(contents)), field)
     except DecodeError:
         raise BadRequest(f"input {name}: its contents do not parse") from None
     target = np.dtype(dtype)

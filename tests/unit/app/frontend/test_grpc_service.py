@@ -431,7 +431,7 @@ def test_a_refused_call_keeps_nothing_of_its_request_with_the_collector_off(
 
                 async def refuse_all() -> None:
                     for method, request, code in sent:
-                        call = channel.unary_unary(f"/{SERVICE}/{method}")
+                        call: Any = channel.unary_unary(f"/{SERVICE}/{method}")
                         with pytest.raises(grpc.aio.AioRpcError) as refused:
                             await call(request)
                         assert refused.value.code() == code
