@@ -491,27 +491,27 @@ def test_errors_carry_tritons_codes_and_no_traceback(served: GrpcServer) -> None
 
 
 def test_a_wrong_input_name_is_named_with_the_missing_one_over_both_protocols(
-    served: GrpcServer,
+    either: GrpcServer,
 ) -> None:
     x = np.ones((1, 4), np.float32)
-    client = served.client()
+    client = either.client()
     with pytest.raises(InferenceServerException) as failed:
         client.infer("tiny", [grpc_input("input", x, "FP32")])
     assert failed.value.status() == "StatusCode.INVALID_ARGUMENT"
     said = failed.value.message()
     client.close()
     body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]}
-    answer = httpx.post(f"{served.http.url}/v2/models/tiny/infer", json=body)
+    answer = httpx.post(f"{either.http.url}/v2/models/tiny/infer", json=body)
     assert answer.status_code == 400
     for message in (said, answer.json()["error"]):
         assert "missing input(s): x" in message and "unexpected input(s): input" in message
 
 
-def test_errors_never_echo_a_long_name_or_id_whole(served: GrpcServer) -> None:
+def test_errors_never_echo_a_long_name_or_id_whole(either: GrpcServer) -> None:
     """A 100,000-character input name, model name or id comes back cut short in every
     error: unary or in a stream, with raw or typed contents."""
     long = "n" * 100_000
-    stub = served.stub()
+    stub = either.stub()
     no_data = service_pb2.ModelInferRequest(model_name="tiny")
     no_data.inputs.add(name=long, datatype="FP32", shape=[1, 4])
     typed = service_pb2.ModelInferRequest(model_name="tiny")
@@ -532,7 +532,7 @@ def test_errors_never_echo_a_long_name_or_id_whole(served: GrpcServer) -> None:
 
 
 def test_typed_contents_are_counted_against_the_model_before_they_are_parsed(
-    served: GrpcServer,
+    either: GrpcServer,
 ) -> None:
     """1 M empty strings (2 MB on the wire, 4 MB as tensors) for the tiny model's 16 rows of
     4 values: refused for what the model takes, before protobuf makes an object of each."""
@@ -541,14 +541,14 @@ def test_typed_contents_are_counted_against_the_model_before_they_are_parsed(
     tensor = request.inputs.add(name="x", datatype="BYTES", shape=[1, count])
     tensor.contents.bytes_contents.extend([b""] * count)
     with pytest.raises(grpc.RpcError) as refused:
-        served.stub().ModelInfer(request)
+        either.stub().ModelInfer(request)
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "contents hold over 64 BYTES values" in str(refused.value.details())
     numbers = service_pb2.ModelInferRequest(model_name="tiny")
     tensor = numbers.inputs.add(name="x", datatype="FP32", shape=[count // 4, 4])
     tensor.contents.fp32_contents.extend([0.0] * count)
     with pytest.raises(grpc.RpcError) as too_many:
-        served.stub().ModelInfer(numbers)
+        either.stub().ModelInfer(numbers)
     assert "contents hold over 64 FP32 values" in str(too_many.value.details())
 
 
