@@ -352,13 +352,9 @@ def validate_inputs(
     """Check a request's tensors against the model and return its rows. The ``pixels``
     input also takes UINT8 pixels of its declared shape."""
     missing = [t.name for t in spec.inputs if t.name not in inputs]
-    if missing:
-        raise BadRequest(f"missing input(s): {', '.join(missing)}")
     unknown = [name for name in inputs if spec.input(name) is None]
-    if unknown:
-        expected = ", ".join(t.name for t in spec.inputs)
-        named = ", ".join(client_text(name) for name in unknown[:8])
-        raise BadRequest(f"unknown input(s): {named}; the model takes {expected}")
+    if missing or unknown:
+        raise BadRequest(input_mismatch(spec, missing, unknown))
     rows: int | None = None
     for tensor in spec.inputs:
         value = inputs[tensor.name]
@@ -382,6 +378,20 @@ def validate_inputs(
     if spec.batched and not 1 <= rows <= spec.max_batch_size:
         raise BadRequest(f"batch of {rows} rows; the model takes 1 to {spec.max_batch_size}")
     return rows
+
+
+def input_mismatch(spec: ModelSpec, missing: Sequence[str], unexpected: Sequence[str]) -> str:
+    """What is wrong with a request's input names: the model's inputs it lacks, the names
+    the model has no input of (cut short, at most 8), and what the model takes."""
+    problems = []
+    if missing:
+        problems.append(f"missing input(s): {', '.join(missing)}")
+    if unexpected:
+        named = ", ".join(client_text(name) for name in unexpected[:8])
+        more = f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else ""
+        problems.append(f"unexpected input(s): {named}{more}")
+    expected = ", ".join(t.name for t in spec.inputs)
+    return f"{'; '.join(problems)}; the model takes {expected}"
 
 
 def batch_key(spec: ModelSpec, inputs: Mapping[str, np.ndarray]) -> tuple[Any, ...]:

@@ -342,16 +342,23 @@ class LimitSettings(BaseModel):
     503 and the connection closes, except ``/v2/health/*``, so probes still answer. Keep it
     under the open-file limit (``ulimit -n``)."""
     max_grpc_calls: int = Field(default=1000, gt=0)
-    """gRPC calls in flight per process (per front end with several), streams and health
-    watches among them, liveness, readiness and health checks not; beyond it a call is
+    """gRPC calls in flight per process (per front end with several), streams among them,
+    liveness, readiness and health checks and watches not; beyond it a call is
     RESOURCE_EXHAUSTED at once. gRPC's counterpart of ``max_connections``: an HTTP/1.1
     connection carries one request at a time, a gRPC connection many calls. Each call may
     hold a message of up to ``max_body_bytes`` while it arrives."""
+    max_grpc_watches: int = Field(default=100, gt=0)
+    """gRPC health ``Watch`` streams open at once per process, ``max_share_per_address`` of
+    them from one address; beyond it a Watch is RESOURCE_EXHAUSTED. Counted apart from
+    ``max_grpc_calls``: a Watch needs no API key and stays open, so watches must not take
+    the room of inference calls. A watcher holds a call and wakes once a second; a
+    Kubernetes probe uses Check, not Watch."""
     max_share_per_address: float = Field(default=0.75, gt=0, le=1)
-    """The most of ``max_connections``, ``max_grpc_calls`` and ``max_inflight_body_bytes``
-    one client address may hold, so one address can never lock every other out: the rest
-    stays for the others. Lower it where many clients share the server evenly; 1 turns it
-    off (behind a proxy every client has the proxy's address)."""
+    """The most of ``max_connections`` (HTTP's and gRPC's), ``max_grpc_calls``,
+    ``max_grpc_watches`` and ``max_inflight_body_bytes`` one client address may hold, so
+    one address can never lock every other out: the rest stays for the others. Lower it
+    where many clients share the server evenly; 1 turns it off (behind a proxy every client
+    has the proxy's address)."""
     saturated_after_s: float = Field(default=5.0, ge=0)
     """Once ``max_connections`` or ``max_inflight_body_bytes`` has been full this long,
     ``/v2/health/ready`` answers 503 with the reason, so an orchestrator routes elsewhere
@@ -368,10 +375,11 @@ class LimitSettings(BaseModel):
     along any shape numpy can hold (64 dimensions); lower refuses odd clients sooner. Whole
     documents nested past 1024 levels are refused by the JSON parser whatever this says."""
     max_control_body_bytes: int = Field(default=64 * 1024, ge=1024, le=512 * 1024)
-    """Largest body of a model load or unload and of a shared-memory registration, refused
-    with 413 from its ``Content-Length`` or as it streams, before any parsing. Such a body
-    is a few hundred bytes (a load's ``parameters.config`` a few KiB); it crosses to the
-    engine whole in one control frame, so the cap stays well under the frame's 1 MiB."""
+    """Largest body of a model load or unload and of a shared-memory registration, over HTTP
+    (413, from its ``Content-Length`` or as it streams) and gRPC (RESOURCE_EXHAUSTED), refused
+    before any parsing. Such a body is a few hundred bytes (a load's ``parameters.config`` a
+    few KiB); it crosses to the engine whole in one control frame, so the cap stays well
+    under the frame's 1 MiB."""
 
 
 class AuthSettings(BaseModel):

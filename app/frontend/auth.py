@@ -69,15 +69,16 @@ class Refusals:
 
 
 class RefusalLog:
-    """401s as log lines, at most one per ``interval_s`` per client address: the first is
-    logged at once, the others of that interval are counted and logged as one line when it
-    ends, which starts the next interval. Addresses whose interval is over are forgotten
-    once more than ``MAX_ADDRESSES`` are remembered."""
+    """401s (or the refusals ``label`` names) as log lines, at most one per ``interval_s``
+    per client address: the first is logged at once, the others of that interval are
+    counted and logged as one line when it ends, which starts the next interval. Addresses
+    whose interval is over are forgotten once more than ``MAX_ADDRESSES`` are remembered."""
 
     MAX_ADDRESSES = 4096
 
-    def __init__(self, interval_s: float = 1.0) -> None:
+    def __init__(self, interval_s: float = 1.0, label: str = "401") -> None:
         self.interval_s = interval_s
+        self.label = label
         self._by_address: dict[str, Refusals] = {}
 
     def refused(self, address: str, problem: str, path: str) -> None:
@@ -90,7 +91,7 @@ class RefusalLog:
         if current is None or now >= current.ends:
             if len(self._by_address) >= self.MAX_ADDRESSES:
                 self._forget(now)
-            log.warning("401 %s for %s from %s", problem, client_text(path), address)
+            log.warning("%s %s for %s from %s", self.label, problem, client_text(path), address)
             self._by_address[address] = Refusals(now + self.interval_s)
             return
         current.unlogged += 1
@@ -102,7 +103,8 @@ class RefusalLog:
         if self._by_address.get(address) is not current:
             return
         log.warning(
-            "401 for %d more request(s) from %s in the last %g s (one line per interval)",
+            "%s for %d more request(s) from %s in the last %g s (one line per interval)",
+            self.label,
             current.unlogged,
             address,
             self.interval_s,

@@ -494,13 +494,76 @@ def test_errors_carry_tritons_codes_and_no_traceback(served: GrpcServer) -> None
     client.close()
 
 
+def test_a_wrong_input_name_is_named_with_the_missing_one_over_both_protocols(
+    either: GrpcServer,
+) -> None:
+    x = np.ones((1, 4), np.float32)
+    client = either.client()
+    with pytest.raises(InferenceServerException) as failed:
+        client.infer("tiny", [grpc_input("input", x, "FP32")])
+    assert failed.value.status() == "StatusCode.INVALID_ARGUMENT"
+    said = failed.value.message()
+    client.close()
+    body = {"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]}
+    answer = httpx.post(f"{either.http.url}/v2/models/tiny/infer", json=body)
+    assert answer.status_code == 400
+    for message in (said, answer.json()["error"]):
+        assert "missing input(s): x" in message and "unexpected input(s): input" in message
+
+
+def test_errors_never_echo_a_long_name_or_id_whole(either: GrpcServer) -> None:
+    """A 100,000-character input name, model name or id comes back cut short in every
+    error: unary or in a stream, with raw or typed contents."""
+    long = "n" * 100_000
+    stub = either.stub()
+    no_data = service_pb2.ModelInferRequest(model_name="tiny")
+    no_data.inputs.add(name=long, datatype="FP32", shape=[1, 4])
+    typed = service_pb2.ModelInferRequest(model_name="tiny")
+    typed.inputs.add(name=long, datatype="FP32", shape=[1, 4]).contents.fp32_contents.extend(
+        [1.0] * 4
+    )
+    unknown = service_pb2.ModelInferRequest(model_name=long)
+    raw = service_pb2.ModelInferRequest(model_name="tiny", id=long)
+    raw.inputs.add(name=long, datatype="FP32", shape=[1, 4])
+    raw.raw_input_contents.append(np.ones((1, 4), np.float32).tobytes())
+    for request in (no_data, typed, unknown, raw):
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ModelInfer(request)
+        assert len(str(failed.value.details())) < 1000, str(failed.value.details())[:200]
+    (answer,) = stub.ModelStreamInfer(iter([raw]))
+    assert answer.error_message and len(answer.error_message) < 1000
+    assert len(answer.infer_response.id) <= 1024
+
+
+def test_typed_contents_are_counted_against_the_model_before_they_are_parsed(
+    either: GrpcServer,
+) -> None:
+    """1 M empty strings (2 MB on the wire, 4 MB as tensors) for the tiny model's 16 rows of
+    4 values: refused for what the model takes, before protobuf makes an object of each."""
+    count = 1 << 20
+    request = service_pb2.ModelInferRequest(model_name="tiny")
+    tensor = request.inputs.add(name="x", datatype="BYTES", shape=[1, count])
+    tensor.contents.bytes_contents.extend([b""] * count)
+    with pytest.raises(grpc.RpcError) as refused:
+        either.stub().ModelInfer(request)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "contents hold over 64 BYTES values" in str(refused.value.details())
+    numbers = service_pb2.ModelInferRequest(model_name="tiny")
+    tensor = numbers.inputs.add(name="x", datatype="FP32", shape=[count // 4, 4])
+    tensor.contents.fp32_contents.extend([0.0] * count)
+    with pytest.raises(grpc.RpcError) as too_many:
+        either.stub().ModelInfer(numbers)
+    assert "contents hold over 64 FP32 values" in str(too_many.value.details())
+
+
 def test_a_message_over_the_body_limit_is_resource_exhausted(served: GrpcServer) -> None:
     client = served.client()
     rows = BODY_LIMIT // 16 + 1024  # FP32 [rows, 4]: past the limit
     with pytest.raises(InferenceServerException) as too_large:
         client.infer("tiny", [grpc_input("x", np.zeros((rows, 4), np.float32), "FP32")])
     assert too_large.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
-    # Typed contents that are small in the message but past the limit as tensors.
+    # Typed contents that are small in the message but past the limit as tensors: counted
+    # against the model (8 rows of 3) before they are parsed.
     request = service_pb2.ModelInferRequest(model_name=echo_name("INT64"))
     count = BODY_LIMIT // 8 + 3
     tensor = request.inputs.add(name="x", datatype="INT64", shape=[count // 3, 3])
@@ -508,7 +571,7 @@ def test_a_message_over_the_body_limit_is_resource_exhausted(served: GrpcServer)
     with pytest.raises(grpc.RpcError) as expanded:
         served.stub().ModelInfer(request)
     assert expanded.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "exceeds" in str(expanded.value.details())
+    assert "contents hold over 24 INT64 values" in str(expanded.value.details())
     ok = client.infer("tiny", [grpc_input("x", np.zeros((2, 4), np.float32), "FP32")])
     assert ok.as_numpy("y").shape == (2, 3)
     client.close()
@@ -748,6 +811,30 @@ def test_api_keys_are_asked_for_as_over_http(keyed: GrpcServer) -> None:
     assert error is not None and error.status() == "StatusCode.UNAUTHENTICATED"
     client.stop_stream()
     client.close()
+
+
+def test_unauthenticated_calls_are_logged_at_most_once_a_second_per_address(
+    keyed: GrpcServer,
+) -> None:
+    stub = keyed.stub()
+    log = keyed.http.log
+    before = log.read_text().count("UNAUTHENTICATED")
+    summaries = log.read_text().count("UNAUTHENTICATED for")
+    started = time.monotonic()
+    for _ in range(200):
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.ServerMetadata(service_pb2.ServerMetadataRequest())
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    seconds = time.monotonic() - started
+    # One line as the first comes, one per second after it for those of that second: 200
+    # refusals in a second or two are a few lines, not 200.
+    deadline = time.monotonic() + 60
+    while log.read_text().count("UNAUTHENTICATED for") == summaries:
+        assert time.monotonic() < deadline, "the refusals after the first were never logged"
+        time.sleep(0.1)
+    lines = log.read_text().count("UNAUTHENTICATED") - before
+    # (The first may have come in an earlier test's second: then only its summary is new.)
+    assert 1 <= lines <= 2 * (seconds + 2), lines
 
 
 def test_a_taken_grpc_port_stops_the_server(tmp_path: Path) -> None:

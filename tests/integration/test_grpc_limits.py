@@ -22,6 +22,7 @@ import pytest
 import tritonclient.grpc.aio as tgrpc_aio
 from grpc_health.v1 import health_pb2
 from onnx import TensorProto, helper
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import TINY_CONFIG, tiny_onnx
@@ -38,6 +39,8 @@ MAX_CALLS = 8  # 6 per address, at the default share of 0.75
 MAX_CONNECTIONS = 6
 MiB = 1024 * 1024
 MAX_BYTES = 4 * MiB  # 3 MiB per address
+MAX_WATCHES = 4  # 3 per address
+MAX_CONTROL_BYTES = 1024
 # A request to "hold" waits a minute for a fuller batch: its bytes stay in flight until then,
 # or until its client cancels it.
 HOLD_CONFIG = """\
@@ -76,6 +79,8 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
         "STOKER_LIMITS__BODY_TIMEOUT_S": "1.5",
         "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
         "STOKER_SERVER__KEEP_ALIVE_S": "2",
+        "STOKER_LIMITS__MAX_GRPC_WATCHES": str(MAX_WATCHES),
+        "STOKER_LIMITS__MAX_CONTROL_BODY_BYTES": str(MAX_CONTROL_BYTES),
     }
     running = start_grpc(repo, repo.parent / "server.log", env)
     yield running
@@ -406,20 +411,24 @@ async def hold_on_own_connection(
 
 def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
     """Six clients each keep a call open on a connection of its own (6 connections, the
-    cap): a seventh client's connection is closed as it opens (UNAVAILABLE; its probes' too:
-    use HTTP's), and once one of the six goes, a new client is served."""
+    cap; four from 127.0.0.3, its share, two from 127.0.0.4: addresses of this test alone,
+    which no connection of an earlier one still counts against): a seventh client's
+    connection is closed as it opens (UNAVAILABLE; its probes' too: use HTTP's), and once
+    the six go, a new client is served."""
 
     async def scenario() -> InferenceServerException:
         release = asyncio.Event()
-        holders = [await hold_on_own_connection(limited.address, release) for _ in range(6)]
-        late = own_connection(limited.address)
-        with pytest.raises(InferenceServerException) as refused:
-            await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
-        await late.close()
-        release.set()
-        for client, answers in holders:
-            assert [item async for item in answers] == []
-            await client.close()
+        with relay(limited.address, "127.0.0.3") as one, relay(limited.address, "127.0.0.4") as two:
+            holders = [await hold_on_own_connection(one, release) for _ in range(4)]
+            holders += [await hold_on_own_connection(two, release) for _ in range(2)]
+            late = own_connection(limited.address)
+            with pytest.raises(InferenceServerException) as refused:
+                await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
+            await late.close()
+            release.set()
+            for client, answers in holders:
+                assert [item async for item in answers] == []
+                await client.close()
         # All six are closed now: a seventh gets its place once the server has seen a close.
         later, answers = await hold_on_own_connection(limited.address, release)
         assert [item async for item in answers] == []
@@ -428,3 +437,162 @@ def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
 
     refused = asyncio.run(scenario())
     assert refused.status() == "StatusCode.UNAVAILABLE", refused.message()
+
+
+def tiny_request() -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name="tiny")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+    request.raw_input_contents.append(X.tobytes())
+    return request
+
+
+async def opened(address: str) -> grpc.aio.Channel:
+    """A channel on a connection of its own that has been served once, tried again while
+    the server still counts connections that earlier tests closed."""
+    deadline = time.monotonic() + 60
+    while True:
+        channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                service_pb2.ServerLiveRequest()
+            )
+            return channel
+        except grpc.aio.AioRpcError:
+            await channel.close()
+            assert time.monotonic() < deadline, "never served"
+            await asyncio.sleep(0.1)
+
+
+async def served_once(address: str) -> None:
+    await (await opened(address)).close()
+
+
+def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
+    limited: GrpcServer,
+) -> None:
+    """127.0.0.5 keeps six connections busy (the cap; its share is 4 of 6), as idle clients
+    kept past the idle timeout by a probe now and then: within a sweep it is cut back to
+    its share, and 127.0.0.6 is served on the room left. (Its clients do not connect again
+    once closed, so that what the server closed can be counted; the addresses are this
+    test's alone, so no connection of an earlier test counts against their shares.)"""
+    before = refusals(limited, "grpc_connections")
+
+    async def scenario() -> tuple[int, Any]:
+        near: list[grpc.aio.Channel] = []
+        ended: list[grpc.aio.Channel] = []
+        stop = asyncio.Event()
+
+        async def keep(channel: grpc.aio.Channel) -> None:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                while not stop.is_set():
+                    if channel.get_state() != grpc.ChannelConnectivity.READY:
+                        break  # closed by the server
+                    await stub.ServerLive(service_pb2.ServerLiveRequest())
+                    await asyncio.sleep(0.2)
+                else:
+                    return
+            except grpc.aio.AioRpcError:
+                pass  # closed under a call
+            ended.append(channel)
+
+        keepers = []
+        with relay(limited.address, "127.0.0.5") as near_address:
+            for _ in range(6):  # each kept busy from its start: idle ones close after 2 s
+                near.append(await opened(near_address))
+                keepers.append(asyncio.create_task(keep(near[-1])))
+            deadline = time.monotonic() + 60
+            while len(ended) < 2:
+                assert time.monotonic() < deadline, "no connection of 127.0.0.5 was closed"
+                await asyncio.sleep(0.1)
+            with relay(limited.address, "127.0.0.6") as far_address:
+                far = await opened(far_address)
+                answer = await service_pb2_grpc.GRPCInferenceServiceStub(far).ModelInfer(
+                    tiny_request()
+                )
+                await far.close()
+            stop.set()
+            await asyncio.gather(*keepers)
+            for channel in near:
+                await channel.close()
+        return len(ended), answer
+
+    ended, answer = asyncio.run(scenario())
+    assert ended == 2  # the four under its share were never touched
+    assert list(answer.outputs[0].shape) == [1, 3]
+    assert refusals(limited, "grpc_connections") - before >= 2
+
+
+def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcServer) -> None:
+    """One address opens as many health watches as it may hold calls: it gets its share of
+    the watches (3 of 4), the rest are RESOURCE_EXHAUSTED, and its inference calls are
+    served beside them; 127.0.0.2 still gets the last watch."""
+
+    async def scenario() -> tuple[int, list[grpc.aio.AioRpcError], Any, Any]:
+        channel = await opened(limited.address)  # once earlier tests' connections are gone
+        watches, refused = [], []
+        try:
+            for _ in range(6):
+                watch = health_stub(channel).Watch(health_pb2.HealthCheckRequest())
+                try:
+                    await asyncio.wait_for(watch.read(), 30)
+                    watches.append(watch)
+                except grpc.aio.AioRpcError as error:
+                    refused.append(error)
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            answer = await stub.ModelInfer(tiny_request())
+            with relay(limited.address, "127.0.0.2") as far_address:
+                far = await opened(far_address)
+                far_watch = health_stub(far).Watch(health_pb2.HealthCheckRequest())
+                far_status = (await asyncio.wait_for(far_watch.read(), 30)).status
+                far_watch.cancel()
+                await far.close()
+        finally:
+            for watch in watches:
+                watch.cancel()
+            await channel.close()
+        return len(watches), refused, answer, far_status
+
+    held, refused, answer, far_status = asyncio.run(scenario())
+    assert held == 3 and len(refused) == 3
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "its share of limits.max_grpc_watches (3 of 4)" in str(error.details())
+    assert list(answer.outputs[0].shape) == [1, 3]
+    assert far_status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
+    limited: GrpcServer,
+) -> None:
+    """Load, unload and shared-memory registration messages over
+    limits.max_control_body_bytes are RESOURCE_EXHAUSTED, whatever the server would say of
+    them; one under it gets its own answer (model control is off here)."""
+    asyncio.run(served_once(limited.address))  # once earlier tests' connections are gone
+    channel = grpc.insecure_channel(limited.address)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    Parameter = service_pb2.ModelRepositoryParameter
+    config = Parameter(string_param='{"max_batch_size": 4, "padding": "' + "x" * 2048 + '"}')
+    for call in (
+        lambda: stub.RepositoryModelLoad(
+            service_pb2.RepositoryModelLoadRequest(model_name="tiny", parameters={"config": config})
+        ),
+        lambda: stub.RepositoryModelUnload(
+            service_pb2.RepositoryModelUnloadRequest(model_name="t" * 2048)
+        ),
+        lambda: stub.SystemSharedMemoryRegister(
+            service_pb2.SystemSharedMemoryRegisterRequest(
+                name="r" * 2048, key="/k", offset=0, byte_size=8
+            )
+        ),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "limits.max_control_body_bytes (1024)" in str(refused.value.details())
+    with pytest.raises(grpc.RpcError) as small:
+        stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="tiny"))
+    assert small.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
+    channel.close()

@@ -16,47 +16,43 @@ response once. Every other field goes through the generated classes.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
-import numpy as np
 import orjson
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
 
-from app.contract import Answer
+from app.contract import Answer, input_mismatch
 from app.errors import BadRequest, EngineError
+from app.frontend.grpc.contents import (
+    LENGTH_DELIMITED,
+    most_values,
+    split_contents,
+    typed_bytes,
+    varint,
+)
+from app.frontend.grpc.contents import TYPED_CONTENTS as TYPED_CONTENTS  # bench's payloads
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
+from app.tensor_data import quote
+from engines.spec import ModelSpec
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 # grpc_service.proto's field numbers of what is read or written as wire bytes.
+_INPUTS = 5  # ModelInferRequest.inputs
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
 _RAW_OUTPUT_CONTENTS = 6  # ModelInferResponse.raw_output_contents
 _INFER_RESPONSE = 2  # ModelStreamInferResponse.infer_response
-_LENGTH_DELIMITED = 2
-_BYTES_LENGTH = struct.Struct("<I")
 _SHARED_MEMORY = "shared_memory_region"
 _INT64_MAX = 2**63 - 1
+# The most fields a request's top level may hold (a valid one holds a few per input and
+# output): walked in Python, and protobuf makes an object of each.
+MAX_FIELDS = 4096
+# A failed stream answer echoes its request's id up to this many characters.
+ECHOED_ID_CHARS = 1024
 
-# The typed field of InferTensorContents each datatype is sent in, and the numpy type its
-# bytes take. FP16 and BF16 have none: they travel in raw_input_contents only (as in Triton).
-TYPED_CONTENTS: dict[str, tuple[str, type[np.generic]]] = {
-    "BOOL": ("bool_contents", np.bool_),
-    "INT8": ("int_contents", np.int8),
-    "INT16": ("int_contents", np.int16),
-    "INT32": ("int_contents", np.int32),
-    "INT64": ("int64_contents", np.int64),
-    "UINT8": ("uint_contents", np.uint8),
-    "UINT16": ("uint_contents", np.uint16),
-    "UINT32": ("uint_contents", np.uint32),
-    "UINT64": ("uint64_contents", np.uint64),
-    "FP32": ("fp32_contents", np.float32),
-    "FP64": ("fp64_contents", np.float64),
-}
 # Of a model configuration, what Triton's ModelConfig message holds (the HTTP document adds
 # fields of Stoker's own, and versions named by precision that the message cannot hold).
 _CONFIG_FIELDS = (
@@ -68,12 +64,6 @@ _CONFIG_FIELDS = (
     "output",
     "dynamic_batching",
 )
-_WIDE: dict[str, type[np.generic]] = {
-    "b": np.bool_,
-    "i": np.int64,
-    "u": np.uint64,
-    "f": np.float64,
-}
 _INSTANCE_KINDS = frozenset(config_pb.ModelInstanceGroup.Kind.keys())
 
 
@@ -104,38 +94,53 @@ def _parameters(entries: Mapping[str, pb.InferParameter]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class InferCall:
-    """A ModelInferRequest as it arrived: every field but ``raw_input_contents`` parsed into
-    ``request``; those as ``raw``, views of the received message."""
+    """A ModelInferRequest as it arrived: every field but ``raw_input_contents`` and the
+    inputs' typed ``contents`` parsed into ``request``; those as ``raw`` and ``contents``
+    (one entry per input, None where it has none), views of the received message."""
 
     request: pb.ModelInferRequest
     raw: list[memoryview]
+    contents: list[memoryview | None]
 
 
 def read_request(data: bytes) -> InferCall:
     """A serialized ModelInferRequest, its tensors' bytes left where they are. Its top-level
-    fields are walked (a few, however large the tensors): ``raw_input_contents`` entries are
-    kept as views, the rest (names, shapes, parameters) parsed by protobuf."""
+    fields and its inputs' fields are walked (a few, however large the tensors):
+    ``raw_input_contents`` entries and typed ``contents`` are kept as views, the rest
+    (names, shapes, parameters) parsed by protobuf. Typed contents are counted against the
+    model before they are parsed (``contents.typed_bytes``): protobuf would turn 33.5 M
+    empty strings (64 MiB) into a gigabyte of objects first."""
     view = memoryview(data)
     raw: list[memoryview] = []
-    rest: list[memoryview] = []
-    at = kept = 0
+    contents: list[memoryview | None] = []
+    rest: list[bytes | memoryview] = []
+    at = kept = fields = 0
     end = len(data)
     while at < end:
+        fields += 1
+        if fields > MAX_FIELDS:
+            raise BadRequest(f"the request holds over {MAX_FIELDS} fields")
         start = at
-        key, at = _varint(data, at)
+        key, at = varint(data, at)
         kind = key & 7
         if kind == 0:
-            _, at = _varint(data, at)
+            _, at = varint(data, at)
         elif kind == 1:
             at += 8
         elif kind == 5:
             at += 4
-        elif kind == _LENGTH_DELIMITED:
-            length, at = _varint(data, at)
-            if key >> 3 == _RAW_INPUT_CONTENTS and at + length <= end:
+        elif kind == LENGTH_DELIMITED:
+            length, at = varint(data, at)
+            if at + length <= end and key >> 3 == _RAW_INPUT_CONTENTS:
                 rest.append(view[kept:start])
                 raw.append(view[at : at + length])
                 kept = at + length
+            elif at + length <= end and key >> 3 == _INPUTS:
+                tensor, typed = split_contents(view[at : at + length])
+                contents.append(typed)
+                if typed is not None:
+                    rest += [view[kept:start], _length_prefix(_INPUTS, len(tensor)), tensor]
+                    kept = at + length
             at += length
         else:
             raise BadRequest("the request is not a ModelInferRequest")
@@ -146,24 +151,14 @@ def read_request(data: bytes) -> InferCall:
         request = pb.ModelInferRequest.FromString(b"".join(rest))
     except DecodeError:
         raise BadRequest("the request is not a ModelInferRequest") from None
-    return InferCall(request, raw)
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < len(data) and shift < 64:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-    raise BadRequest("the request is not a ModelInferRequest (a bad varint)")
+    if len(contents) != len(request.inputs):  # never, for what protobuf parsed
+        raise BadRequest("the request is not a ModelInferRequest")
+    return InferCall(request, raw, contents)
 
 
 def _length_prefix(field: int, length: int) -> bytes:
     """The key of a length-delimited ``field`` and the varint ``length`` that follows it."""
-    out = bytearray([field << 3 | _LENGTH_DELIMITED])
+    out = bytearray([field << 3 | LENGTH_DELIMITED])
     while length >= 0x80:
         out.append(length & 0x7F | 0x80)
         length >>= 7
@@ -172,18 +167,29 @@ def _length_prefix(field: int, length: int) -> bytes:
 
 
 def request_body(
-    call: InferCall, deadline_us: int | None = None
+    call: InferCall,
+    spec: ModelSpec | None = None,
+    max_bytes: int = _INT64_MAX,
+    deadline_us: int | None = None,
 ) -> tuple[bytes, list[bytes | memoryview]]:
     """The V2 binary request for ``call``: its JSON header and the binary parts that follow
     it, in order. ``deadline_us``: what is left of the call's gRPC deadline, which bounds the
     request's ``timeout`` parameter (the engine then refuses work that cannot finish in
     time). Inputs take their data from ``raw_input_contents`` in order, or from their typed
-    ``contents``, or from a registered shared-memory region, as Triton reads them."""
+    ``contents``, or from a registered shared-memory region, as Triton reads them. Typed
+    contents are counted against ``spec`` (the model's; needed when any input has them) and
+    ``max_bytes`` before they are parsed (``contents.typed_bytes``)."""
     request, raw = call.request, call.raw
+    if spec is not None:  # refused before any contents are read, as the data plane would
+        unexpected = [t.name for t in request.inputs if spec.input(t.name) is None]
+        if unexpected:
+            names = {t.name for t in request.inputs}
+            missing = [t.name for t in spec.inputs if t.name not in names]
+            raise BadRequest(input_mismatch(spec, missing, unexpected))
     used = 0
     inputs: list[dict[str, Any]] = []
     chunks: list[bytes | memoryview] = []
-    for tensor in request.inputs:
+    for tensor, typed in zip(request.inputs, call.contents, strict=True):
         parameters = _parameters(tensor.parameters)
         parameters.pop("binary_data_size", None)
         entry: dict[str, Any] = {
@@ -193,19 +199,21 @@ def request_body(
         }
         if _SHARED_MEMORY not in parameters:
             chunk: bytes | memoryview
-            if tensor.HasField("contents"):
+            if typed is not None:
                 if raw:
                     raise BadRequest(
-                        f"input {tensor.name!r}: contents must not be set when "
+                        f"input {quote(tensor.name)}: contents must not be set when "
                         "raw_input_contents are used"
                     )
-                chunk = typed_bytes(tensor)
+                if spec is None:
+                    raise ValueError("typed contents are counted against the model's spec")
+                chunk = typed_bytes(tensor, typed, most_values(spec, tensor, max_bytes))
             elif used < len(raw):
                 chunk = raw[used]
                 used += 1
             else:
                 raise BadRequest(
-                    f"input {tensor.name!r} has no data: send it in raw_input_contents, "
+                    f"input {quote(tensor.name)} has no data: send it in raw_input_contents, "
                     "contents or shared memory"
                 )
             parameters["binary_data_size"] = len(chunk)
@@ -235,40 +243,6 @@ def request_body(
             outputs.append({"name": output.name, "parameters": wanted})
         document["outputs"] = outputs
     return orjson.dumps(document), chunks
-
-
-def typed_bytes(tensor: pb.ModelInferRequest.InferInputTensor) -> bytes:
-    """An input's typed ``contents`` as V2 binary data (little-endian; BYTES length-prefixed)."""
-    name, datatype = tensor.name, tensor.datatype
-    contents = tensor.contents
-    if datatype == "BYTES":
-        elements: Sequence[bytes] = contents.bytes_contents
-        values: Any = elements
-    elif datatype in TYPED_CONTENTS:
-        field, dtype = TYPED_CONTENTS[datatype]
-        values = getattr(contents, field)
-    else:
-        raise BadRequest(
-            f"input {name!r}: {datatype!r} has no typed contents field; send it in "
-            "raw_input_contents"
-        )
-    shape = list(tensor.shape)
-    if all(d >= 0 for d in shape) and len(values) != prod(shape):
-        raise BadRequest(
-            f"input {name!r}: contents hold {len(values)} {datatype} values, the shape "
-            f"{prod(shape)}"
-        )
-    if datatype == "BYTES":
-        return b"".join(_BYTES_LENGTH.pack(len(e)) + e for e in elements)
-    target = np.dtype(dtype)
-    # The field's own type first (int32 for int_contents...), then the datatype's, checked.
-    array = np.fromiter(values, dtype=_WIDE[target.kind], count=len(values))
-    if array.size and target.kind in "iu":
-        limits = np.iinfo(target)
-        if array.min() < limits.min or array.max() > limits.max:
-            raise BadRequest(f"input {name!r}: a value is out of range for {datatype}")
-    with np.errstate(over="ignore"):
-        return array.astype(target.newbyteorder("<")).tobytes()
 
 
 def infer_response(answer: Answer) -> bytes:
@@ -315,9 +289,12 @@ def stream_answer(response: bytes) -> bytes:
 
 def stream_error(request: pb.ModelInferRequest, message: str) -> bytes:
     """A stream's answer to one request that failed: the error, and the request's id so a
-    client with many in flight can tell which."""
+    client with many in flight can tell which (its first ``ECHOED_ID_CHARS``, as the model's
+    name and version: a failed answer never echoes a megabyte)."""
     failed = pb.ModelInferResponse(
-        model_name=request.model_name, model_version=request.model_version, id=request.id
+        model_name=request.model_name[:ECHOED_ID_CHARS],
+        model_version=request.model_version[:ECHOED_ID_CHARS],
+        id=request.id[:ECHOED_ID_CHARS],
     )
     answer = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
     data: bytes = answer.SerializeToString()

@@ -1,22 +1,27 @@
 """What a gRPC client may hold of a front end: HTTP's limits where gRPC can have them.
 
 grpc.aio gives Python no hook per connection and hands a message over only once it has
-arrived whole, so the limits sit at three levels (``limits`` in the settings):
+arrived whole, so the limits sit at these levels (``limits`` in the settings):
 
 - **gRPC core, per process**: at most ``max_connections`` connections (one past it is
   closed as it opens, a health probe's too: HTTP's probes stay open), counted apart from
-  HTTP's; a connection must open HTTP/2 within ``header_timeout_s``; one with no call for
-  ``server.keep_alive_s`` is told GOAWAY; a peer that stops answering keepalive pings (sent
-  every ``keep_alive_s``) is dropped 20 s later; a message over ``max_body_bytes`` is
-  RESOURCE_EXHAUSTED; a client that pings more often than every 5 minutes without calls is
-  disconnected (core's defaults). grpc core cannot count connections by address.
+  HTTP's, and ``max_share_per_address`` of them from one address (swept once a second,
+  here: ``app.frontend.grpc.connections``); a connection must open HTTP/2 within
+  ``header_timeout_s``; one with no call for ``server.keep_alive_s`` is told GOAWAY; a
+  peer that stops answering keepalive pings (sent every ``keep_alive_s``) is dropped 20 s
+  later; a message over ``max_body_bytes`` is RESOURCE_EXHAUSTED; a client that pings more
+  often than every 5 minutes without calls is disconnected (core's defaults).
 - **Calls, here, per process and per address**: at most ``max_grpc_calls`` calls in flight
   and ``max_share_per_address`` of them from one client address (RESOURCE_EXHAUSTED, naming
   the limit and its value). A gRPC connection carries many calls, so this is what bounds an
   address's use of the server, as HTTP/1.1's connections (one request each) do over HTTP;
   the connections it holds beyond its calls are idle and closed after ``keep_alive_s``.
   Liveness, readiness and ``grpc.health.v1`` Check are not counted, so probes answer while
-  the server is full; a health Watch is (it stays open).
+  the server is full; a health Watch (it stays open, and needs no key) counts against
+  ``max_grpc_watches`` and its share per address instead, so watches never take the
+  inference calls' room.
+- **Control messages, here**: a load, unload or shared-memory registration message over
+  ``max_control_body_bytes`` is RESOURCE_EXHAUSTED before it is parsed.
 - **Request bytes, here, per process and per address**: the requests of the calls in flight
   (from their arrival to their answer) hold at most ``max_inflight_body_bytes`` bytes and
   ``max_share_per_address`` of them from one address; a request past either is
@@ -41,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
+from app.frontend.grpc.ending import Ended
 from app.metrics import http_refused
 from app.settings import LimitSettings, Settings
 
@@ -65,10 +71,12 @@ def peer_host(context: Context) -> str:
 
 class Budget:
     """An amount the calls in flight hold, at most ``limit`` in all and ``share`` of it from
-    one client address, so one address never takes the whole."""
+    one client address, so one address never takes the whole. ``reason``: how its refusals
+    are counted (``stoker_http_refusals_total``)."""
 
-    def __init__(self, limit: int, share: float, what: str, setting: str) -> None:
+    def __init__(self, limit: int, share: float, what: str, setting: str, reason: str = "") -> None:
         self.limit = limit
+        self.reason = reason
         self.per_address = max(1, int(limit * share))
         self.what = what
         self.setting = setting
@@ -104,22 +112,33 @@ class Budget:
 
 
 class CallLimits:
-    """The calls and request bytes in flight of one gRPC server, and how long a unary call's
-    message may take to arrive."""
+    """The calls, health watches and request bytes in flight of one gRPC server, and how
+    long a unary call's message may take to arrive."""
 
     def __init__(self, limits: LimitSettings) -> None:
         share = limits.max_share_per_address
-        self.calls = Budget(limits.max_grpc_calls, share, "gRPC calls", "max_grpc_calls")
-        self.message_bytes = Budget(
-            limits.max_inflight_body_bytes, share, "request bytes", "max_inflight_body_bytes"
+        self.calls = Budget(
+            limits.max_grpc_calls, share, "gRPC calls", "max_grpc_calls", "grpc_calls"
         )
+        self.watches = Budget(
+            limits.max_grpc_watches, share, "health watches", "max_grpc_watches", "grpc_watches"
+        )
+        self.message_bytes = Budget(
+            limits.max_inflight_body_bytes,
+            share,
+            "request bytes",
+            "max_inflight_body_bytes",
+            "grpc_inflight_bytes",
+        )
+        self.max_control_bytes = limits.max_control_body_bytes
         self.message_timeout_s = limits.body_timeout_s
         self._endings: set[asyncio.Future[Any]] = set()
         """Calls being ended for a message that came too late (a reference to each)."""
 
-    async def refuse(self, context: Context, reason: str, refusal: str) -> NoReturn:
-        http_refused(503, reason)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    @staticmethod
+    def refuse(budget: Budget, refusal: str) -> NoReturn:
+        http_refused(503, budget.reason)
+        raise Ended(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
     async def message(self, context: Context) -> bytes:
         """A unary call's request, once it has arrived whole; DEADLINE_EXCEEDED if it has not
@@ -135,9 +154,10 @@ class CallLimits:
         finally:
             timer.cancel()
         if ended:  # it came as the call was being ended: it ends all the same
-            await ended[0]
+            await asyncio.wait(ended)
+            raise Ended(grpc.StatusCode.DEADLINE_EXCEEDED, "the request came too late")
         if data is grpc.aio.EOF:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
+            raise Ended(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request")
         assert isinstance(data, bytes)
         return data
 
@@ -147,6 +167,8 @@ class CallLimits:
             "the request message did not arrive whole within limits.body_timeout_s "
             f"({self.message_timeout_s:g} s)"
         )
+        # Only abort ends a read still waiting; its exception holds this timer's frames,
+        # no request (none arrived).
         ending = asyncio.ensure_future(context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message))
         self._endings.add(ending)
         ending.add_done_callback(self._ended)
@@ -158,50 +180,70 @@ class CallLimits:
             ending.exception()  # the AbortError that ending a call raises: expected
 
 
-def limited(handler: Handler, limits: CallLimits, counted: bool = True) -> Handler:
-    """``handler`` with its calls counted against ``limits`` (not ``counted``: a probe's,
-    whose message still has its deadline and its bytes their budget). A unary request is
-    taken as a request stream of one message, so the call counts from its start, before its
-    message arrives (grpc.aio calls a unary handler only once it has), and the message can
-    be given a deadline; the client sees no difference on the wire. (Written out rather than
-    with context managers: this runs for every call.)"""
+def limited(
+    handler: Handler,
+    limits: CallLimits,
+    counted: Budget | None,
+    max_message_bytes: int | None = None,
+) -> Handler:
+    """``handler`` with its calls counted against ``counted`` (None: a probe's, whose
+    message still has its deadline and its bytes their budget), its message refused past
+    ``max_message_bytes`` before it is parsed, and every ``Ended`` raised below it set on
+    the call as its status. A unary request is taken as a request stream of one message, so
+    the call counts from its start, before its message arrives (grpc.aio calls a unary
+    handler only once it has), and the message can be given a deadline; the client sees no
+    difference on the wire. (Written out rather than with context managers: this runs for
+    every call.)"""
     decode: Callable[[bytes], Any] | None = handler.request_deserializer
     encode = handler.response_serializer
-    calls, held = limits.calls, limits.message_bytes
+    held = limits.message_bytes
 
-    async def admitted(context: Context) -> str:
+    def admitted(context: Context) -> str:
         address = peer_host(context)
-        if counted and (refusal := calls.take(address, 1)) is not None:
-            await limits.refuse(context, "grpc_calls", refusal)
+        if counted is not None and (refusal := counted.take(address, 1)) is not None:
+            limits.refuse(counted, refusal)
         return address
+
+    def leave(address: str) -> None:
+        if counted is not None:
+            counted.give(address, 1)
 
     async def request(context: Context, address: str) -> tuple[Any, int]:
         """The call's request, parsed, and its size, counted in ``held``."""
         data = await limits.message(context)
         size = len(data)
+        if max_message_bytes is not None and size > max_message_bytes:
+            http_refused(413, "grpc_control_bytes")
+            raise Ended(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"a message of {size} bytes exceeds limits.max_control_body_bytes "
+                f"({max_message_bytes})",
+            )
         if (refusal := held.take(address, size)) is not None:
-            await limits.refuse(context, "grpc_inflight_bytes", refusal)
+            limits.refuse(held, refusal)
         if decode is None:
             return data, size
         try:
             return decode(data), size
         except Exception:
             held.give(address, size)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse")
+            raise Ended(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse") from None
 
     # (grpc's stubs type the behaviours as synchronous ones.)
     if handler.request_streaming:
         streamed: Any = handler.stream_stream
 
         async def stream(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            address = await admitted(context)
             try:
-                async with contextlib.aclosing(streamed(requests, context)) as answers:
-                    async for answer in answers:
-                        yield answer
-            finally:
-                if counted:
-                    calls.give(address, 1)
+                address = admitted(context)
+                try:
+                    async with contextlib.aclosing(streamed(requests, context)) as answers:
+                        async for answer in answers:
+                            yield answer
+                finally:
+                    leave(address)
+            except Ended as ended:
+                ended.end(context)
 
         return grpc.stream_stream_rpc_method_handler(stream, decode, encode)
 
@@ -209,34 +251,39 @@ def limited(handler: Handler, limits: CallLimits, counted: bool = True) -> Handl
         answering: Any = handler.unary_stream
 
         async def unary_stream(_: Any, context: Context) -> AsyncIterator[Any]:
-            address = await admitted(context)
             try:
-                message, size = await request(context, address)
+                address = admitted(context)
                 try:
-                    async with contextlib.aclosing(answering(message, context)) as answers:
-                        async for answer in answers:
-                            yield answer
+                    message, size = await request(context, address)
+                    try:
+                        async with contextlib.aclosing(answering(message, context)) as answers:
+                            async for answer in answers:
+                                yield answer
+                    finally:
+                        held.give(address, size)
                 finally:
-                    held.give(address, size)
-            finally:
-                if counted:
-                    calls.give(address, 1)
+                    leave(address)
+            except Ended as ended:
+                ended.end(context)
 
         return grpc.stream_stream_rpc_method_handler(unary_stream, None, encode)
 
     behaviour: Any = handler.unary_unary
 
     async def unary(_: Any, context: Context) -> Any:
-        address = await admitted(context)
         try:
-            message, size = await request(context, address)
+            address = admitted(context)
             try:
-                return await behaviour(message, context)
+                message, size = await request(context, address)
+                try:
+                    return await behaviour(message, context)
+                finally:
+                    held.give(address, size)
             finally:
-                held.give(address, size)
-        finally:
-            if counted:
-                calls.give(address, 1)
+                leave(address)
+        except Ended as ended:
+            ended.end(context)
+            return None
 
     return grpc.stream_unary_rpc_method_handler(unary, None, encode)
 

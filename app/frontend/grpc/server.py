@@ -6,14 +6,17 @@ with one process a port that is taken fails the start) and serves ``inference.
 GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, every call but
 the probes' counted against the limits of ``app.frontend.grpc.limits`` (connections, calls
 and request bytes in flight, per process and per address; message size and arrival time;
-idle connections). With API keys, every call but the health and liveness ones needs one
-(``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's headers) or is
-UNAUTHENTICATED before its handler runs (and before it is counted). ``stop`` lets calls in
-flight finish: the data plane's drain has already refused new inference with UNAVAILABLE.
+idle connections), and every client address held to its share of the connections
+(``app.frontend.grpc.connections``). With API keys, every call but the health and liveness
+ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's
+headers) or is UNAUTHENTICATED before its handler runs (and before it is counted). ``stop``
+lets calls in flight finish: the data plane's drain has already refused new inference with
+UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -22,10 +25,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from app import tracing
-from app.errors import client_text
-from app.frontend.auth import KeyRing, presented_key
+from app.frontend.auth import KeyRing, RefusalLog, presented_key
+from app.frontend.grpc.connections import ConnectionShares
+from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
-from app.frontend.grpc.limits import CallLimits, core_options, limited
+from app.frontend.grpc.limits import CallLimits, core_options, limited, peer_host
 from app.frontend.grpc.service import SERVICE, Health, InferenceService
 from app.frontend.plane import DataPlane
 from app.settings import Settings
@@ -37,6 +41,8 @@ if TYPE_CHECKING:
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 log = logging.getLogger(__name__)
+_SWEEPS: set[asyncio.Task[None]] = set()
+"""Each server's ``ConnectionShares`` task, until the server stops (a reference to each)."""
 
 HEALTH = "grpc.health.v1.Health"
 # Open without a key, as /v2/health/live and /v2/health/ready are over HTTP.
@@ -49,15 +55,21 @@ OPEN_METHODS = frozenset(
     }
 )
 # Not counted against the calls in flight, so that probes answer while the server is full
-# (a Watch is counted: it stays open).
+# (a Watch is counted, against watches: it stays open).
 PROBES = frozenset({"ServerLive", "ServerReady"})
+# Messages held to ``limits.max_control_body_bytes``, refused before they are parsed.
+CONTROL_METHODS = frozenset(
+    {"RepositoryModelLoad", "RepositoryModelUnload", "SystemSharedMemoryRegister"}
+)
 
 
 class KeyCheck(grpc.aio.ServerInterceptor):
-    """Calls without an accepted key end UNAUTHENTICATED before their handler runs."""
+    """Calls without an accepted key end UNAUTHENTICATED before their handler runs; logged
+    at most once a second per client address, as HTTP's 401s are."""
 
     def __init__(self, ring: KeyRing) -> None:
         self.ring = ring
+        self.refusals = RefusalLog(label="gRPC UNAUTHENTICATED")
 
     async def intercept_service(
         self,
@@ -76,15 +88,20 @@ class KeyCheck(grpc.aio.ServerInterceptor):
         if key is not None and self.ring.accepts(key):
             return handler
         problem = "invalid API key" if key is not None else "missing API key"
-        log.warning("UNAUTHENTICATED %s for %s", problem, client_text(method))
-        return refusal(handler, f"{problem}: send authorization: Bearer <key> or x-api-key: <key>")
+        return refusal(handler, problem, method, self.refusals)
 
 
-def refusal(handler: Handler, message: str) -> Handler:
-    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED."""
+def refusal(handler: Handler, problem: str, method: str, refusals: RefusalLog) -> Handler:
+    """A handler of the same kind as ``handler`` that ends the call UNAUTHENTICATED, its
+    refusal logged through ``refusals``."""
+    ended = Ended(
+        grpc.StatusCode.UNAUTHENTICATED,
+        f"{problem}: send authorization: Bearer <key> or x-api-key: <key>",
+    )
 
     async def refuse(_: Any, context: Context) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        refusals.refused(peer_host(context), problem, method)
+        ended.end(context)
 
     decode, encode = handler.request_deserializer, handler.response_serializer
     if handler.request_streaming and handler.response_streaming:
@@ -103,8 +120,9 @@ RAW_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler]:
     """A handler for every method the proto declares, by its name, each calling the method of
-    ``service`` of that name under ``limits`` (``PROBES`` not counted); the messages
-    of all but ``RAW_METHODS`` (de)serialized by the generated classes."""
+    ``service`` of that name under ``limits`` (``PROBES`` not counted, ``CONTROL_METHODS``'
+    messages held to their own size); the messages of all but ``RAW_METHODS``
+    (de)serialized by the generated classes."""
     found: dict[str, Handler] = {}
     for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
         behaviour = getattr(service, method.name)
@@ -117,19 +135,22 @@ def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler
             handler = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
         else:
             handler = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
-        found[method.name] = limited(handler, limits, counted=method.name not in PROBES)
+        counted = None if method.name in PROBES else limits.calls
+        most = limits.max_control_bytes if method.name in CONTROL_METHODS else None
+        found[method.name] = limited(handler, limits, counted, most)
     return found
 
 
 def health_handlers(health: Health, limits: CallLimits) -> dict[str, Handler]:
-    """``grpc.health.v1.Health``'s two methods under ``limits``, a Check not counted."""
+    """``grpc.health.v1.Health``'s two methods under ``limits``: a Check not counted, a
+    Watch counted against the watches, apart from the calls."""
     decode = health_pb2.HealthCheckRequest.FromString
     encode = health_pb2.HealthCheckResponse.SerializeToString
     check = grpc.unary_unary_rpc_method_handler(health.Check, decode, encode)
     watch = grpc.unary_stream_rpc_method_handler(health.Watch, decode, encode)
     return {
-        "Check": limited(check, limits, counted=False),
-        "Watch": limited(watch, limits),
+        "Check": limited(check, limits, None),
+        "Watch": limited(watch, limits, limits.watches),
     }
 
 
@@ -163,6 +184,10 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     if not bound:
         raise OSError(f"gRPC cannot listen on {where} (in use, or not an address of this host)")
     await server.start()
+    shares = ConnectionShares(settings.limits, bound)
+    sweeping = asyncio.create_task(shares.run(server), name="grpc-connection-shares")
+    _SWEEPS.add(sweeping)
+    sweeping.add_done_callback(_SWEEPS.discard)
     log.info("serving gRPC on %s%s", where, " (API keys required)" if keys else "")
     return server
 

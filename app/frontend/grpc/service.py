@@ -22,8 +22,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from app import __version__
+from app.contract import THREADED_DECODE_BYTES
 from app.errors import PayloadTooLarge, StokerError
 from app.frontend.grpc import codec
+from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, peer_host
 from app.frontend.plane import DataPlane
@@ -34,7 +36,9 @@ from app.frontend.routes import (
     check_parameters,
     config_override,
 )
+from app.json_bounds import LARGE_DECODES
 from app.metrics import http_refused
+from app.tensor_data import quote
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,9 @@ SERVICE = "inference.GRPCInferenceService"
 # How often a health Watch looks at readiness again: readiness is the engines' state (in
 # another process, with several front ends), which no event announces.
 WATCH_INTERVAL_S = 1.0
+# Requests of one stream running or answered and not yet sent: enough to keep a batch full
+# for a client that pipelines, few enough that one that never reads holds little.
+STREAM_WINDOW = 64
 
 M = TypeVar("M")
 if TYPE_CHECKING:
@@ -69,29 +76,30 @@ def code_of(error: StokerError) -> grpc.StatusCode:
 
 
 async def refuse(context: Context, error: StokerError) -> NoReturn:
-    await context.abort(code_of(error), error.message)
+    raise Ended(code_of(error), error.message)
 
 
 async def unimplemented(context: Context, what: str) -> NoReturn:
-    await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"not supported: {what}")
+    raise Ended(grpc.StatusCode.UNIMPLEMENTED, f"not supported: {what}")
 
 
 def answered(method: Method[M]) -> Method[M]:
     """A unary method whose ``StokerError`` ends the call with its code and message, and any
-    other exception with INTERNAL (logged here, with its traceback, for the operator)."""
+    other exception with INTERNAL (logged here, with its traceback, for the operator), as an
+    ``Ended``: ``limited`` sets it on the call, no traceback kept."""
 
     @functools.wraps(method)
     async def call(self: Any, request: Any, context: Context) -> M:
         try:
             return await method(self, request, context)
         except StokerError as error:
-            await refuse(context, error)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise Ended(code_of(error), error.message) from None
+        except (asyncio.CancelledError, Ended):
             raise
         except Exception as error:
             name = method.__name__
             log.error("unhandled %s in gRPC %s", type(error).__name__, name, exc_info=error)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal server error")
+            raise Ended(grpc.StatusCode.INTERNAL, "internal server error") from None
 
     return call
 
@@ -277,35 +285,37 @@ class InferenceService:
         """Every request of the stream runs as it arrives, many at once, and each is answered
         as it completes (a failure as its ``error_message``, one past the request bytes in
         flight among them); the stream ends once the client has sent its last request and
-        every one is answered."""
-        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        every one is answered. At most ``STREAM_WINDOW`` requests are running or waiting for
+        their answer to be sent: past that the stream is not read until one is sent, so a
+        client that does not read its answers is not read either (HTTP/2's flow control then
+        stops its sending), and a request's bytes count as in flight until its answer is
+        sent."""
+        answers: asyncio.Queue[tuple[bytes, int] | None] = asyncio.Queue()
+        window = asyncio.Semaphore(STREAM_WINDOW)
         running: set[asyncio.Task[None]] = set()
         held = self.limits.message_bytes
         address = peer_host(context)
 
         async def one(data: bytes) -> None:
-            request = pb.ModelInferRequest()
             refusal = held.take(address, len(data))
+            kept = 0 if refusal is not None else len(data)
             try:
-                call = codec.read_request(data)
-                request = call.request
-                if refusal is not None:
-                    http_refused(503, "grpc_inflight_bytes")
-                    raise PayloadTooLarge(refusal)
-                answer = codec.stream_answer(await self._infer(call, context))
-            except StokerError as error:
-                answer = codec.stream_error(request, error.message)
-            except Exception as error:
-                log.error("unhandled %s in a gRPC stream", type(error).__name__, exc_info=error)
-                answer = codec.stream_error(request, "internal server error")
-            finally:
-                if refusal is None:
-                    held.give(address, len(data))
-            answers.put_nowait(answer)
+                answer = await self._stream_answer(data, refusal, context)
+            except BaseException:
+                if kept:
+                    held.give(address, kept)
+                raise
+            answers.put_nowait((answer, kept))
 
         async def read() -> None:
             try:
-                async for data in request_iterator:
+                requests = aiter(request_iterator)
+                while True:
+                    await window.acquire()
+                    try:
+                        data = await anext(requests)
+                    except StopAsyncIteration:
+                        break
                     task = asyncio.create_task(one(data))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -316,8 +326,14 @@ class InferenceService:
 
         reader = asyncio.create_task(read())
         try:
-            while (answer := await answers.get()) is not None:
-                yield answer
+            while (sent := await answers.get()) is not None:
+                answer, kept = sent
+                try:
+                    yield answer
+                finally:
+                    if kept:
+                        held.give(address, kept)
+                    window.release()
             await reader  # a failure to read the stream ends the call with it
         finally:
             reader.cancel()
@@ -325,16 +341,51 @@ class InferenceService:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(reader, *running, return_exceptions=True)
+            while not answers.empty():  # answered, never sent: their bytes are free
+                if (unsent := answers.get_nowait()) is not None and unsent[1]:
+                    held.give(address, unsent[1])
+
+    async def _stream_answer(self, data: bytes, refusal: str | None, context: Context) -> bytes:
+        """A stream's answer to one request: its response, or its error (``refusal``: why
+        its bytes were not admitted)."""
+        request = pb.ModelInferRequest()
+        try:
+            call = codec.read_request(data)
+            request = call.request
+            if refusal is not None:
+                http_refused(503, "grpc_inflight_bytes")
+                raise PayloadTooLarge(refusal)
+            return codec.stream_answer(await self._infer(call, context))
+        except StokerError as error:
+            return codec.stream_error(request, error.message)
+        except Exception as error:
+            log.error("unhandled %s in a gRPC stream", type(error).__name__, exc_info=error)
+            return codec.stream_error(request, "internal server error")
 
     async def _infer(self, call: codec.InferCall, context: Context) -> bytes:
         """What HTTP's infer route does with a binary body: into an arena slot when the
-        engine client lends one (the tensors' one copy), through ``plane.infer``."""
-        header, chunks = codec.request_body(call, deadline_us(context))
+        engine client lends one (the tensors' one copy), through ``plane.infer``. Typed
+        contents are counted against the model's contract first (``contents.typed_bytes``)."""
+        request = call.request
+        name, version = request.model_name, request.model_version or None
+        limit, left_us = self.max_body_bytes, deadline_us(context)
+        typed = sum(len(c) for c in call.contents if c is not None)
+        if not typed:
+            header, chunks = codec.request_body(call, None, limit, left_us)
+        else:
+            spec = (await self.plane.client.contract(name, version)).spec
+
+            def expand() -> tuple[bytes, list[bytes | memoryview]]:
+                return codec.request_body(call, spec, limit, left_us)
+
+            if typed <= THREADED_DECODE_BYTES:
+                header, chunks = expand()
+            else:  # a value costs Python work each: off the loop, as large JSON is decoded
+                most = self.plane.settings.limits.max_json_decodes
+                header, chunks = await LARGE_DECODES.run(expand, most)
         total = len(header) + sum(map(len, chunks))
-        limit = self.max_body_bytes
         if total > limit:  # typed contents take more bytes as tensors than in the message
             raise PayloadTooLarge(f"request of {total} bytes as tensors exceeds {limit}")
-        request = call.request
         async with self.plane.body_buffer(total, peer_host(context)) as slot:
             body: bytes | memoryview
             if slot is not None and len(slot.view) >= total:
@@ -349,8 +400,8 @@ class InferenceService:
                 slot = None
                 body = b"".join([header, *chunks])
             answer = await self.plane.infer(
-                request.model_name,
-                request.model_version or None,
+                name,
+                version,
                 body,
                 len(header),
                 slot,
@@ -378,7 +429,7 @@ class Health(health_pb2_grpc.HealthServicer):
         self, request: health_pb2.HealthCheckRequest, context: Context
     ) -> health_pb2.HealthCheckResponse:
         if request.service not in self.SERVICES:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise Ended(grpc.StatusCode.NOT_FOUND, f"unknown service {quote(request.service)}")
         return health_pb2.HealthCheckResponse(status=self._status(request.service))
 
     async def Watch(

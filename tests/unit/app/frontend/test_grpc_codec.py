@@ -14,7 +14,7 @@ import pytest
 
 from app.contract import Answer
 from app.errors import BadRequest
-from app.frontend.grpc import codec
+from app.frontend.grpc import codec, contents
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
 from app.protocol import RequestedOutput, decode_request, encode_response
@@ -47,8 +47,14 @@ def arrived(request: pb.ModelInferRequest) -> codec.InferCall:
     return codec.read_request(request.SerializeToString())
 
 
+def spec_of(request: pb.ModelInferRequest) -> ModelSpec:
+    """A model that takes ``request``'s inputs in any shape of their rank."""
+    inputs = tuple(TensorSpec(t.name, t.datatype, (-1,) * len(t.shape)) for t in request.inputs)
+    return ModelSpec("m", inputs, (TensorSpec("y", "FP32", (3,)),))
+
+
 def decoded(request: pb.ModelInferRequest, deadline_us: int | None = None) -> Any:
-    header, chunks = codec.request_body(arrived(request), deadline_us)
+    header, chunks = codec.request_body(arrived(request), spec_of(request), deadline_us=deadline_us)
     return decode_request(b"".join([header, *chunks]), len(header), ANY_MODEL)
 
 
@@ -77,12 +83,12 @@ def test_raw_contents_decode_to_the_tensors_sent(datatype: str) -> None:
     assert request.outputs == () and request.binary_data_output is True
 
 
-@pytest.mark.parametrize("datatype", [*sorted(codec.TYPED_CONTENTS), "BYTES"])
+@pytest.mark.parametrize("datatype", [*sorted(contents.TYPED_CONTENTS), "BYTES"])
 def test_typed_contents_decode_to_the_tensors_sent(datatype: str) -> None:
     want = sample(datatype)
     request = pb.ModelInferRequest(model_name="m")
     tensor = request.inputs.add(name="t", datatype=datatype, shape=[2, 3])
-    field = "bytes_contents" if datatype == "BYTES" else codec.TYPED_CONTENTS[datatype][0]
+    field = "bytes_contents" if datatype == "BYTES" else contents.TYPED_CONTENTS[datatype][0]
     getattr(tensor.contents, field).extend(want.reshape(-1).tolist())
     assert_same(decoded(request).inputs["t"], want)
 
@@ -93,7 +99,7 @@ def test_half_floats_have_no_typed_field(datatype: str) -> None:
     tensor = request.inputs.add(name="h", datatype=datatype, shape=[1])
     tensor.contents.fp32_contents.append(1.0)
     with pytest.raises(BadRequest, match="send it in raw_input_contents"):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_bf16_raw_bytes_are_read_as_bfloat16() -> None:
@@ -119,7 +125,7 @@ def test_typed_contents_that_do_not_fit_are_refused(
     tensor = request.inputs.add(name="t", datatype=datatype, shape=[3])
     getattr(tensor.contents, field).extend(values)
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_raw_contents_are_views_of_the_message_as_it_arrived() -> None:
@@ -163,7 +169,7 @@ def test_raw_contents_are_read_in_input_order_skipping_shared_memory() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 16
     request.inputs.add(name="b", datatype="FP64", shape=[2])
     request.raw_input_contents.extend([a.tobytes(), b.tobytes()])
-    header, chunks = codec.request_body(arrived(request))
+    header, chunks = codec.request_body(arrived(request), spec_of(request))
     document = orjson.loads(header)
     assert document["id"] == "req-1"
     assert [i["parameters"] for i in document["inputs"]] == [
@@ -191,7 +197,7 @@ def test_inputs_and_raw_contents_that_disagree_are_refused(change: str, problem:
     else:
         request.inputs[0].contents.fp32_contents.extend([0.0, 0.0, 0.0])
     with pytest.raises(BadRequest, match=problem):
-        codec.request_body(arrived(request))
+        codec.request_body(arrived(request), spec_of(request))
 
 
 def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
@@ -203,7 +209,7 @@ def test_outputs_are_asked_for_as_binary_with_their_own_parameters() -> None:
     shared.parameters["shared_memory_byte_size"].int64_param = 12
     request.parameters["priority"].uint64_param = 2
     request.parameters["sequence_id"].int64_param = 9  # a parameter the decoder ignores
-    header, _ = codec.request_body(arrived(request))
+    header, _ = codec.request_body(arrived(request), spec_of(request))
     document = orjson.loads(header)
     assert document["outputs"] == [
         {"name": "scores", "parameters": {"classification": 3, "binary_data": True}},
@@ -318,6 +324,13 @@ def test_a_stream_error_names_the_request() -> None:
     )
     assert answer.error_message == "input 'x': wrong shape"
     assert (answer.infer_response.id, answer.infer_response.model_version) == ("r-3", "fp16")
+
+
+def test_a_stream_error_echoes_no_megabyte() -> None:
+    request = pb.ModelInferRequest(model_name="m" * 2**20, id="i" * 2**20)
+    answer = pb.ModelStreamInferResponse.FromString(codec.stream_error(request, "refused"))
+    assert answer.infer_response.id == "i" * codec.ECHOED_ID_CHARS
+    assert answer.infer_response.model_name == "m" * codec.ECHOED_ID_CHARS
 
 
 def test_parameters_keep_their_json_types() -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -30,10 +32,17 @@ from app.errors import (
     Unavailable,
 )
 from app.frontend.auth import KeyRing
+from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, peer_host
-from app.frontend.grpc.server import KeyCheck
-from app.frontend.grpc.service import Health, InferenceService, code_of
+from app.frontend.grpc.server import KeyCheck, handlers
+from app.frontend.grpc.service import (
+    SERVICE,
+    STREAM_WINDOW,
+    Health,
+    InferenceService,
+    code_of,
+)
 from app.frontend.plane import DataPlane
 from app.frontend.server import embedded
 from app.protocol import RequestedOutput, encode_response
@@ -42,12 +51,6 @@ from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
 
 T = TypeVar("T")
 LIMIT = 1 << 20
-
-
-class Aborted(grpc.aio.AbortError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__()
-        self.code, self.details = code, details
 
 
 class Context:
@@ -63,8 +66,11 @@ class Context:
     def time_remaining(self) -> float | None:
         return self.remaining
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise Aborted(code, details)
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
 
 
 def with_service(tmp_path: Path, scenario: Callable[[InferenceService], Awaitable[T]]) -> T:
@@ -150,14 +156,14 @@ def test_infer_answers_the_models_numbers_and_refuses_with_codes(tmp_path: Path)
             (b"\x0b", grpc.StatusCode.INVALID_ARGUMENT),
             (tiny_request(np.ones((1, 5), np.float32)), grpc.StatusCode.INVALID_ARGUMENT),
         ]:
-            with pytest.raises(Aborted) as refused:
+            with pytest.raises(Ended) as refused:
                 await service.ModelInfer(request, context)
             assert refused.value.code == code and "Traceback" not in refused.value.details
         # Typed contents past the body limit as tensors: refused before anything is decoded.
         big = pb.ModelInferRequest(model_name="tiny")
         tensor = big.inputs.add(name="x", datatype="FP32", shape=[LIMIT // 16 + 1, 4])
         tensor.contents.fp32_contents.extend([0.0] * ((LIMIT // 16 + 1) * 4))
-        with pytest.raises(Aborted) as too_large:
+        with pytest.raises(Ended) as too_large:
             await service.ModelInfer(big.SerializeToString(), context)
         assert too_large.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         ready = await service.ModelReady(pb.ModelReadyRequest(name="tiny"), context)
@@ -275,7 +281,7 @@ def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() ->
         ({"config": Parameter(string_param="{not json")}, "not JSON"),
     ):
         bad = pb.RepositoryModelLoadRequest(model_name="tiny", parameters=parameters)
-        with pytest.raises(Aborted) as refused:
+        with pytest.raises(Ended) as refused:
             asyncio.run(service.RepositoryModelLoad(bad, context))
         assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert why in refused.value.details
@@ -301,7 +307,7 @@ def test_health_follows_readiness() -> None:
         assert (
             await health.Check(health_pb2.HealthCheckRequest(), context)
         ).status == Status.NOT_SERVING
-        with pytest.raises(Aborted) as unknown:
+        with pytest.raises(Ended) as unknown:
             await health.Check(health_pb2.HealthCheckRequest(service="other"), context)
         assert unknown.value.code == grpc.StatusCode.NOT_FOUND
         watch = health.Watch(health_pb2.HealthCheckRequest(service="other"), context)
@@ -326,12 +332,10 @@ async def streaming(requests: Any, context: Any) -> AsyncIterator[str]:
 
 
 @contextlib.contextmanager
-def refused_with(problem: str) -> Iterator[None]:
-    with pytest.raises(Aborted) as refused:
-        yield
-    assert (
-        refused.value.code == grpc.StatusCode.UNAUTHENTICATED and problem in refused.value.details
-    )
+def refused_with(problem: str) -> Iterator[Context]:
+    context = Context()
+    yield context
+    assert context.code == grpc.StatusCode.UNAUTHENTICATED and problem in context.details
 
 
 def test_keys_are_asked_for_in_metadata_as_in_headers() -> None:
@@ -370,14 +374,14 @@ def test_keys_are_asked_for_in_metadata_as_in_headers() -> None:
         for metadata, problem in refused:
             refusal = await intercepted(infer, *metadata)
             assert refusal is not unary and not refusal.request_streaming
-            with refused_with(problem):
-                await refusal.unary_unary(pb.ModelInferRequest(), Context())
+            with refused_with(problem) as context:
+                await refusal.unary_unary(pb.ModelInferRequest(), context)
         refusal = await intercepted(
             "/inference.GRPCInferenceService/ModelStreamInfer", handler=stream
         )
         assert refusal.request_streaming and refusal.response_streaming
-        with refused_with("missing API key"):
-            await refusal.stream_stream(iter(()), Context())
+        with refused_with("missing API key") as context:
+            await refusal.stream_stream(iter(()), context)
         assert await intercepted("/no.Such/Method", handler=None) is None
 
     asyncio.run(scenario())
@@ -390,3 +394,99 @@ def test_the_grpc_port_is_tritons_and_set_by_environment(monkeypatch: pytest.Mon
     assert Settings().server.grpc_port == 0
     with pytest.raises(ValueError, match="grpc_port"):
         ServerSettings(grpc_port=70000)
+
+
+MiB = 1 << 20
+
+
+def test_a_refused_call_keeps_nothing_of_its_request_with_the_collector_off(
+    tmp_path: Path,
+) -> None:
+    """Refused calls over a real grpc.aio server of the real servicers, the cyclic collector
+    off: what their requests held is freed when each ends (grpc.aio keeps the exception that
+    ``context.abort`` raises on the call, and its traceback held the handler's frames)."""
+
+    async def scenario(service: InferenceService) -> int:
+        server = grpc.aio.server()
+        served = handlers(service, service.limits)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, served),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        infer_request = pb.ModelInferRequest(model_name="nope")
+        big = 3 * MiB // 4  # under the servicer's 1 MiB limit
+        infer_request.inputs.add(name="x", datatype="FP32", shape=[big // 16, 4])
+        infer_request.raw_input_contents.append(bytes(big))
+        unparsed = b"\x0b" + bytes(big)  # a ModelMetadataRequest that does not parse
+        sent = [
+            ("ModelInfer", infer_request.SerializeToString(), grpc.StatusCode.NOT_FOUND),
+            (
+                "ModelMetadata",
+                pb.ModelMetadataRequest(name="n" * big).SerializeToString(),
+                grpc.StatusCode.NOT_FOUND,
+            ),
+            ("ModelMetadata", unparsed, grpc.StatusCode.INVALID_ARGUMENT),
+        ]
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+
+                async def refuse_all() -> None:
+                    for method, request, code in sent:
+                        call: Any = channel.unary_unary(f"/{SERVICE}/{method}")
+                        with pytest.raises(grpc.aio.AioRpcError) as refused:
+                            await call(request)
+                        assert refused.value.code() == code
+                        assert len(refused.value.details() or "") < 1024
+
+                await refuse_all()  # once first: what a first call sets up stays
+                gc.collect()
+                gc.disable()
+                tracemalloc.start()
+                try:
+                    before = tracemalloc.get_traced_memory()[0]
+                    for _ in range(8):
+                        await refuse_all()
+                    return tracemalloc.get_traced_memory()[0] - before
+                finally:
+                    tracemalloc.stop()
+                    gc.enable()
+        finally:
+            await server.stop(0)
+
+    held = with_service(tmp_path, scenario)
+    # 24 refused requests of 0.75 MiB each went through: none of them may stay.
+    assert held < 2 * MiB, f"{held / MiB:.1f} MiB still held"
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait, with a generous bound, until ``condition`` holds."""
+    deadline = asyncio.get_running_loop().time() + 60
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "the state never came"
+        await asyncio.sleep(0.01)
+
+
+def test_a_stream_reads_no_further_while_its_answers_wait() -> None:
+    """A client that does not read its answers is not read further than the stream's window:
+    each answer it reads lets one more request in, and what was held is given back."""
+    plane = LendingPlane(4096)
+    service = InferenceService(cast(DataPlane, plane), LIMIT, CallLimits(LimitSettings()))
+    pulled = 0
+
+    async def requests() -> AsyncIterator[bytes]:
+        nonlocal pulled
+        for i in range(3 * STREAM_WINDOW):
+            pulled += 1
+            yield tiny_request(np.ones((1, 4), np.float32), f"r{i}")
+
+    async def scenario() -> None:
+        stream = service.ModelStreamInfer(requests(), cast(Any, Context()))
+        await anext(stream)  # one answer read, then none
+        await until(lambda: len(plane.seen) == pulled)  # all it took are answered
+        assert pulled == STREAM_WINDOW
+        await anext(stream)  # one more read: one more request taken, and no other
+        await until(lambda: pulled > STREAM_WINDOW and len(plane.seen) == pulled)
+        assert pulled == STREAM_WINDOW + 1
+        await stream.aclose()
+        assert service.limits.message_bytes.held == 0
+
+    asyncio.run(scenario())
