@@ -23,9 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
 from app.errors import BadRequest, NotImplementedHere
-from app.frontend.routes import json_response, plane_of
+from app.frontend.routes import ERROR_RESPONSE, json_response, plane_of
 
-router = APIRouter()
+router = APIRouter(responses={"default": ERROR_RESPONSE})
 
 
 async def settings_update(request: Request) -> dict[str, Any]:
@@ -75,7 +75,10 @@ async def update_log_settings(request: Request) -> Response:
     return json_response(await plane_of(request).log_settings(update))
 
 
-@router.api_route("/v2/cudasharedmemory{rest:path}", methods=["GET", "POST"])
+# Not an operation of this server: an answer for Triton's clients, left out of the OpenAPI.
+@router.api_route(
+    "/v2/cudasharedmemory{rest:path}", methods=["GET", "POST"], include_in_schema=False
+)
 async def cuda_shared_memory(rest: str) -> Response:
     raise NotImplementedHere(
         "not supported: CUDA shared memory (Triton's cuda_shared_memory extension); use "
