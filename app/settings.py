@@ -182,10 +182,14 @@ class ConfigBounds(BaseModel):
     ratio (``limits.max_image_aspect_ratio``): 256 costs at most 6 MB an upload, 1024 at most
     100 MB, 8000 about 1 GB."""
     max_batch_bytes: int = Field(default=1024**3, gt=0)
-    """Largest max batch (``max_batch_size`` rows, at least one) of any tensor the config
-    declares (``inputs``, ``outputs``; a dynamic dimension counted as 1) or its preprocessing
-    makes (as FP32): each runner holds a batch of each. ResNet-50's input at 256 rows takes
-    154 MB; a declared row of 10^9 elements would have taken 4 GB a row."""
+    """Largest max batch (``max_batch_size`` rows, at least one) of the tensors the config
+    declares, all of them together (``inputs``, ``outputs``; a dynamic dimension counted as
+    1), or of the rows its preprocessing makes (as FP32): each runner holds a batch of each.
+    ResNet-50's input at 256 rows takes 154 MB; a declared row of 10^9 elements would have
+    taken 4 GB a row."""
+    max_gpus: int = Field(default=16, gt=0)
+    """Most GPUs one model's ``gpus`` may list (the runners bound is per listed GPU, so the
+    list bounds the runners too): 16, the most one host has (HGX-2)."""
     max_queue_size: int = Field(default=65536, gt=0)
     """Largest ``dynamic_batching.max_queue_size`` (requests waiting per version)."""
     max_priority_levels: int = Field(default=16, gt=0)

@@ -63,8 +63,10 @@ log = logging.getLogger(__name__)
 def prepare(entry: ModelEntry) -> None:
     """Write a model's ONNX (and labels) with its zoo generator.
 
-    The generator writes into a scratch folder and each file is renamed into place, so a
-    killed or concurrent preparation never leaves a half-written model behind.
+    The generator writes into a scratch folder and each file is linked into place, so a
+    killed or concurrent preparation never leaves a half-written model behind; a file the
+    folder already has is never replaced (a load's config naming a generator cannot
+    overwrite the operator's files).
     """
     name = entry.config.generator
     if name is None or name not in zoo.GENERATORS:
@@ -73,7 +75,8 @@ def prepare(entry: ModelEntry) -> None:
     with tempfile.TemporaryDirectory(dir=entry.folder, prefix=".prepare-") as scratch:
         zoo.GENERATORS[name](Path(scratch))
         for produced in Path(scratch).iterdir():
-            os.replace(produced, entry.folder / produced.name)
+            with contextlib.suppress(FileExistsError):  # linking never replaces a file
+                os.link(produced, entry.folder / produced.name)
 
 
 def model_spec(entry: ModelEntry) -> ModelSpec:
@@ -118,6 +121,8 @@ def source(entry: ModelEntry, prepare_missing: bool = True) -> ModelSource:
             "model %s: generating %s with zoo.%s", config.name, entry.onnx_path, config.generator
         )
         prepare(entry)
+    if not entry.onnx_path.is_file():  # a FIFO or a device would hold the loading thread
+        raise FileNotFoundError(f"model {config.name!r}: {config.onnx} is not a regular file")
     spec = model_spec(entry)
     return ModelSource(entry, spec, entry.build_plan(spec))
 
@@ -440,8 +445,8 @@ async def load(
     decoder: images.DecodeQueue | None = None
     if metrics is None:
         metrics = ModelMetrics(config.name, precision, settings.models.jpeg_decoder)
-    labels = entry.labels()
     try:
+        labels = await asyncio.to_thread(entry.labels)
         runners = config.runner_count(backends.resolve(backend))
         step = time.perf_counter()
         pool = await RunnerPool.create(engine, runners, f"{config.name}-{precision}")

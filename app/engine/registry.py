@@ -262,6 +262,18 @@ class Registry:
                 f"the config given for model {name!r}: name "
                 f"'{client_text(entry.config.name)}' is not the model's"
             )
+        if entry.config.generator is not None:
+            # A generator writes files into the operator's folder: only config.yaml names one.
+            try:
+                own = load_config(folder, rules).config.generator
+            except ConfigError:
+                own = None
+            if entry.config.generator != own:
+                raise ConfigError(
+                    f"the config given for model {name!r}: generator "
+                    f"'{client_text(entry.config.generator)}' is not the one its config.yaml "
+                    "names (a load's config cannot choose what writes the model's files)"
+                )
         return entry
 
     def _not_a_model(self, name: str) -> NoReturn:

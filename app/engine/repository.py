@@ -12,8 +12,11 @@ its handler is a built-in one or one ``models.handlers`` allows, and its numbers
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -32,6 +35,8 @@ PRECISIONS = ("fp32", "fp16", "int8")
 IMAGE_CLASSIFIER = "image-classifier"
 NO_HANDLER = "none"
 MAX_NAME_BYTES = 255
+MAX_LABELS_BYTES = 4 * 1024 * 1024
+"""Largest labels file read: 4 MiB holds a million class names; ImageNet's 1,000 take 20 KB."""
 """The longest file name Linux file systems take: a longer model name is no folder's."""
 
 log = logging.getLogger(__name__)
@@ -217,12 +222,37 @@ class ModelEntry(BaseModel):
         )
 
     def labels(self) -> list[str] | None:
+        """The labels file's lines; None where the config names none or it does not exist.
+        Only a regular file of at most ``MAX_LABELS_BYTES`` is read, opened without blocking
+        (a FIFO would hold the reading thread until someone writes to it). Blocking: call it
+        off the event loop."""
         if self.config.labels is None:
             return None
         path = inside(self.folder, self.config.labels, "labels")
-        if not path.exists():
+        try:
+            data = read_regular(path, MAX_LABELS_BYTES + 1)
+        except FileNotFoundError:
             return None
-        return path.read_text(encoding="utf-8").splitlines()
+        except OSError as error:
+            raise ConfigError(f"labels: cannot be read ({error.strerror or error})") from None
+        if len(data) > MAX_LABELS_BYTES:
+            raise ConfigError(f"labels: larger than a labels file's {MAX_LABELS_BYTES} bytes")
+        try:
+            return data.decode("utf-8").splitlines()
+        except UnicodeDecodeError:
+            raise ConfigError("labels: not UTF-8 text") from None
+
+
+def read_regular(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of the regular file ``path``, opened without blocking: a FIFO
+    or a device would hold the reading thread (and the model's lock) until someone writes to
+    it, or read without end. Symlinks are followed (a ConfigMap's files are links into its
+    ``..data``); ``inside`` has checked where they lead. ``OSError`` for anything else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        return file.read(limit)
 
 
 def inside(folder: Path, relative: str, field: str) -> Path:
@@ -232,6 +262,11 @@ def inside(folder: Path, relative: str, field: str) -> Path:
         raise ConfigError(
             f"{field}: '{client_text(relative)}' is not a path inside the model's folder "
             "(give one relative to it)"
+        )
+    parts = Path(relative).parts
+    if any(len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES for part in parts):
+        raise ConfigError(
+            f"{field}: '{client_text(relative)}' has a name longer than {MAX_NAME_BYTES} bytes"
         )
     path = folder / relative
     try:
@@ -262,8 +297,7 @@ def load_config(folder: Path, rules: ModelRepositorySettings | None = None) -> M
     where = f"model '{client_text(folder.name)}': config.yaml"
     try:
         path = inside(folder, "config.yaml", "config.yaml")
-        with path.open("rb") as file:
-            data = file.read(rules.max_config_bytes + 1)
+        data = read_regular(path, rules.max_config_bytes + 1)
     except OSError as exc:
         log.warning("%s: cannot read %s: %s", where, folder / "config.yaml", exc)
         why = exc.strerror or type(exc).__name__
@@ -275,7 +309,11 @@ def load_config(folder: Path, rules: ModelRepositorySettings | None = None) -> M
             f"{where}: larger than {rules.max_config_bytes} bytes (models.max_config_bytes)"
         )
     try:
-        raw = yaml.load(data.decode("utf-8"), Loader=_NoAliases) or {}
+        loader = _NoAliases(data.decode("utf-8"))  # a SafeLoader: no tags, no aliases
+        try:
+            raw = loader.get_single_data() or {}
+        finally:
+            loader.dispose()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except yaml.YAMLError as exc:
@@ -360,15 +398,18 @@ def out_of_bounds(config: ModelConfig, bounds: ConfigBounds) -> list[str]:
             "max_samples",
         ),
     ]
+    asked.append(("gpus: GPUs listed", len(config.gpus), bounds.max_gpus, "max_gpus"))
     rows = max(1, config.max_batch_size)
-    declared = [("inputs", t) for t in config.inputs or ()]
-    declared += [("outputs", t) for t in config.outputs or ()]
-    for field, tensor in declared:
-        row = math.prod(max(1, d) for d in tensor.shape) * tensor.dtype.itemsize
+    declared = [*(config.inputs or ()), *(config.outputs or ())]
+    if declared:  # each runner holds a max batch of every tensor: their sum is what it costs
         asked.append(
             (
-                f"{field} '{client_text(tensor.name)}': bytes of a max batch",
-                rows * row,
+                "inputs and outputs: bytes of a max batch of them all",
+                rows
+                * sum(
+                    math.prod(max(1, d) for d in tensor.shape) * tensor.dtype.itemsize
+                    for tensor in declared
+                ),
                 bounds.max_batch_bytes,
                 "max_batch_bytes",
             )

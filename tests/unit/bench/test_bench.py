@@ -180,7 +180,7 @@ def test_grpc_payloads_are_requests_the_server_reads_as_the_same_rows(kind: payl
         call = read_request(payload.body)
         assert (call.request.model_name, call.request.model_version) == ("img", "fp16")
         assert len(call.raw) == (1 if kind == "v2-binary" else 0)  # typed contents otherwise
-        header, chunks = request_body(call)
+        header, chunks = request_body(call, spec)  # typed contents are counted by the spec
         request = decode_request(b"".join([header, *chunks]), len(header), spec)
         np.testing.assert_allclose(request.inputs["input"], expected["input"], rtol=1e-6)
         assert payload.rows == 3 and request.inputs["input"].shape == (3, 3, 32, 32)

@@ -6,13 +6,18 @@ The configs the repository ships pass."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
+import zoo
+from app.engine.models import prepare
 from app.engine.registry import Registry
 from app.engine.repository import (
     ConfigError,
@@ -139,6 +144,8 @@ BOUNDS = [
     ({"runners": 8}, {"runners": 9}, "max_runners_per_device"),
     # Per device: two GPUs take twice the runners.
     ({"runners": 16, "gpus": [0, 1]}, {"runners": 17, "gpus": [0, 1]}, "max_runners_per_device"),
+    # The runners bound is per listed GPU, so the list is bounded too.
+    ({"gpus": list(range(16))}, {"gpus": list(range(17)), "runners": 17}, "max_gpus"),
     (
         {"preprocess": {"resize_shorter": 1024, "crop": 1024}},
         {"preprocess": {"resize_shorter": 8000, "crop": 224}},
@@ -157,6 +164,12 @@ BOUNDS = [
     (
         {"outputs": [{"name": "y", "datatype": "UINT8", "shape": [-1, 2**30]}]},
         {"outputs": [{"name": "y", "datatype": "FP64", "shape": [1000, 1000, 1000]}]},
+        "max_batch_bytes",
+    ),
+    # All the declared tensors together: each runner holds a max batch of every one.
+    (
+        {"inputs": [{"name": f"x{i}", "datatype": "UINT8", "shape": [2**28]} for i in range(4)]},
+        {"inputs": [{"name": f"x{i}", "datatype": "UINT8", "shape": [2**28]} for i in range(5)]},
         "max_batch_bytes",
     ),
     (
@@ -255,3 +268,89 @@ def test_a_yaml_written_config_round_trips(tmp_path: Path) -> None:
     config = {"max_batch_size": 8, "dynamic_batching": {"preferred_batch_size": [4, 8]}}
     folder = folder_with(tmp_path, "m", yaml.safe_dump(config))
     assert load_config(folder).config.dynamic_batching.preferred_batch_size == [4, 8]
+
+
+def test_a_path_with_a_name_longer_than_a_file_system_takes_is_refused(tmp_path: Path) -> None:
+    """A 300-byte name was an OSError from the file system (a 500 with a traceback)."""
+    folder = folder_with(tmp_path, "m", "")
+    assert "longer than 255 bytes" in refused(folder, {"onnx": "a" * 300})
+    assert "longer than 255 bytes" in refused(folder, {"labels": "x/" + "b" * 256})
+
+
+def refusal_of(read: Callable[[], object]) -> BaseException:
+    try:
+        read()
+    except Exception as error:  # what the test looks at
+        return error
+    raise AssertionError("read without a refusal")
+
+
+def in_a_thread(read: Callable[[], object]) -> BaseException:
+    """The refusal of ``read``, run in a thread that must end within a minute."""
+    done: list[BaseException] = []
+    reader = threading.Thread(target=lambda: done.append(refusal_of(read)), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert not reader.is_alive(), "the read blocked"
+    return done[0]
+
+
+def test_labels_are_read_only_from_a_regular_file_of_bounded_size(tmp_path: Path) -> None:
+    """A FIFO named as labels held the loading thread until someone wrote to it; any file in
+    the folder (the ONNX file itself) was read whole."""
+    folder = folder_with(tmp_path, "m", "")
+    os.mkfifo(folder / "pipe")
+    entry = parse_config(folder, {"labels": "pipe"}, "the config")
+    assert "not a regular file" in str(in_a_thread(entry.labels))
+    (folder / "big.txt").write_bytes(b"x\n" * (2 * 1024 * 1024 + 1))  # 4 MiB and 2 bytes
+    with pytest.raises(ConfigError, match="larger than a labels file's"):
+        parse_config(folder, {"labels": "big.txt"}, "the config").labels()
+    (folder / "labels.txt").write_text("cat\ndog\n")
+    assert parse_config(folder, {"labels": "labels.txt"}, "the config").labels() == ["cat", "dog"]
+
+
+def test_a_fifo_config_yaml_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A FIFO config.yaml held poll mode's thread (and the server's stop) for good."""
+    folder = tmp_path / "f"
+    folder.mkdir()
+    os.mkfifo(folder / "config.yaml")
+    refusal = in_a_thread(lambda: load_config(folder))
+    assert isinstance(refusal, ConfigError) and "cannot read it" in str(refusal)
+
+
+def test_a_load_may_not_choose_a_generator_and_none_replaces_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load's config naming a generator had it write its ONNX over the operator's
+    model.onnx (a 280-byte model became 102 MB of random ResNet-50)."""
+    repository = tmp_path / "repository"
+    folder = folder_with(repository, "m", "")
+    (folder / "model.onnx").write_bytes(b"the operator's model")
+    registry = Registry(
+        Settings(
+            models={"repository": repository, "control": "explicit", "startup": []},  # type: ignore[arg-type]
+            store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+        )
+    )
+
+    async def scenario() -> None:
+        with pytest.raises(BadRequest, match="generator 'resnet50' is not the one its config"):
+            await registry.load("m", {"generator": "resnet50", "onnx": "missing.onnx"})
+
+    asyncio.run(scenario())
+    assert (folder / "model.onnx").read_bytes() == b"the operator's model"
+
+    # A generator the operator names writes only what is missing, never over a file (a
+    # stand-in generator: what is tested is how its files are put in place).
+    def generate(scratch: Path) -> None:
+        (scratch / "model.onnx").write_bytes(b"generated")
+        (scratch / "labels.txt").write_text("generated\n")
+
+    monkeypatch.setitem(zoo.GENERATORS, "stand-in", generate)
+    entry = load_config(folder_with(repository, "g", "generator: stand-in\n"))
+    (entry.folder / "model.onnx").write_bytes(b"kept")
+    prepare(entry)
+    assert (entry.folder / "model.onnx").read_bytes() == b"kept"
+    assert (entry.folder / "labels.txt").read_text() == "generated\n"
+    files = sorted(p.name for p in entry.folder.iterdir())
+    assert files == ["config.yaml", "labels.txt", "model.onnx"]
