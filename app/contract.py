@@ -332,20 +332,6 @@ class Ran:
     engine: str = ""
 
 
-# Offsets and sizes past this are no file's (and do not fit the wire's integers).
-MAX_REGION_BYTES = (1 << 63) - 1
-
-
-def check_window(offset: object, byte_size: object) -> None:
-    """A registration's offset and byte size: integers, 0 <= offset, 0 < byte_size, both
-    below 2^63 (checked where a request arrives, before anything crosses a process)."""
-    for field, value in (("offset", offset), ("byte_size", byte_size)):
-        if type(value) is not int or not 0 <= value <= MAX_REGION_BYTES:
-            raise BadRequest(f'shared memory "{field}" must be an integer from 0 to 2^63 - 1')
-    if byte_size == 0:
-        raise BadRequest('shared memory "byte_size" must be positive')
-
-
 def validate_inputs(
     spec: ModelSpec, inputs: dict[str, np.ndarray], pixels: str | None = None
 ) -> int:

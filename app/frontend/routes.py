@@ -176,37 +176,38 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v2/models/stats")
 async def all_stats(request: Request) -> Response:
-    return json_response({"model_stats": await plane_of(request).statistics()})
+    return json_response({"model_stats": await plane_of(request).control("statistics")})
 
 
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(await plane_of(request).metadata(name, version))
+    return json_response(await plane_of(request).control("metadata", name, version))
 
 
 @router.get("/v2/models/{name}/ready")
 @router.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    answer = await plane_of(request).version_ready(name, version)
+    answer = await plane_of(request).control("version_ready", name, version)
     return json_response(answer, 200 if answer["ready"] else 503)
 
 
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(await plane_of(request).model_config(name, version))
+    return json_response(await plane_of(request).control("model_config", name, version))
 
 
 @router.get("/v2/models/{name}/stats")
 @router.get("/v2/models/{name}/versions/{version}/stats")
 async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response({"model_stats": await plane_of(request).statistics(name, version)})
+    stats = await plane_of(request).control("statistics", name, version)
+    return json_response({"model_stats": stats})
 
 
 @router.post("/v2/repository/index")
 async def repository_index(request: Request) -> Response:
-    return json_response(await plane_of(request).repository_index())
+    return json_response(await plane_of(request).control("repository_index"))
 
 
 # -- model control ------------------------------------------------------------------------
@@ -286,7 +287,7 @@ async def load_model(request: Request, name: str) -> Response:
     plane = plane_of(request)
     await plane.check_control(name)  # mode, drain, unknown model: before the body is read
     parameters = control_parameters(await control_body(request), LOAD_PARAMETERS)
-    await plane.load_model(name, config_override(parameters))
+    await plane.control("load", name, config_override(parameters))
     return json_response({})
 
 
@@ -296,7 +297,7 @@ async def unload_model(request: Request, name: str) -> Response:
     await plane.check_control(name)
     # unload_dependents is accepted as Triton's clients send it; no model depends on another.
     control_parameters(await control_body(request), UNLOAD_PARAMETERS)
-    await plane.unload_model(name)
+    await plane.control("unload", name)
     return json_response({})
 
 
@@ -331,21 +332,23 @@ async def shm_register(request: Request, name: str) -> Response:
             f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
         )
         raise BadRequest(f"shared memory registration: {problems}") from None
-    await plane_of(request).shm_register(name, region.key, region.offset, region.byte_size)
+    await plane_of(request).control(
+        "shm_register", name, region.key, region.offset, region.byte_size
+    )
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/region/{name}/unregister")
 @router.post("/v2/systemsharedmemory/unregister")
 async def shm_unregister(request: Request, name: str | None = None) -> Response:
-    await plane_of(request).shm_unregister(name)
+    await plane_of(request).control("shm_unregister", name)
     return json_response({})
 
 
 @router.get("/v2/systemsharedmemory/region/{name}/status")
 @router.get("/v2/systemsharedmemory/status")
 async def shm_status(request: Request, name: str | None = None) -> Response:
-    return json_response(await plane_of(request).shm_status(name))
+    return json_response(await plane_of(request).control("shm_status", name))
 
 
 # -- inference ----------------------------------------------------------------------------
@@ -507,4 +510,5 @@ async def classify_upload(
     responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}},
 )
 async def metrics(request: Request) -> Response:
-    return Response(await plane_of(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
+    text = await plane_of(request).control("metrics_text")
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

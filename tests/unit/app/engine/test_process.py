@@ -163,7 +163,7 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
         call = wire.Run("tiny", "fp32", None, 0, "", tuple(items))
         out.send(wire.encode_call(3, call), payload)
         reply = await receive(reader)
-        out.send(wire.encode_call(4, wire.Statistics("tiny")))
+        out.send(wire.encode_call(4, wire.Control("statistics", ("tiny",))))
         return reply, await receive(reader)
 
     (header, data), (stats_header, _) = with_engine(tmp_path, talk)
@@ -211,7 +211,7 @@ def test_a_frame_too_large_is_refused_by_its_number_and_the_channel_keeps_servin
     (it used to close the channel, which cost the front end its life)."""
     lengths = struct.Struct("!II")
     config = {"labels": ["x" * 100] * 11_000}
-    header = wire.encode_call(1, wire.Load("tiny", config))
+    header = wire.encode_call(1, wire.Control("load", ("tiny", config)))
     assert len(header) > MAX_HEADER_BYTES
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
