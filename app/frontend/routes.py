@@ -18,11 +18,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.errors import BadRequest, PayloadTooLarge, client_text
+from app.errors import BadRequest, PayloadTooLarge
+from app.frontend.control_parameters import (
+    LOAD_PARAMETERS,
+    UNLOAD_PARAMETERS,
+    config_override,
+    control_parameters,
+)
 from app.frontend.http_limits import BEGAN, Saturation
 from app.frontend.plane import DataPlane
+from app.frontend.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 from app.metrics import http_refused
-from app.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
@@ -211,55 +217,6 @@ async def repository_index(request: Request) -> Response:
 
 
 # -- model control ------------------------------------------------------------------------
-
-
-def control_parameters(body: bytes, accepted: frozenset[str]) -> dict[str, Any]:
-    """The ``parameters`` of a load or unload body (Triton's and MLServer's; the body is
-    optional), each named in ``accepted``."""
-    if not body.strip():
-        return {}
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadRequest(f"the body is not JSON: {error}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("parameters", {}), dict):
-        raise BadRequest('expected {"parameters": {...}}')
-    parameters: dict[str, Any] = document.get("parameters", {})
-    check_parameters(parameters, accepted)
-    return parameters
-
-
-def check_parameters(parameters: dict[str, Any], accepted: frozenset[str]) -> None:
-    for key in parameters:
-        if key.startswith("file:"):
-            raise BadRequest(
-                "model files in the request are not supported: put them in the model's "
-                "folder in the repository and load it"
-            )
-        if key not in accepted:
-            raise BadRequest(
-                f"unknown parameter '{client_text(key)}'; accepted: {', '.join(sorted(accepted))}"
-            )
-
-
-def config_override(parameters: dict[str, Any]) -> dict[str, Any] | None:
-    """Triton's ``parameters.config``: the model's config as JSON text (or, here, a JSON
-    object), in place of its config.yaml for this load; None: the folder's config.yaml."""
-    config = parameters.get("config")
-    if config is None:
-        return None
-    if isinstance(config, str):
-        try:
-            config = orjson.loads(config)
-        except orjson.JSONDecodeError as error:
-            raise BadRequest(f"parameters.config is not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise BadRequest("parameters.config must be a JSON object (a config.yaml's fields)")
-    return config
-
-
-LOAD_PARAMETERS = frozenset({"config"})
-UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 
 
 async def control_body(request: Request) -> bytes:

@@ -24,18 +24,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from app import __version__
 from app.contract import THREADED_DECODE_BYTES
 from app.errors import PayloadTooLarge, StokerError
-from app.frontend.grpc import codec
-from app.frontend.grpc.ending import Ended
-from app.frontend.grpc.generated import grpc_service_pb2 as pb
-from app.frontend.grpc.limits import CallLimits, peer_host
-from app.frontend.plane import DataPlane
-from app.frontend.routes import (
-    EXTENSIONS,
+from app.frontend.control_parameters import (
     LOAD_PARAMETERS,
     UNLOAD_PARAMETERS,
     check_parameters,
     config_override,
 )
+from app.frontend.grpc import codec
+from app.frontend.grpc.ending import Ended
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.limits import CallLimits, peer_host
+from app.frontend.plane import DataPlane
+from app.frontend.routes import EXTENSIONS
 from app.json_bounds import LARGE_DECODES
 from app.metrics import http_refused
 from app.tensor_data import quote
