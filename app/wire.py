@@ -4,7 +4,7 @@ what it answers.
 Every call is a frozen ``msgspec`` struct tagged with its ``Op``; every answer is one of the
 reply structs. The hot path's calls are typed each (``Run``, ``Infer``, ``Classify``, the
 poll); every control operation is one ``Control`` naming the engine's method, which the
-engine's control table allows (``Welcome``). A frame's header is ``Frame``: the call
+engine's control table allows (``Welcome``). A frame's header is ``CallHeader``: the call
 number, the wire version and the message, so the engine decodes and checks a frame in one
 step and dispatches it by type (``app.engine.process``). Tensors cross as ``TensorRef``: a
 typed reference to bytes in the front end's arena or the frame's payload, never the bytes
@@ -300,7 +300,7 @@ class ItemReply(msgspec.Struct, frozen=True, array_like=True):
     in_slot: bool
 
 
-class Ran(_Reply, frozen=True, tag="ran"):
+class RanReply(_Reply, frozen=True, tag="ran"):
     model: str
     version: str
     items: tuple[ItemReply, ...]
@@ -316,7 +316,7 @@ class Inferred(_Reply, frozen=True, tag="inferred"):
     slot_length: int | None = None
 
 
-class Classified(_Reply, frozen=True, tag="classified"):
+class ClassifiedReply(_Reply, frozen=True, tag="classified"):
     """Per request, its top-k labels per upload or its failure: JSON in the payload (k labels
     per image can be megabytes), a list of ``{"answers": [...]}`` or ``{"error": ...,
     "status": ..., "reason": ...}``, one per request."""
@@ -325,12 +325,12 @@ class Classified(_Reply, frozen=True, tag="classified"):
     version: str
 
 
-Reply = Failure | Done | Welcome | Value | EngineState | Ran | Inferred | Classified
+Reply = Failure | Done | Welcome | Value | EngineState | RanReply | Inferred | ClassifiedReply
 
 CANCELLED = Failure("cancelled", 499, "cancelled")
 
 
-class Frame(msgspec.Struct, frozen=True, array_like=True):
+class CallHeader(msgspec.Struct, frozen=True, array_like=True):
     """A call's header: its number, the sender's wire version and the message."""
 
     id: int
@@ -338,7 +338,7 @@ class Frame(msgspec.Struct, frozen=True, array_like=True):
     message: msgspec.Raw
 
 
-class Answer(msgspec.Struct, frozen=True, array_like=True):
+class ReplyHeader(msgspec.Struct, frozen=True, array_like=True):
     """A reply's header: the number of the call it answers and the reply."""
 
     id: int
@@ -353,14 +353,14 @@ class BadFrame(ValueError):
         self.number = number
 
 
-_frame = msgspec.json.Decoder(Frame)
+_frame = msgspec.json.Decoder(CallHeader)
 _call: msgspec.json.Decoder[Call] = msgspec.json.Decoder(Call)
-_answer = msgspec.json.Decoder(Answer)
+_answer = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
 
 
 def encode_call(number: int, call: Call) -> bytes:
-    return _encoder.encode(Frame(number, WIRE_VERSION, msgspec.Raw(_encoder.encode(call))))
+    return _encoder.encode(CallHeader(number, WIRE_VERSION, msgspec.Raw(_encoder.encode(call))))
 
 
 def decode_call(header: bytes) -> tuple[int, Call]:
@@ -383,8 +383,8 @@ def decode_call(header: bytes) -> tuple[int, Call]:
 
 
 def encode_answer(number: int, reply: Reply) -> bytes:
-    return _encoder.encode(Answer(number, reply))
+    return _encoder.encode(ReplyHeader(number, reply))
 
 
-def decode_answer(header: bytes) -> Answer:
+def decode_answer(header: bytes) -> ReplyHeader:
     return _answer.decode(header)

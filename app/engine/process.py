@@ -299,7 +299,7 @@ class EngineServer:
             if not in_slot:
                 at = where
             replies.append(wire.ItemReply(tuple(described), in_slot))
-        return wire.Ran(ran.model, ran.version, tuple(replies)), b"".join(chunks)
+        return wire.RanReply(ran.model, ran.version, tuple(replies)), b"".join(chunks)
 
     async def _infer(self, connection: Connection, call: wire.Infer, payload: bytes) -> Handled:
         """A request the front end did not decode (it names shared-memory regions, which the
@@ -345,7 +345,7 @@ class EngineServer:
             else {"answers": a}
             for a in classified.answers
         ]
-        return wire.Classified(classified.model, classified.version), orjson.dumps(answers)
+        return wire.ClassifiedReply(classified.model, classified.version), orjson.dumps(answers)
 
     async def _control(self, connection: Connection, call: wire.Control, _: bytes) -> Handled:
         """A control method of the engine's table, called by name; bytes it returns go in

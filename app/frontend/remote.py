@@ -436,7 +436,7 @@ class RemoteEngine:
         number = link.request(call, payload)
         slots = [part.slot for part in frame.parts if part.slot is not None]
         reply, data = await self._held(link, number, slots, len(frame.parts))
-        ran = answered(reply, wire.Ran)
+        ran = answered(reply, wire.RanReply)
         return Ran(ran.model, ran.version, ran_outputs(frame.parts, ran, data), link.label)
 
     async def infer_raw(self, raw: Raw) -> Answer:
@@ -474,5 +474,5 @@ class RemoteEngine:
             number = link.request(call, payload)
             requests = len(uploads.counts) or 1
             reply, data = await self._held(link, number, [slot] if slot else [], requests)
-        classified = answered(reply, wire.Classified)
+        classified = answered(reply, wire.ClassifiedReply)
         return Classified(classified.model, classified.version, classified_answers(data))

@@ -73,9 +73,9 @@ def test_a_call_crosses_as_its_own_type(call: wire.Call) -> None:
         wire.Value({"name": "m", "versions": ["fp32"]}),
         wire.EngineState(True, False, 3, (wire.Serving("m", "fp32", 8),), 12),
         wire.EngineState(True, True, 0, (), 1, {"revision": 2, "trace": {}, "models": {}}),
-        wire.Ran("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
+        wire.RanReply("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
         wire.Inferred("m", "fp32", {"Inference-Header-Content-Length": "12"}, 40),
-        wire.Classified("m", "fp32"),
+        wire.ClassifiedReply("m", "fp32"),
     ],
     ids=lambda reply: type(reply).__name__,
 )

@@ -34,9 +34,9 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
-async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.Answer]:
+async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.ReplyHeader]:
     """The next ``count`` answers, by call number (they may come in any order)."""
-    found: dict[int, wire.Answer] = {}
+    found: dict[int, wire.ReplyHeader] = {}
     while len(found) < count:
         header, _ = await receive(reader)
         answer = wire.decode_answer(header)
@@ -169,7 +169,7 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
     (header, data), (stats_header, _) = with_engine(tmp_path, talk)
     answer = wire.decode_answer(header)
     ran = answer.reply
-    assert answer.id == 3 and isinstance(ran, wire.Ran) and len(ran.items) == 3
+    assert answer.id == 3 and isinstance(ran, wire.RanReply) and len(ran.items) == 3
     got = []
     for part in ran.items:
         assert part.in_slot is False

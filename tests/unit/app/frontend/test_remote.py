@@ -679,7 +679,7 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
                 items.append(wire.ItemReply((ref,), False))
                 data += y.tobytes()
             future = asyncio.get_running_loop().create_future()
-            future.set_result((wire.Ran("m", "fp16", tuple(items)), data))
+            future.set_result((wire.RanReply("m", "fp16", tuple(items)), data))
             link.waiting[len(sent)] = future
             return len(sent)
 
