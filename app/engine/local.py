@@ -446,14 +446,8 @@ class LocalEngine:
             arrived = time.monotonic()
             # Under overload most requests are refused: refuse before decoding, not after.
             model.batcher.admit()
-            limits = self.settings.limits
             decoded = await decode_infer_async(
-                contract,
-                body,
-                header_length,
-                limits.max_json_depth,
-                self.regions,
-                limits.max_json_decodes,
+                contract, body, header_length, self.settings.limits, self.regions
             )
             request = decoded.request
             shaped = await self._batched(

@@ -234,14 +234,8 @@ class DataPlane:
                     raise draining()
                 # Under overload most requests are refused: refuse before decoding, not after.
                 self.client.admit(contract)
-                limits = self.settings.limits
                 decoded = await decode_infer_async(
-                    contract,
-                    body,
-                    header_length,
-                    limits.max_json_depth,
-                    ENGINE_REGIONS,
-                    limits.max_json_decodes,
+                    contract, body, header_length, self.settings.limits, ENGINE_REGIONS
                 )
                 if any(out.shared is not None for out in decoded.wanted):
                     raise ForwardToEngine
