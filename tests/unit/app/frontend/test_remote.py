@@ -21,9 +21,9 @@ import yaml
 
 from app import wire
 from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode_infer
-from app.engine.local import LocalEngine
+from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
-from app.errors import BadRequest, Unavailable
+from app.errors import BadRequest, NotImplementedHere, Unavailable
 from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
@@ -788,3 +788,44 @@ def test_the_arena_is_full_while_less_than_a_slot_is_free(arena: Arena) -> None:
     for slot in (first, second, third, fourth):
         arena.give_back(slot)
     assert arena.full_since is None and arena.free_bytes == 16 * PAGE
+
+
+def test_a_new_control_operation_is_its_engine_method_alone(tmp_path: Path) -> None:
+    """An engine method marked ``@operation`` is a control operation with nothing else
+    written for it: called by name in one process and, through the one generic call the
+    engine's table allows (learnt at ``Hello``), from a front end; spread to every engine
+    and merged where it says so (the statistics, added up); a name the engine's table lacks
+    is refused with 501 on either side, and never sent."""
+    settings = tiny_repository(tmp_path, 8, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
+    control = tmp_path / "engine.sock"
+
+    class Echoing(LocalEngine):
+        @operation(wire.Spread.ANY)
+        async def echo(self, text: str, times: int = 1) -> dict[str, str]:
+            return {"echo": text * times}
+
+    async def main() -> None:
+        engine = Echoing(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        front = RemoteEngine(settings, [("", control)], "stoker-test-echo")
+        try:
+            await front.start()
+            assert await engine.control("echo", "ab", 2) == {"echo": "abab"}
+            assert await front.control("echo", "ab", 2) == {"echo": "abab"}
+            (stats,) = await front.control("statistics", "tiny")
+            assert (
+                stats["name"] == "tiny" and stats == (await engine.control("statistics", "tiny"))[0]
+            )
+            for client in (engine, front):
+                with pytest.raises(NotImplementedHere, match="no control operation 'nope'"):
+                    await client.control("nope")
+        finally:
+            await front.stop()
+            server.close()
+            await engine.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        CONTROL.pop("echo", None)
