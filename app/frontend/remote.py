@@ -286,10 +286,11 @@ class RemoteEngine:
                 await link.call(call, wire.Value)
                 done.append(link)
         except BaseException:
-            undo = wire.Control(rule.undo or "", call.args[:1])
-            for link in done:
-                with contextlib.suppress(StokerError):
-                    await link.call(undo, wire.Value)
+            if rule.undo is not None:
+                undo = wire.Control(rule.undo, call.args[:1])
+                for link in done:
+                    with contextlib.suppress(StokerError):
+                        await link.call(undo, wire.Value)
             raise
 
     async def _in_turn(self, call: wire.Control, rule: wire.Rule) -> None:
