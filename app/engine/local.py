@@ -39,6 +39,7 @@ from app.contract import (
 )
 from app.drain import Drain
 from app.engine.batch import Tensors, time_left
+from app.engine.index import triton_config
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
@@ -47,7 +48,6 @@ from app.engine.watch import watch
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
-from engines.spec import TensorSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -208,36 +208,8 @@ class LocalEngine:
 
     @operation(wire.Spread.MODEL)
     async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """Triton's model configuration, as its clients read it."""
-        model = self.models.get(name, version)
-        config = model.entry.config
-        batching = config.dynamic_batching
-        spec = model.spec
-
-        def tensor(t: TensorSpec) -> dict[str, Any]:
-            return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
-
-        return {
-            "name": spec.name,
-            "platform": f"{model.backend}_onnx",
-            "backend": model.backend,
-            "max_batch_size": spec.max_batch_size,
-            "input": [tensor(t) for t in spec.inputs],
-            "output": [tensor(t) for t in spec.outputs],
-            "dynamic_batching": {
-                "preferred_batch_size": batching.preferred_batch_size,
-                "max_queue_delay_microseconds": batching.max_queue_delay_us,
-                "priority_levels": batching.priority_levels,
-                "default_queue_policy": {
-                    "max_queue_size": batching.max_queue_size,
-                    "default_timeout_microseconds": batching.default_timeout_us,
-                },
-            },
-            "instance_group": [{"count": model.pool.size, "kind": model.backend}],
-            "version_policy": {"specific": {"versions": self.models.versions(name)}},
-            "default_version": config.default_precision,
-            "labels": config.labels,
-        }
+        """Triton's model configuration, as its clients read it (``triton_config``)."""
+        return triton_config(self.models.get(name, version), self.models.versions(name))
 
     @operation(wire.Spread.SUMMED)
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
