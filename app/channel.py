@@ -24,7 +24,7 @@ from app.errors import PayloadTooLarge
 _LENGTHS = struct.Struct("!II")
 # A frame's header is a descriptor, never data: anything larger is a bug or a hostile peer.
 MAX_HEADER_BYTES = 1 << 20
-# A header starts with its frame's number (``app.wire.Frame``/``Answer``: ``[id, ...``).
+# A header starts with its frame's number (``app.wire.CallHeader``/``ReplyHeader``: ``[id, ...``).
 _NUMBER = re.compile(rb"\[(\d{1,20}),")
 _DISCARD_BYTES = 64 * 1024
 

@@ -20,7 +20,7 @@ import numpy as np
 from app.errors import BadRequest, Forbidden, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
-from app.settings import ModelRepositorySettings
+from app.settings import LimitSettings, ModelRepositorySettings
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
@@ -187,21 +187,21 @@ async def decode_infer_async(
     contract: Contract,
     body: bytes | bytearray | memoryview,
     header_length: int | None,
-    max_json_depth: int,
+    limits: LimitSettings,
     regions: Regions | None,
-    max_json_decodes: int,
 ) -> Decoded:
-    """``decode_infer`` where the event loop can afford it: small bodies on the loop, larger
-    ones on a worker thread, and those with more than 256 KiB of JSON through
-    ``LARGE_DECODES`` (at most ``max_json_decodes`` at once in this process)."""
+    """``decode_infer`` within ``limits`` where the event loop can afford it: small bodies on
+    the loop, larger ones on a worker thread, and those with more than 256 KiB of JSON
+    through ``LARGE_DECODES`` (at most ``limits.max_json_decodes`` at once in this process).
+    The one V2 decoding, a front end's and an engine's."""
 
     def decode() -> Decoded:
-        return decode_infer(contract, body, header_length, max_json_depth, regions)
+        return decode_infer(contract, body, header_length, limits.max_json_depth, regions)
 
     if len(body) <= THREADED_DECODE_BYTES:
         return decode()
     if len(json_part(body, header_length)) > THREADED_DECODE_BYTES:
-        return await LARGE_DECODES.run(decode, max_json_decodes)
+        return await LARGE_DECODES.run(decode, limits.max_json_decodes)
     return await asyncio.to_thread(decode)
 
 
@@ -330,20 +330,6 @@ class Ran:
     version: str
     outputs: list[list[tuple[RequestedOutput, np.ndarray]]]
     engine: str = ""
-
-
-# Offsets and sizes past this are no file's (and do not fit the wire's integers).
-MAX_REGION_BYTES = (1 << 63) - 1
-
-
-def check_window(offset: object, byte_size: object) -> None:
-    """A registration's offset and byte size: integers, 0 <= offset, 0 < byte_size, both
-    below 2^63 (checked where a request arrives, before anything crosses a process)."""
-    for field, value in (("offset", offset), ("byte_size", byte_size)):
-        if type(value) is not int or not 0 <= value <= MAX_REGION_BYTES:
-            raise BadRequest(f'shared memory "{field}" must be an integer from 0 to 2^63 - 1')
-    if byte_size == 0:
-        raise BadRequest('shared memory "byte_size" must be positive')
 
 
 def validate_inputs(

@@ -1,11 +1,11 @@
 """What Triton's trace and logging extensions read and change, held once per process.
 
 The engine process holds the settings the server runs with: a front end asks it to change
-them (``EngineClient.trace_settings`` / ``log_settings``), adopts its answer at once, and
-the other front ends adopt them with their next poll of the engine (``EngineState.observed``
-carries a snapshot and its revision). So a change made through any front end reaches every
-process, the engine's log level included. In one process the engine client changes them
-here directly.
+them (the control operations ``trace_settings`` / ``log_settings``, ``Spread.ADOPTED``),
+adopts its answer at once, and the other front ends adopt them with their next poll of the
+engine (``EngineState.observed`` carries a snapshot and its revision). So a change made
+through any front end reaches every process, the engine's log level included. In one
+process the engine client changes them here directly.
 
 Trace settings (Triton's names and JSON shapes, values as strings): ``trace_level`` (OFF,
 TIMESTAMPS, TENSORS: any but OFF traces), ``trace_rate`` (one request in N is traced),

@@ -34,6 +34,7 @@ from fastapi import FastAPI
 from app.child import profiled, supervised
 from app.frontend.http_limits import guarded, unread
 from app.settings import Settings
+from engines.devices import SHM_ROOT
 
 log = logging.getLogger(__name__)
 # A front end that dies this soon after its start is failing to start, not crashing: the
@@ -158,7 +159,9 @@ def front_end_main(
         return create_app(
             settings,
             on_fatal=on_fatal,
-            make_plane=lambda: DataPlane(settings, RemoteEngine(settings, controls, arena)),
+            make_plane=lambda: DataPlane(
+                settings, RemoteEngine(settings, controls, arena), across=True
+            ),
         )
 
     folder = os.environ.get("STOKER_PROFILE_DIR")
@@ -326,7 +329,7 @@ def serve_processes(settings: Settings) -> int:
         scratch.cleanup()
         for number in fronts:  # what a killed front end could not unlink
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{arena_name(os.getpid(), number)}")
+                os.unlink(SHM_ROOT / arena_name(os.getpid(), number))
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return code

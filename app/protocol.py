@@ -10,8 +10,8 @@ is the data plane's job; only Triton's raw binary form needs the model spec to b
 
 The request and response documents are read and written here (fields, parameters, shared
 memory); each tensor's data, JSON or binary, is converted by ``app.tensor_data``, and the
-documents' JSON Schemas for the OpenAPI description are ``app.protocol_schema``. Decoder and
-encoder are fuzzed together (``tests/unit/app/test_protocol_properties.py``).
+documents' JSON Schemas for the OpenAPI description are ``app.frontend.protocol_schema``.
+Decoder and encoder are fuzzed together (``tests/unit/app/test_protocol_properties.py``).
 """
 
 from __future__ import annotations

@@ -2,10 +2,13 @@
 what it answers.
 
 Every call is a frozen ``msgspec`` struct tagged with its ``Op``; every answer is one of the
-reply structs. A frame's header is ``Frame``: the call number, the wire version and the
-message, so the engine decodes and checks a frame in one step and dispatches it by type
-(``app.engine.process``). Tensors cross as ``TensorRef``: a typed reference to bytes in the
-front end's arena or the frame's payload, never the bytes themselves and never a pickle.
+reply structs. The hot path's calls are typed each (``Run``, ``Infer``, ``Classify``, the
+poll); every control operation is one ``Control`` naming the engine's method, which the
+engine's control table allows (``Welcome``). A frame's header is ``CallHeader``: the call
+number, the wire version and the message, so the engine decodes and checks a frame in one
+step and dispatches it by type (``app.engine.process``). Tensors cross as ``TensorRef``: a
+typed reference to bytes in the front end's arena or the frame's payload, never the bytes
+themselves and never a pickle.
 
 Every frame carries its sender's wire version: a frame of another version is answered with a
 ``BadFrame`` naming both versions (``checked``), and one that does not decode with a
@@ -19,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 """Raised whenever a message changes shape: front ends and engines of one release agree."""
 
 
@@ -31,19 +34,34 @@ class Op(enum.StrEnum):
     RUN = "run"
     INFER = "infer"
     CLASSIFY = "classify"
-    METRICS = "metrics"
-    METADATA = "metadata"
-    VERSION_READY = "version_ready"
-    MODEL_CONFIG = "model_config"
-    STATISTICS = "statistics"
-    REPOSITORY_INDEX = "repository_index"
-    LOAD = "load"
-    UNLOAD = "unload"
-    SHM_REGISTER = "shm_register"
-    SHM_UNREGISTER = "shm_unregister"
-    SHM_STATUS = "shm_status"
-    TRACE_SETTINGS = "trace_settings"
-    LOG_SETTINGS = "log_settings"
+    CONTROL = "control"
+
+
+class Spread(enum.StrEnum):
+    """Where a front end before several engines sends a control call, and what it makes of
+    their answers (``RemoteEngine.control``); an engine declares it beside each of its
+    control methods (``app.engine.local.control``)."""
+
+    MODEL = "model"
+    """To the one engine a request for the model its first two arguments name goes to."""
+    ANY = "any"
+    """To any one engine (they all hold the same)."""
+    SUMMED = "summed"
+    """To every engine; their statistics added up."""
+    WORST = "worst"
+    """To every engine; their repository indexes as one, each model at the state of the
+    engine furthest from serving."""
+    LABELLED = "labelled"
+    """To every engine; their Prometheus texts as one, labelled by GPU (bytes)."""
+    AT_ONCE = "at_once"
+    """To every engine at once, refused while the front end drains; the contracts it cached
+    are dropped (the served set changes)."""
+    ALL_OR_NONE = "all_or_none"
+    """To every engine in turn; where one refuses, undone on those that did it (``undo``)."""
+    IN_TURN = "in_turn"
+    """To every engine in turn."""
+    ADOPTED = "adopted"
+    """To every engine; the trace and log settings each answers with adopted here."""
 
 
 class _Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op"):
@@ -118,7 +136,7 @@ class Serving(msgspec.Struct, frozen=True, array_like=True):
 
 class Hello(_Message, frozen=True, tag=Op.HELLO.value):
     """The first call on a connection: the front end's arena (its wire version is the
-    frame's, checked as every frame's is)."""
+    frame's, checked as every frame's is); answered with a ``Welcome``."""
 
     arena: str
     slot_bytes: int
@@ -206,100 +224,16 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     used (``ImagePreprocess`` as JSON), each image then a UINT8 row."""
 
 
-class Metrics(_Message, frozen=True, tag=Op.METRICS.value):
-    """The engine's Prometheus text (in the answer's payload)."""
+class Control(_Message, frozen=True, tag=Op.CONTROL.value):
+    """A control operation: the engine's method ``method`` (one its control table names,
+    ``Welcome.control``) called with ``args``; answered with a ``Value`` of what it returns
+    (bytes: ``Done``, the bytes in the payload)."""
+
+    method: str
+    args: tuple[Any, ...] = ()
 
 
-class ModelMetadata(_Message, frozen=True, tag=Op.METADATA.value):
-    name: str
-    version: str | None = None
-
-
-class VersionReady(_Message, frozen=True, tag=Op.VERSION_READY.value):
-    name: str
-    version: str | None = None
-
-
-class ModelConfig(_Message, frozen=True, tag=Op.MODEL_CONFIG.value):
-    name: str
-    version: str | None = None
-
-
-class Statistics(_Message, frozen=True, tag=Op.STATISTICS.value):
-    name: str | None = None
-    version: str | None = None
-
-
-class RepositoryIndex(_Message, frozen=True, tag=Op.REPOSITORY_INDEX.value):
-    pass
-
-
-class Load(_Message, frozen=True, tag=Op.LOAD.value):
-    """Load or reload a model (``config``: a config in place of its config.yaml); answered
-    ``Done`` once it serves, or a ``Failure`` that says why not."""
-
-    name: str
-    config: dict[str, Any] | None = None
-
-
-class Unload(_Message, frozen=True, tag=Op.UNLOAD.value):
-    """Unload a model; answered ``Done`` once its requests are answered and it is freed."""
-
-    name: str
-
-
-class ShmRegister(_Message, frozen=True, tag=Op.SHM_REGISTER.value):
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-
-
-class ShmUnregister(_Message, frozen=True, tag=Op.SHM_UNREGISTER.value):
-    name: str | None = None
-
-
-class ShmStatus(_Message, frozen=True, tag=Op.SHM_STATUS.value):
-    name: str | None = None
-
-
-class TraceSettings(_Message, frozen=True, tag=Op.TRACE_SETTINGS.value):
-    """Triton's trace settings, global or ``model``'s, changed by ``update`` (None: read);
-    answered with a ``Value``: every setting as ``app.observed`` snapshots it."""
-
-    model: str | None = None
-    update: dict[str, Any] | None = None
-
-
-class LogSettings(_Message, frozen=True, tag=Op.LOG_SETTINGS.value):
-    """Triton's log settings, changed by ``update`` (None: read); answered as
-    ``TraceSettings`` is."""
-
-    update: dict[str, Any] | None = None
-
-
-Call = (
-    Hello
-    | Cancel
-    | State
-    | Describe
-    | Run
-    | Infer
-    | Classify
-    | Metrics
-    | ModelMetadata
-    | VersionReady
-    | ModelConfig
-    | Statistics
-    | RepositoryIndex
-    | Load
-    | Unload
-    | ShmRegister
-    | ShmUnregister
-    | ShmStatus
-    | TraceSettings
-    | LogSettings
-)
+Call = Hello | Cancel | State | Describe | Run | Infer | Classify | Control
 
 # -- replies -------------------------------------------------------------------------------
 
@@ -317,11 +251,26 @@ class Failure(_Reply, frozen=True, tag="failure"):
 
 
 class Done(_Reply, frozen=True, tag="done"):
-    """Done, nothing to say (a registration; the metrics text is in the payload)."""
+    """Done, nothing to say (bytes a control method returned are in the payload)."""
+
+
+class Rule(msgspec.Struct, frozen=True, array_like=True):
+    """How a control method's calls spread over several engines; ``undo``: the method that
+    undoes one (``Spread.ALL_OR_NONE``), called with the first argument."""
+
+    spread: Spread
+    undo: str | None = None
+
+
+class Welcome(_Reply, frozen=True, tag="welcome"):
+    """The answer to ``Hello``: the engine's control methods and how each spreads."""
+
+    control: dict[str, Rule]
 
 
 class Value(_Reply, frozen=True, tag="value"):
-    """A JSON document the front end passes on as it is (metadata, config, statistics)."""
+    """A JSON document the front end passes on as it is (metadata, config, statistics); of
+    a ``Spread.ADOPTED`` call, the answer and the settings the engine runs with now."""
 
     value: Any
 
@@ -351,7 +300,7 @@ class ItemReply(msgspec.Struct, frozen=True, array_like=True):
     in_slot: bool
 
 
-class Ran(_Reply, frozen=True, tag="ran"):
+class RanReply(_Reply, frozen=True, tag="ran"):
     model: str
     version: str
     items: tuple[ItemReply, ...]
@@ -367,7 +316,7 @@ class Inferred(_Reply, frozen=True, tag="inferred"):
     slot_length: int | None = None
 
 
-class Classified(_Reply, frozen=True, tag="classified"):
+class ClassifiedReply(_Reply, frozen=True, tag="classified"):
     """Per request, its top-k labels per upload or its failure: JSON in the payload (k labels
     per image can be megabytes), a list of ``{"answers": [...]}`` or ``{"error": ...,
     "status": ..., "reason": ...}``, one per request."""
@@ -376,12 +325,12 @@ class Classified(_Reply, frozen=True, tag="classified"):
     version: str
 
 
-Reply = Failure | Done | Value | EngineState | Ran | Inferred | Classified
+Reply = Failure | Done | Welcome | Value | EngineState | RanReply | Inferred | ClassifiedReply
 
 CANCELLED = Failure("cancelled", 499, "cancelled")
 
 
-class Frame(msgspec.Struct, frozen=True, array_like=True):
+class CallHeader(msgspec.Struct, frozen=True, array_like=True):
     """A call's header: its number, the sender's wire version and the message."""
 
     id: int
@@ -389,7 +338,7 @@ class Frame(msgspec.Struct, frozen=True, array_like=True):
     message: msgspec.Raw
 
 
-class Answer(msgspec.Struct, frozen=True, array_like=True):
+class ReplyHeader(msgspec.Struct, frozen=True, array_like=True):
     """A reply's header: the number of the call it answers and the reply."""
 
     id: int
@@ -404,14 +353,14 @@ class BadFrame(ValueError):
         self.number = number
 
 
-_frame = msgspec.json.Decoder(Frame)
+_frame = msgspec.json.Decoder(CallHeader)
 _call: msgspec.json.Decoder[Call] = msgspec.json.Decoder(Call)
-_answer = msgspec.json.Decoder(Answer)
+_answer = msgspec.json.Decoder(ReplyHeader)
 _encoder = msgspec.json.Encoder()
 
 
 def encode_call(number: int, call: Call) -> bytes:
-    return _encoder.encode(Frame(number, WIRE_VERSION, msgspec.Raw(_encoder.encode(call))))
+    return _encoder.encode(CallHeader(number, WIRE_VERSION, msgspec.Raw(_encoder.encode(call))))
 
 
 def decode_call(header: bytes) -> tuple[int, Call]:
@@ -434,8 +383,8 @@ def decode_call(header: bytes) -> tuple[int, Call]:
 
 
 def encode_answer(number: int, reply: Reply) -> bytes:
-    return _encoder.encode(Answer(number, reply))
+    return _encoder.encode(ReplyHeader(number, reply))
 
 
-def decode_answer(header: bytes) -> Answer:
+def decode_answer(header: bytes) -> ReplyHeader:
     return _answer.decode(header)

@@ -30,7 +30,8 @@ import torch
 import zoo
 from bench import accuracy_gpu, payloads
 from engines.backends.onnxruntime import read_spec
-from engines.backends.torch.engine import TorchEngine, TorchOptions, TorchRunner
+from engines.backends.torch.engine import TorchEngine, TorchOptions
+from engines.backends.torch.runner import TorchRunner
 from engines.base import EngineOptions
 from engines.devices import cuda
 from engines.preprocess import ImagePreprocess

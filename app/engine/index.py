@@ -1,7 +1,8 @@
 """What the registry knows of each model (``Known``: its config, versions, refusals and
 state), and what its states answer: Triton's repository index (every version with its
 state, READY, LOADING, UNLOADING or UNAVAILABLE, and why) and a request's 404 or 503 with
-the reason. ``app.engine.registry`` changes the states; this reports them.
+the reason; and Triton's model configuration of a loaded version (``triton_config``).
+``app.engine.registry`` changes the states; this reports them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import Any
 
 from app.engine.models import LoadedModel
 from app.engine.repository import (
@@ -22,6 +24,7 @@ from app.engine.repository import (
 )
 from app.errors import NotFound, Unavailable, client_text
 from app.settings import ModelRepositorySettings
+from engines.spec import TensorSpec
 
 # A model's state, as the repository index names it.
 READY = "READY"
@@ -133,3 +136,36 @@ def served_version(name: str, known: Known, version: str | None) -> LoadedModel:
         f"model {name!r} has no version '{client_text(version)}'; versions: "
         f"{', '.join(config.precisions)}"
     )
+
+
+def triton_config(model: LoadedModel, versions: list[str]) -> dict[str, Any]:
+    """Triton's model configuration of ``model``, as its clients read it; ``versions``: the
+    versions that serve."""
+    config = model.entry.config
+    batching = config.dynamic_batching
+    spec = model.spec
+
+    def tensor(t: TensorSpec) -> dict[str, Any]:
+        return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
+
+    return {
+        "name": spec.name,
+        "platform": f"{model.backend}_onnx",
+        "backend": model.backend,
+        "max_batch_size": spec.max_batch_size,
+        "input": [tensor(t) for t in spec.inputs],
+        "output": [tensor(t) for t in spec.outputs],
+        "dynamic_batching": {
+            "preferred_batch_size": batching.preferred_batch_size,
+            "max_queue_delay_microseconds": batching.max_queue_delay_us,
+            "priority_levels": batching.priority_levels,
+            "default_queue_policy": {
+                "max_queue_size": batching.max_queue_size,
+                "default_timeout_microseconds": batching.default_timeout_us,
+            },
+        },
+        "instance_group": [{"count": model.pool.size, "kind": model.backend}],
+        "version_policy": {"specific": {"versions": versions}},
+        "default_version": config.default_precision,
+        "labels": config.labels,
+    }

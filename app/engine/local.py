@@ -5,7 +5,9 @@ front ends (``app.engine.process``). Every engine operation is written here once
 It implements ``app.frontend.client.EngineClient`` in-process: decoding, gathering and
 encoding stay in the data plane above it; this runs what reaches an engine (a frame of
 decoded requests, a body that names shared-memory regions, image uploads) and answers the
-control operations (metadata, statistics, shared-memory registration).
+control operations (metadata, statistics, model control, shared-memory registration): each
+a method marked ``@operation``, which ``CONTROL`` lists with how its calls spread over several
+engines, called by name (``LocalEngine.control``, and the engine process for its front ends).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 from prometheus_client import generate_latest
 
-from app import observed, tracing
+from app import observed, tracing, wire
 from app.contract import (
     Answer,
     Classified,
@@ -37,19 +39,34 @@ from app.contract import (
 )
 from app.drain import Drain
 from app.engine.batch import Tensors, time_left
+from app.engine.index import triton_config
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
 from app.engine.uploads import classify_uploads
 from app.engine.watch import watch
-from app.errors import Reloaded, StokerError
+from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
-from engines.spec import TensorSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Shaped = list[tuple[RequestedOutput, np.ndarray]]
+Method = TypeVar("Method", bound=Callable[..., Awaitable[Any]])
+CONTROL: dict[str, wire.Rule] = {}
+"""The control methods of ``LocalEngine`` (``@operation``), by name, with how each one's calls
+spread over several engines: the one table a control call is dispatched by, here and in the
+engine process, and that a front end learns at ``Hello``."""
+
+
+def operation(spread: wire.Spread, undo: str | None = None) -> Callable[[Method], Method]:
+    """Mark an engine method as a control operation, called by name (``CONTROL``)."""
+
+    def mark(method: Method) -> Method:
+        CONTROL[method.__name__] = wire.Rule(spread, undo)
+        return method
+
+    return mark
 
 
 def contract_of(model: LoadedModel) -> Contract:
@@ -68,8 +85,6 @@ def contract_of(model: LoadedModel) -> Contract:
 class LocalEngine:
     def __init__(self, settings: Settings, one_device: bool = False) -> None:
         self.settings = settings
-        self.frames_in_flight = 0  # in process, a frame costs nothing to cross
-        self.in_process = True
         self.models = Registry(settings, one_device)
         self.regions = SharedRegions()
         self.drain_state = Drain(settings.server.drain_timeout_s)
@@ -167,6 +182,13 @@ class LocalEngine:
         """Refuse now (503, 429) what the model's batcher would refuse, before decoding."""
         self.models.get(contract.model, contract.version).batcher.admit(requests)
 
+    async def control(self, method: str, *args: Any) -> Any:
+        """Call the control method ``method`` (one ``CONTROL`` lists) with ``args``."""
+        if method not in CONTROL:
+            raise NotImplementedHere(f"no control operation '{method}' in this engine")
+        return await getattr(self, method)(*args)
+
+    @operation(wire.Spread.MODEL)
     async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
         """The V2 model metadata, with the versions that are configured but not served."""
         model = self.models.get(name, version)
@@ -179,42 +201,17 @@ class LocalEngine:
             ]
         return metadata
 
+    @operation(wire.Spread.MODEL)
     async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
         model = self.models.get(name, version)
         return {"name": model.name, "version": model.version, "ready": model.ready}
 
+    @operation(wire.Spread.MODEL)
     async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        """Triton's model configuration, as its clients read it."""
-        model = self.models.get(name, version)
-        config = model.entry.config
-        batching = config.dynamic_batching
-        spec = model.spec
+        """Triton's model configuration, as its clients read it (``triton_config``)."""
+        return triton_config(self.models.get(name, version), self.models.versions(name))
 
-        def tensor(t: TensorSpec) -> dict[str, Any]:
-            return {"name": t.name, "data_type": f"TYPE_{t.datatype}", "dims": list(t.shape)}
-
-        return {
-            "name": spec.name,
-            "platform": f"{model.backend}_onnx",
-            "backend": model.backend,
-            "max_batch_size": spec.max_batch_size,
-            "input": [tensor(t) for t in spec.inputs],
-            "output": [tensor(t) for t in spec.outputs],
-            "dynamic_batching": {
-                "preferred_batch_size": batching.preferred_batch_size,
-                "max_queue_delay_microseconds": batching.max_queue_delay_us,
-                "priority_levels": batching.priority_levels,
-                "default_queue_policy": {
-                    "max_queue_size": batching.max_queue_size,
-                    "default_timeout_microseconds": batching.default_timeout_us,
-                },
-            },
-            "instance_group": [{"count": model.pool.size, "kind": model.backend}],
-            "version_policy": {"specific": {"versions": self.models.versions(name)}},
-            "default_version": config.default_precision,
-            "labels": config.labels,
-        }
-
+    @operation(wire.Spread.SUMMED)
     async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
         """Triton's statistics: of every served version, of a model's, or of one version."""
         if name is None:
@@ -227,6 +224,7 @@ class LocalEngine:
             models = [self.models.get(name, version)]
         return [m.metrics.statistics() for m in models]
 
+    @operation(wire.Spread.WORST)
     async def repository_index(self) -> list[dict[str, str]]:
         return await self.models.index()
 
@@ -246,11 +244,13 @@ class LocalEngine:
         half-done switch would help no one); the caller waits for it."""
         await asyncio.shield(self._keep(asyncio.create_task(work, name="model-control")))
 
+    @operation(wire.Spread.AT_ONCE)
     async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
         """Load model ``name`` or reload it (``config``: in place of its config.yaml)."""
         self._controllable()
         await self._finished(self.models.load(name, config))
 
+    @operation(wire.Spread.AT_ONCE)
     async def unload(self, name: str) -> None:
         self._controllable()
         await self._finished(self.models.unload(name))
@@ -260,10 +260,12 @@ class LocalEngine:
         """Moves whenever the served set changes (``Registry.generation``)."""
         return self.models.generation
 
+    @operation(wire.Spread.LABELLED)
     async def metrics_text(self) -> bytes:
         """The Prometheus exposition of this process."""
         return generate_latest()
 
+    @operation(wire.Spread.ADOPTED)
     async def trace_settings(
         self, model: str | None = None, update: dict[str, Any] | None = None
     ) -> dict[str, Any]:
@@ -274,18 +276,22 @@ class LocalEngine:
             return observed.STATE.trace_settings(model)
         return observed.STATE.update_trace(model, update)
 
+    @operation(wire.Spread.ADOPTED)
     async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
         """Triton's log settings, after ``update`` (applied to this process's loggers)."""
         if update is None:
             return dict(observed.STATE.log)
         return observed.STATE.update_log(update)
 
+    @operation(wire.Spread.ALL_OR_NONE, undo="shm_unregister")
     async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         self.regions.register(name, key, offset, byte_size)
 
+    @operation(wire.Spread.IN_TURN)
     async def shm_unregister(self, name: str | None = None) -> None:
         self.regions.unregister(name)
 
+    @operation(wire.Spread.ANY)
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return self.regions.status(name)
 
@@ -412,14 +418,8 @@ class LocalEngine:
             arrived = time.monotonic()
             # Under overload most requests are refused: refuse before decoding, not after.
             model.batcher.admit()
-            limits = self.settings.limits
             decoded = await decode_infer_async(
-                contract,
-                body,
-                header_length,
-                limits.max_json_depth,
-                self.regions,
-                limits.max_json_decodes,
+                contract, body, header_length, self.settings.limits, self.regions
             )
             request = decoded.request
             shaped = await self._batched(

@@ -2,10 +2,11 @@
 control socket.
 
 Front ends (``app.frontend.remote``) connect over a Unix socket (``app.channel``), say which
-shared-memory arena they lend bodies in, and send one frame per call. A front end decodes and
-validates a request itself; what arrives here is the decoded ``Run`` (tensors as references
-into the front end's arena), dispatched by type to the same ``LocalEngine`` methods that one
-process calls, and the outputs go back into the same slot, encoded by the front end. The
+shared-memory arena they lend bodies in (answered with the engine's control table), and send
+one frame per call. A front end decodes and validates a request itself; what arrives here is
+the decoded ``Run`` (tensors as references into the front end's arena), dispatched by type to
+the same ``LocalEngine`` methods that one process calls, and the outputs go back into the
+same slot, encoded by the front end; a ``Control`` call is dispatched by its method's name. The
 engine is the one source of metrics, readiness and liveness.
 
 SIGTERM drains: readiness turns false at once; the requests the front ends accepted before
@@ -35,13 +36,13 @@ from app import observed, tracing, wire
 from app.channel import ChannelClosed, FrameTooLarge, Sender, receive
 from app.child import profiled, supervised, watch_loading
 from app.contract import Frame, Part, Raw, Uploads
-from app.engine.local import LocalEngine
-from app.engine.shared_memory import SHM_ROOT
+from app.engine.local import CONTROL, LocalEngine
 from app.errors import StokerError
 from app.metrics import http_refused
 from app.protocol import RequestedOutput
 from app.settings import Settings
 from app.tensor_data import pack_tensor, unpack_tensor
+from engines.devices import SHM_ROOT
 from engines.preprocess import ImagePreprocess
 
 log = logging.getLogger(__name__)
@@ -157,19 +158,7 @@ class EngineServer:
             wire.Run: self._run,
             wire.Infer: self._infer,
             wire.Classify: self._classify,
-            wire.Metrics: self._metrics,
-            wire.ModelMetadata: self._metadata,
-            wire.VersionReady: self._version_ready,
-            wire.ModelConfig: self._model_config,
-            wire.Statistics: self._statistics,
-            wire.RepositoryIndex: self._repository_index,
-            wire.Load: self._load,
-            wire.Unload: self._unload,
-            wire.ShmRegister: self._shm_register,
-            wire.ShmUnregister: self._shm_unregister,
-            wire.ShmStatus: self._shm_status,
-            wire.TraceSettings: self._trace_settings,
-            wire.LogSettings: self._log_settings,
+            wire.Control: self._control,
         }
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -240,7 +229,7 @@ class EngineServer:
         # A client may never register a front end's arena as its region (a hard link to it
         # has another name, not another inode).
         self.engine.regions.private.add(connection.inode)
-        return wire.Done(), b""
+        return wire.Welcome(CONTROL), b""
 
     async def _state(self, connection: Connection, call: wire.State, _: bytes) -> Handled:
         engine = self.engine
@@ -310,7 +299,7 @@ class EngineServer:
             if not in_slot:
                 at = where
             replies.append(wire.ItemReply(tuple(described), in_slot))
-        return wire.Ran(ran.model, ran.version, tuple(replies)), b"".join(chunks)
+        return wire.RanReply(ran.model, ran.version, tuple(replies)), b"".join(chunks)
 
     async def _infer(self, connection: Connection, call: wire.Infer, payload: bytes) -> Handled:
         """A request the front end did not decode (it names shared-memory regions, which the
@@ -356,68 +345,17 @@ class EngineServer:
             else {"answers": a}
             for a in classified.answers
         ]
-        return wire.Classified(classified.model, classified.version), orjson.dumps(answers)
+        return wire.ClassifiedReply(classified.model, classified.version), orjson.dumps(answers)
 
-    async def _metrics(self, connection: Connection, call: wire.Metrics, _: bytes) -> Handled:
-        return wire.Done(), await self.engine.metrics_text()
-
-    async def _metadata(
-        self, connection: Connection, call: wire.ModelMetadata, _: bytes
-    ) -> Handled:
-        return wire.Value(await self.engine.metadata(call.name, call.version)), b""
-
-    async def _version_ready(
-        self, connection: Connection, call: wire.VersionReady, _: bytes
-    ) -> Handled:
-        return wire.Value(await self.engine.version_ready(call.name, call.version)), b""
-
-    async def _model_config(
-        self, connection: Connection, call: wire.ModelConfig, _: bytes
-    ) -> Handled:
-        return wire.Value(await self.engine.model_config(call.name, call.version)), b""
-
-    async def _statistics(self, connection: Connection, call: wire.Statistics, _: bytes) -> Handled:
-        return wire.Value(await self.engine.statistics(call.name, call.version)), b""
-
-    async def _repository_index(
-        self, connection: Connection, call: wire.RepositoryIndex, _: bytes
-    ) -> Handled:
-        return wire.Value(await self.engine.repository_index()), b""
-
-    async def _load(self, connection: Connection, call: wire.Load, _: bytes) -> Handled:
-        await self.engine.load(call.name, call.config)
-        return wire.Done(), b""
-
-    async def _unload(self, connection: Connection, call: wire.Unload, _: bytes) -> Handled:
-        await self.engine.unload(call.name)
-        return wire.Done(), b""
-
-    async def _shm_register(
-        self, connection: Connection, call: wire.ShmRegister, _: bytes
-    ) -> Handled:
-        await self.engine.shm_register(call.name, call.key, call.offset, call.byte_size)
-        return wire.Done(), b""
-
-    async def _shm_unregister(
-        self, connection: Connection, call: wire.ShmUnregister, _: bytes
-    ) -> Handled:
-        await self.engine.shm_unregister(call.name)
-        return wire.Done(), b""
-
-    async def _shm_status(self, connection: Connection, call: wire.ShmStatus, _: bytes) -> Handled:
-        return wire.Value(await self.engine.shm_status(call.name)), b""
-
-    async def _trace_settings(
-        self, connection: Connection, call: wire.TraceSettings, _: bytes
-    ) -> Handled:
-        await self.engine.trace_settings(call.model, call.update)
-        return wire.Value(observed.STATE.snapshot()), b""
-
-    async def _log_settings(
-        self, connection: Connection, call: wire.LogSettings, _: bytes
-    ) -> Handled:
-        await self.engine.log_settings(call.update)
-        return wire.Value(observed.STATE.snapshot()), b""
+    async def _control(self, connection: Connection, call: wire.Control, _: bytes) -> Handled:
+        """A control method of the engine's table, called by name; bytes it returns go in
+        the payload; a ``Spread.ADOPTED`` one answers with the settings in force too."""
+        result = await self.engine.control(call.method, *call.args)
+        if isinstance(result, bytes):
+            return wire.Done(), result
+        if CONTROL[call.method].spread is wire.Spread.ADOPTED:
+            return wire.Value([result, observed.STATE.snapshot()]), b""
+        return wire.Value(result), b""
 
 
 async def run(settings: Settings, control: Path, one_device: bool = False) -> int:

@@ -23,14 +23,27 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.contract import check_window
 from app.errors import BadRequest, NotFound, client_text
+from engines.devices import SHM_ROOT
 
-SHM_ROOT = Path("/dev/shm")
 # The server's own arenas (front ends' slots; Python's default names): never a client region.
 PRIVATE_PREFIXES = ("stoker-", "psm_")
 MAX_REGIONS = 256
 _KEY = re.compile(r"/?[A-Za-z0-9_.-]{1,200}")
+
+
+# Offsets and sizes past this are no file's.
+MAX_REGION_BYTES = (1 << 63) - 1
+
+
+def check_window(offset: object, byte_size: object) -> None:
+    """A registration's offset and byte size: integers, 0 <= offset, 0 < byte_size, both
+    below 2^63."""
+    for field, value in (("offset", offset), ("byte_size", byte_size)):
+        if type(value) is not int or not 0 <= value <= MAX_REGION_BYTES:
+            raise BadRequest(f'shared memory "{field}" must be an integer from 0 to 2^63 - 1')
+    if byte_size == 0:
+        raise BadRequest('shared memory "byte_size" must be positive')
 
 
 @dataclass

@@ -20,6 +20,7 @@ from app.contract import Slot
 from app.errors import Unavailable
 from app.tensor_data import pack_tensor
 from app.wire import TensorRef
+from engines.devices import SHM_ROOT
 
 log = logging.getLogger(__name__)
 PAGE = 4096
@@ -69,12 +70,12 @@ class Arena:
         else:
             # A fixed name: what a crashed predecessor left is replaced, not leaked.
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
+                os.unlink(SHM_ROOT / name)
         # A file of its own in /dev/shm, mapped here (not ``SharedMemory``: its finaliser
         # raises BufferError at exit while a request's view of the arena is still alive).
         self._name = name
         size = max(PAGE, pages * PAGE)
-        descriptor = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        descriptor = os.open(SHM_ROOT / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(descriptor, size)
             self.memory = mmap.mmap(descriptor, size)
@@ -232,13 +233,13 @@ class Arena:
 
     def close(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(f"/dev/shm/{self._name}")
+            os.unlink(SHM_ROOT / self._name)
         # A view still held (a request being torn down) keeps the mapping until it goes.
         with contextlib.suppress(BufferError):
             self.memory.close()
 
 
-def shm_bytes_free(root: str = "/dev/shm") -> int:
+def shm_bytes_free(root: str | os.PathLike[str] = SHM_ROOT) -> int:
     """Bytes free in the shared-memory file system (a large number where it cannot be read)."""
     try:
         stats = os.statvfs(root)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import client_text
+from app.frontend.refusal import refuse
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,8 @@ class ApiKeys:
         problem = "invalid API key" if key is not None else "missing API key"
         client = scope.get("client")
         self.refusals.refused(str(client[0]) if client else "?", problem, scope["path"])
-        await refuse(send, f"{problem}: send Authorization: Bearer <key> or X-API-Key: <key>")
+        message = f"{problem}: send Authorization: Bearer <key> or X-API-Key: <key>"
+        await refuse(send, 401, message, [(b"www-authenticate", CHALLENGE)])
 
 
 def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
@@ -153,19 +154,3 @@ def presented_key(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
             if scheme.lower() == b"bearer" and credentials.strip():
                 return credentials.strip()
     return None
-
-
-async def refuse(send: Send, message: str) -> None:
-    body = orjson.dumps({"error": message})
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 401,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", CHALLENGE),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

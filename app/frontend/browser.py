@@ -31,10 +31,10 @@ import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.errors import client_text
+from app.frontend.refusal import refuse
 from app.metrics import http_refused
 
 SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
@@ -129,18 +129,7 @@ class BrowserGuard:
             return
         reason, message = problem
         http_refused(403, reason)
-        body = orjson.dumps({"error": message})
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 403,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await refuse(send, 403, message)
 
     def _cross_site(
         self, headers: dict[bytes, bytes], host: str, path: str

@@ -3,8 +3,8 @@
 The data plane (``app.frontend.plane``) decodes and validates each request, then hands it
 here. Requests of one turn of the loop that may share a batch (``app.contract.batch_key``,
 the deadline class, priority and client) become one frame; uploads for the same model, ``k``
-and client one upload call. Where the engine client limits the frames of a key in flight
-(``EngineClient.frames_in_flight``, a front end's ``server.frames_in_flight``), small
+and client one upload call. Where the data plane limits the frames of a key in flight
+(``Gatherer.frames_in_flight``, a front end's ``server.frames_in_flight``), small
 requests that arrive while it has that many gather on, for ``MAX_HOLD_S`` at most (and a
 tenth of their soonest timeout, ``hold_s``): gRPC
 calls reach the loop one per wake-up, and without it each crossed alone.
@@ -173,9 +173,12 @@ async def again_if_reloaded(attempt: Callable[[], Awaitable[T]]) -> T:
 class Gatherer:
     """The gatherings of one data plane, and the frames of each key in flight."""
 
-    def __init__(self, settings: Settings, client: EngineClient) -> None:
+    def __init__(self, settings: Settings, client: EngineClient, frames_in_flight: int) -> None:
+        """``frames_in_flight``: of one key in flight before the next are held back to
+        gather (0: never)."""
         self.settings = settings
         self.client = client
+        self.frames_in_flight = frames_in_flight
         self._gatherings: dict[tuple[Any, ...], Gathering] = {}
         self._uploads: dict[tuple[Any, ...], UploadGathering] = {}
         self._flush_scheduled = False
@@ -251,7 +254,7 @@ class Gatherer:
 
     def _send_all(self) -> None:
         self._flush_scheduled = False
-        limit = self.client.frames_in_flight
+        limit = self.frames_in_flight
         for key, gathering in list(self._gatherings.items()):
             if (
                 not limit

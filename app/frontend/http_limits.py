@@ -39,9 +39,9 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.frontend.refusal import refusal
 from app.metrics import http_refused
 from app.settings import LimitSettings
 
@@ -193,10 +193,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._refused = True
         http_refused(status, reason)
         self._disarm()
-        body = orjson.dumps({"error": message})
+        headers, body = refusal(message, [(b"connection", b"close")])
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])
-        head += b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
-        self.transport.write(head + b"connection: close\r\n\r\n" + body)
+        head += b"".join(b"%s: %s\r\n" % header for header in headers)
+        self.transport.write(head + b"\r\n" + body)
         # Closing with unread bytes would reset the connection and lose the answer: what
         # still arrives is read and dropped (data_received) until the close a moment later.
         self.loop.call_later(REFUSAL_LINGER_S, self.transport.close)

@@ -44,35 +44,35 @@ async def settings_update(request: Request) -> dict[str, Any]:
 
 @router.get("/v2/trace/setting")
 async def trace_setting(request: Request) -> Response:
-    return json_response(await plane_of(request).trace_settings())
+    return json_response(await plane_of(request).control("trace_settings"))
 
 
 @router.post("/v2/trace/setting")
 async def update_trace_setting(request: Request) -> Response:
     update = await settings_update(request)
-    return json_response(await plane_of(request).trace_settings(None, update))
+    return json_response(await plane_of(request).control("trace_settings", None, update))
 
 
 @router.get("/v2/models/{name}/trace/setting")
 async def model_trace_setting(request: Request, name: str) -> Response:
-    return json_response(await plane_of(request).trace_settings(name))
+    return json_response(await plane_of(request).control("trace_settings", name))
 
 
 @router.post("/v2/models/{name}/trace/setting")
 async def update_model_trace_setting(request: Request, name: str) -> Response:
     update = await settings_update(request)
-    return json_response(await plane_of(request).trace_settings(name, update))
+    return json_response(await plane_of(request).control("trace_settings", name, update))
 
 
 @router.get("/v2/logging")
 async def log_settings(request: Request) -> Response:
-    return json_response(await plane_of(request).log_settings())
+    return json_response(await plane_of(request).control("log_settings"))
 
 
 @router.post("/v2/logging")
 async def update_log_settings(request: Request) -> Response:
     update = await settings_update(request)
-    return json_response(await plane_of(request).log_settings(update))
+    return json_response(await plane_of(request).control("log_settings", update))
 
 
 # Not an operation of this server: an answer for Triton's clients, left out of the OpenAPI.

@@ -75,7 +75,7 @@ def run_call(frame: Frame) -> tuple[wire.Run, bytes]:
     return call, b"".join(payloads)
 
 
-def ran_outputs(parts: Sequence[Part], ran: wire.Ran, data: bytes) -> list[Shaped]:
+def ran_outputs(parts: Sequence[Part], ran: wire.RanReply, data: bytes) -> list[Shaped]:
     """Each request's outputs, read from its slot or the reply's payload (``data``) as the
     engine's answer says; none for a request whose caller left and whose slot is lent anew
     (nobody reads it)."""

@@ -30,7 +30,6 @@ from app.contract import (
     Part,
     Raw,
     Slot,
-    check_window,
     checked,
     control_refusal,
     decode_infer_async,
@@ -58,17 +57,19 @@ waiting for the application) stay readable, and a flood must not hold it open.""
 
 
 class DataPlane:
-    def __init__(self, settings: Settings, client: EngineClient) -> None:
+    def __init__(self, settings: Settings, client: EngineClient, across: bool = False) -> None:
+        """``across``: the engine runs in other processes (a front end's), so frames of one
+        key are held back while ``server.frames_in_flight`` are in flight (in one process a
+        frame costs nothing to cross) and, as configured, uploads are made rows here."""
         self.settings = settings
         self._keyed = bool(settings.auth.keys())  # read once: a key file is read at start
         self.client = client
         self.failed: BaseException | None = None
         self.drain_state = Drain(settings.server.drain_timeout_s)
-        self.gatherer = Gatherer(settings, client)
+        front = settings.server
+        self.gatherer = Gatherer(settings, client, front.frames_in_flight if across else 0)
         self.row_maker = (
-            RowMaker(settings)
-            if settings.server.decode_uploads_in_front_ends and not client.in_process
-            else None
+            RowMaker(settings) if front.decode_uploads_in_front_ends and across else None
         )
         """Makes uploads rows here where the engine would decode them on its CPU."""
 
@@ -173,20 +174,10 @@ class DataPlane:
         where the engine client can tell without a round trip."""
         await self.client.check(name, version)
 
-    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
-        return await self.client.metadata(name, version)
-
-    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
-        return await self.client.version_ready(name, version)
-
-    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        return await self.client.model_config(name, version)
-
-    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
-        return await self.client.statistics(name, version)
-
-    async def repository_index(self) -> list[dict[str, str]]:
-        return await self.client.repository_index()
+    async def control(self, method: str, *args: Any) -> Any:
+        """The engine's control operation ``method`` (metadata, statistics, a load, a
+        region's registration...) called with ``args``, on the engines it spreads to."""
+        return await self.client.control(method, *args)
 
     async def check_control(self, name: str) -> None:
         """Raise what a load or unload of ``name`` gets whatever its body says, before the
@@ -197,43 +188,8 @@ class DataPlane:
             raise refused
         if self.draining:
             raise draining()
-        if all(entry.get("name") != name for entry in await self.client.repository_index()):
+        if all(entry.get("name") != name for entry in await self.control("repository_index")):
             raise NotFound(f"no model '{client_text(name)}' in the repository")
-
-    async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
-        """Load or reload a model on every engine (``config``: in place of its config.yaml);
-        refused while draining, and where ``models.control`` does not take it."""
-        if self.draining:
-            raise draining()
-        await self.client.load(name, config)
-
-    async def unload_model(self, name: str) -> None:
-        if self.draining:
-            raise draining()
-        await self.client.unload(name)
-
-    async def metrics_text(self) -> bytes:
-        return await self.client.metrics_text()
-
-    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        check_window(offset, byte_size)  # here: 2^64 would not cross to an engine process
-        await self.client.shm_register(name, key, offset, byte_size)
-
-    async def shm_unregister(self, name: str | None = None) -> None:
-        await self.client.shm_unregister(name)
-
-    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
-        return await self.client.shm_status(name)
-
-    async def trace_settings(
-        self, model: str | None = None, update: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Triton's trace settings (``app.observed``), in every process."""
-        return await self.client.trace_settings(model, update)
-
-    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Triton's log settings, applied in every process (the engines' too)."""
-        return await self.client.log_settings(update)
 
     def body_buffer(
         self, declared: int | None, client: str = ""
@@ -278,14 +234,8 @@ class DataPlane:
                     raise draining()
                 # Under overload most requests are refused: refuse before decoding, not after.
                 self.client.admit(contract)
-                limits = self.settings.limits
                 decoded = await decode_infer_async(
-                    contract,
-                    body,
-                    header_length,
-                    limits.max_json_depth,
-                    ENGINE_REGIONS,
-                    limits.max_json_decodes,
+                    contract, body, header_length, self.settings.limits, ENGINE_REGIONS
                 )
                 if any(out.shared is not None for out in decoded.wanted):
                     raise ForwardToEngine

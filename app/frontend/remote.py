@@ -20,14 +20,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
 from app import observed, wire
 from app.channel import ChannelClosed
-from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads
-from app.errors import Reloaded, StokerError
+from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads, draining
+from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.frontend.arena import Arena, ArenaShare
 from app.frontend.links import (
     EngineLink,
@@ -71,8 +71,6 @@ class RemoteEngine:
         arena: str | None = None,
     ) -> None:
         self.settings = settings
-        self.frames_in_flight = settings.server.frames_in_flight
-        self.in_process = False
         self._links = [EngineLink(label, Path(control)) for label, control in engines]
         front = settings.server
         self.arena = Arena(front.shm_slots, front.shm_slot_bytes, front.front_ends, arena)
@@ -86,6 +84,21 @@ class RemoteEngine:
         then (a load or unload since drops it)."""
         self.poller = Poller(self._links, self._engine_state)
         self._tasks: list[asyncio.Task[None]] = []
+        self._draining = False
+        self._rules: dict[str, wire.Rule] = {}
+        """The engines' control table (``Welcome``): their methods and how each spreads."""
+        self._spreads: dict[wire.Spread, Callable[[wire.Control, wire.Rule], Awaitable[Any]]]
+        self._spreads = {
+            wire.Spread.MODEL: self._on_model,
+            wire.Spread.ANY: self._on_any,
+            wire.Spread.SUMMED: self._summed,
+            wire.Spread.WORST: self._worst,
+            wire.Spread.LABELLED: self._labelled,
+            wire.Spread.AT_ONCE: self._at_once,
+            wire.Spread.ALL_OR_NONE: self._all_or_none,
+            wire.Spread.IN_TURN: self._in_turn,
+            wire.Spread.ADOPTED: self._adopted,
+        }
 
     # -- lifecycle
 
@@ -96,7 +109,9 @@ class RemoteEngine:
         self._tasks.append(asyncio.create_task(self.poller.run(), name="engine-state"))
 
     def begin_drain(self) -> None:
-        """Nothing to tell: each engine process drains on its own SIGTERM."""
+        """Refuse model control from now on (``Spread.AT_ONCE``); nothing to tell the
+        engines: each engine process drains on its own SIGTERM."""
+        self._draining = True
 
     async def drain(self) -> None:
         """Nothing to wait for beyond the data plane's own drain: the engines answer or fail
@@ -117,7 +132,8 @@ class RemoteEngine:
         reader = await link.open(deadline)
         self._spawn(self._read(link, reader), "engine-replies")
         try:
-            await link.call(wire.Hello(self.arena.name, self.arena.slot_bytes), wire.Done)
+            hello = wire.Hello(self.arena.name, self.arena.slot_bytes)
+            self._rules = (await link.call(hello, wire.Welcome)).control
         except BaseException:
             link.close()  # its reader ends and fails what waits on it
             raise
@@ -166,15 +182,13 @@ class RemoteEngine:
         if other is None:
             return
         try:
-            status = await other.call(wire.ShmStatus(None), wire.Value)
+            status = await other.call(wire.Control("shm_status", (None,)), wire.Value)
         except StokerError:
             return
         for region in status.value:
-            call = wire.ShmRegister(
-                region["name"], region["key"], region["offset"], region["byte_size"]
-            )
+            place = (region["name"], region["key"], region["offset"], region["byte_size"])
             with contextlib.suppress(StokerError):
-                await link.call(call, wire.Done)
+                await link.call(wire.Control("shm_register", place), wire.Value)
 
     # -- choosing an engine
 
@@ -190,12 +204,6 @@ class RemoteEngine:
         state = await link.call(call, wire.EngineState)
         observed.STATE.adopt(state.observed)  # a change another front end made
         return state
-
-    async def _value(
-        self, call: wire.Call, name: str | None = None, version: str | None = None
-    ) -> Any:
-        link = self._choose(name, version)
-        return (await link.call(call, wire.Value)).value
 
     # -- state
 
@@ -221,95 +229,81 @@ class RemoteEngine:
         last poll's queue depth is a quarter of a second old: refusing on it would turn
         away requests a queue that drained meanwhile could take)."""
 
-    async def metadata(self, name: str, version: str | None = None) -> dict[str, object]:
-        value: dict[str, object] = await self._value(
-            wire.ModelMetadata(name, version), name, version
-        )
-        return value
+    # -- control: by the engine's table, spread as it says (``wire.Spread``)
 
-    async def version_ready(self, name: str, version: str | None = None) -> dict[str, object]:
-        value: dict[str, object] = await self._value(
-            wire.VersionReady(name, version), name, version
-        )
-        return value
+    async def control(self, method: str, *args: Any) -> Any:
+        """The engines' control method ``method`` called with ``args``: on one engine or on
+        all of them, their answers made one, as the engines' table says (``Welcome``)."""
+        rule = self._rules.get(method)
+        if rule is None:
+            raise NotImplementedHere(f"no control operation '{method}' in this engine")
+        return await self._spreads[rule.spread](wire.Control(method, args), rule)
 
-    async def model_config(self, name: str, version: str | None = None) -> dict[str, Any]:
-        value: dict[str, Any] = await self._value(wire.ModelConfig(name, version), name, version)
-        return value
+    async def _on_model(self, call: wire.Control, rule: wire.Rule) -> Any:
+        name, version = (*call.args, None, None)[:2]
+        return (await self._choose(name, version).call(call, wire.Value)).value
 
-    async def statistics(self, name: str | None = None, version: str | None = None) -> list[object]:
+    async def _on_any(self, call: wire.Control, rule: wire.Rule) -> Any:
+        return (await self._choose().call(call, wire.Value)).value
+
+    async def _summed(self, call: wire.Control, rule: wire.Rule) -> Any:
         # Every engine's share of the model's requests, added up.
-        answers = await ask_every(self._connected(), wire.Statistics(name, version), wire.Value)
+        answers = await ask_every(self._connected(), call, wire.Value)
         return list(merged_statistics([reply.value for _, reply, _ in answers]))
 
-    async def repository_index(self) -> list[dict[str, str]]:
+    async def _worst(self, call: wire.Control, rule: wire.Rule) -> Any:
         """Every engine's index as one: where they disagree (one is still loading), the
         state of the engine furthest from serving, with its GPU named."""
-        answers = await ask_every(self._connected(), wire.RepositoryIndex(), wire.Value)
+        answers = await ask_every(self._connected(), call, wire.Value)
         return merged_index([(link.label, reply.value) for link, reply, _ in answers])
 
-    async def load(self, name: str, config: dict[str, Any] | None = None) -> None:
-        """Loaded (or reloaded) by every engine at once; see ``_on_every``."""
-        await self._on_every(wire.Load(name, config), "load")
-
-    async def unload(self, name: str) -> None:
-        await self._on_every(wire.Unload(name), "unload")
-
-    async def _on_every(self, call: wire.Load | wire.Unload, what: str) -> None:
-        """A load or unload sent to every connected engine at once; this front end's cached
-        contracts are dropped (the others' at their next poll, by the engines' generation)."""
-        links = self._connected()
-        outcomes = await asyncio.gather(
-            *(link.call(call, wire.Done) for link in links), return_exceptions=True
-        )
-        self._contracts.clear()
-        every_engine(f"{what} of {call.name!r}", links, outcomes)
-
-    async def metrics_text(self) -> bytes:
+    async def _labelled(self, call: wire.Control, rule: wire.Rule) -> bytes:
         if len(self._links) == 1:
-            _, text = await self._links[0].call_with_payload(wire.Metrics(), wire.Done)
+            _, text = await self._links[0].call_with_payload(call, wire.Done)
             return text
-        answers = await ask_every(self._connected(), wire.Metrics(), wire.Done)
+        answers = await ask_every(self._connected(), call, wire.Done)
         return labelled_metrics([(link.label, text) for link, _, text in answers])
 
-    async def shm_register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        """Registered with every connected engine, or with none: any of them may get the
-        requests that name it (an engine that comes back copies the others' regions)."""
+    async def _at_once(self, call: wire.Control, rule: wire.Rule) -> None:
+        """Sent to every connected engine at once (a load: loaded or reloaded by all); this
+        front end's cached contracts are dropped (the others' at their next poll, by the
+        engines' generation)."""
+        if self._draining:
+            raise draining()
+        links = self._connected()
+        outcomes = await asyncio.gather(
+            *(link.call(call, wire.Value) for link in links), return_exceptions=True
+        )
+        self._contracts.clear()
+        every_engine(f"{call.method} of {call.args[0]!r}", links, outcomes)
+
+    async def _all_or_none(self, call: wire.Control, rule: wire.Rule) -> None:
+        """Done by every connected engine, or by none: any of them may get the requests that
+        name what it did (a region; an engine that comes back copies the others')."""
         done: list[EngineLink] = []
         try:
             for link in self._connected():
-                await link.call(wire.ShmRegister(name, key, offset, byte_size), wire.Done)
+                await link.call(call, wire.Value)
                 done.append(link)
         except BaseException:
-            for link in done:
-                with contextlib.suppress(StokerError):
-                    await link.call(wire.ShmUnregister(name), wire.Done)
+            if rule.undo is not None:
+                undo = wire.Control(rule.undo, call.args[:1])
+                for link in done:
+                    with contextlib.suppress(StokerError):
+                        await link.call(undo, wire.Value)
             raise
 
-    async def shm_unregister(self, name: str | None = None) -> None:
+    async def _in_turn(self, call: wire.Control, rule: wire.Rule) -> None:
         for link in self._connected():
-            await link.call(wire.ShmUnregister(name), wire.Done)
+            await link.call(call, wire.Value)
 
-    async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
-        value: list[dict[str, object]] = await self._value(wire.ShmStatus(name))
-        return value
-
-    async def trace_settings(
-        self, model: str | None = None, update: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """Changed by every engine; adopted here at once (by the other front ends with
-        their next poll)."""
-        await self._observe(wire.TraceSettings(model, update))
-        return observed.STATE.trace_settings(model)
-
-    async def log_settings(self, update: dict[str, Any] | None = None) -> dict[str, Any]:
-        await self._observe(wire.LogSettings(update))
-        return dict(observed.STATE.log)
-
-    async def _observe(self, call: wire.TraceSettings | wire.LogSettings) -> None:
+    async def _adopted(self, call: wire.Control, rule: wire.Rule) -> Any:
+        """Changed by every engine; the settings adopted here at once (by the other front
+        ends with their next poll)."""
         answers = await ask_every(self._connected(), call, wire.Value)
         for _, reply, _ in answers:
-            observed.STATE.adopt(reply.value)
+            observed.STATE.adopt(reply.value[1])
+        return answers[0][1].value[0]
 
     # -- what the data plane measured: reported with the next poll
 
@@ -332,7 +326,8 @@ class RemoteEngine:
         cached = self._contracts.get((name, version))
         if cached is not None and ready <= cached[1] and epoch == cached[2]:
             return cached[0]
-        found = Contract.from_json(await self._value(wire.Describe(name, version), name, version))
+        described = await self._choose(name, version).call(wire.Describe(name, version), wire.Value)
+        found = Contract.from_json(described.value)
         # Engines may have shrunk the version to different max batches: the contract is that
         # of the one taking the most rows, and a request larger than another's max batch is
         # routed past that one (``_choose``), not refused.
@@ -442,7 +437,7 @@ class RemoteEngine:
         number = link.request(call, payload)
         slots = [part.slot for part in frame.parts if part.slot is not None]
         reply, data = await self._held(link, number, slots, len(frame.parts))
-        ran = answered(reply, wire.Ran)
+        ran = answered(reply, wire.RanReply)
         return Ran(ran.model, ran.version, ran_outputs(frame.parts, ran, data), link.label)
 
     async def infer_raw(self, raw: Raw) -> Answer:
@@ -480,5 +475,5 @@ class RemoteEngine:
             number = link.request(call, payload)
             requests = len(uploads.counts) or 1
             reply, data = await self._held(link, number, [slot] if slot else [], requests)
-        classified = answered(reply, wire.Classified)
+        classified = answered(reply, wire.ClassifiedReply)
         return Classified(classified.model, classified.version, classified_answers(data))

@@ -18,11 +18,17 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from app import __version__
-from app.errors import BadRequest, PayloadTooLarge, client_text
+from app.errors import BadRequest, PayloadTooLarge
+from app.frontend.control_parameters import (
+    LOAD_PARAMETERS,
+    UNLOAD_PARAMETERS,
+    config_override,
+    control_parameters,
+)
 from app.frontend.http_limits import BEGAN, Saturation
 from app.frontend.plane import DataPlane
+from app.frontend.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 from app.metrics import http_refused
-from app.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
@@ -176,89 +182,41 @@ async def ready(request: Request) -> Response:
 
 @router.get("/v2/models/stats")
 async def all_stats(request: Request) -> Response:
-    return json_response({"model_stats": await plane_of(request).statistics()})
+    return json_response({"model_stats": await plane_of(request).control("statistics")})
 
 
 @router.get("/v2/models/{name}")
 @router.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(await plane_of(request).metadata(name, version))
+    return json_response(await plane_of(request).control("metadata", name, version))
 
 
 @router.get("/v2/models/{name}/ready")
 @router.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: Request, name: str, version: str | None = None) -> Response:
-    answer = await plane_of(request).version_ready(name, version)
+    answer = await plane_of(request).control("version_ready", name, version)
     return json_response(answer, 200 if answer["ready"] else 503)
 
 
 @router.get("/v2/models/{name}/config")
 @router.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response(await plane_of(request).model_config(name, version))
+    return json_response(await plane_of(request).control("model_config", name, version))
 
 
 @router.get("/v2/models/{name}/stats")
 @router.get("/v2/models/{name}/versions/{version}/stats")
 async def model_stats(request: Request, name: str, version: str | None = None) -> Response:
-    return json_response({"model_stats": await plane_of(request).statistics(name, version)})
+    stats = await plane_of(request).control("statistics", name, version)
+    return json_response({"model_stats": stats})
 
 
 @router.post("/v2/repository/index")
 async def repository_index(request: Request) -> Response:
-    return json_response(await plane_of(request).repository_index())
+    return json_response(await plane_of(request).control("repository_index"))
 
 
 # -- model control ------------------------------------------------------------------------
-
-
-def control_parameters(body: bytes, accepted: frozenset[str]) -> dict[str, Any]:
-    """The ``parameters`` of a load or unload body (Triton's and MLServer's; the body is
-    optional), each named in ``accepted``."""
-    if not body.strip():
-        return {}
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadRequest(f"the body is not JSON: {error}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("parameters", {}), dict):
-        raise BadRequest('expected {"parameters": {...}}')
-    parameters: dict[str, Any] = document.get("parameters", {})
-    check_parameters(parameters, accepted)
-    return parameters
-
-
-def check_parameters(parameters: dict[str, Any], accepted: frozenset[str]) -> None:
-    for key in parameters:
-        if key.startswith("file:"):
-            raise BadRequest(
-                "model files in the request are not supported: put them in the model's "
-                "folder in the repository and load it"
-            )
-        if key not in accepted:
-            raise BadRequest(
-                f"unknown parameter '{client_text(key)}'; accepted: {', '.join(sorted(accepted))}"
-            )
-
-
-def config_override(parameters: dict[str, Any]) -> dict[str, Any] | None:
-    """Triton's ``parameters.config``: the model's config as JSON text (or, here, a JSON
-    object), in place of its config.yaml for this load; None: the folder's config.yaml."""
-    config = parameters.get("config")
-    if config is None:
-        return None
-    if isinstance(config, str):
-        try:
-            config = orjson.loads(config)
-        except orjson.JSONDecodeError as error:
-            raise BadRequest(f"parameters.config is not JSON: {error}") from None
-    if not isinstance(config, dict):
-        raise BadRequest("parameters.config must be a JSON object (a config.yaml's fields)")
-    return config
-
-
-LOAD_PARAMETERS = frozenset({"config"})
-UNLOAD_PARAMETERS = frozenset({"unload_dependents"})
 
 
 async def control_body(request: Request) -> bytes:
@@ -286,7 +244,7 @@ async def load_model(request: Request, name: str) -> Response:
     plane = plane_of(request)
     await plane.check_control(name)  # mode, drain, unknown model: before the body is read
     parameters = control_parameters(await control_body(request), LOAD_PARAMETERS)
-    await plane.load_model(name, config_override(parameters))
+    await plane.control("load", name, config_override(parameters))
     return json_response({})
 
 
@@ -296,7 +254,7 @@ async def unload_model(request: Request, name: str) -> Response:
     await plane.check_control(name)
     # unload_dependents is accepted as Triton's clients send it; no model depends on another.
     control_parameters(await control_body(request), UNLOAD_PARAMETERS)
-    await plane.unload_model(name)
+    await plane.control("unload", name)
     return json_response({})
 
 
@@ -331,21 +289,23 @@ async def shm_register(request: Request, name: str) -> Response:
             f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()
         )
         raise BadRequest(f"shared memory registration: {problems}") from None
-    await plane_of(request).shm_register(name, region.key, region.offset, region.byte_size)
+    await plane_of(request).control(
+        "shm_register", name, region.key, region.offset, region.byte_size
+    )
     return json_response({})
 
 
 @router.post("/v2/systemsharedmemory/region/{name}/unregister")
 @router.post("/v2/systemsharedmemory/unregister")
 async def shm_unregister(request: Request, name: str | None = None) -> Response:
-    await plane_of(request).shm_unregister(name)
+    await plane_of(request).control("shm_unregister", name)
     return json_response({})
 
 
 @router.get("/v2/systemsharedmemory/region/{name}/status")
 @router.get("/v2/systemsharedmemory/status")
 async def shm_status(request: Request, name: str | None = None) -> Response:
-    return json_response(await plane_of(request).shm_status(name))
+    return json_response(await plane_of(request).control("shm_status", name))
 
 
 # -- inference ----------------------------------------------------------------------------
@@ -507,4 +467,5 @@ async def classify_upload(
     responses={200: {"description": "Prometheus text", "content": {"text/plain": {}}}},
 )
 async def metrics(request: Request) -> Response:
-    return Response(await plane_of(request).metrics_text(), media_type=CONTENT_TYPE_LATEST)
+    text = await plane_of(request).control("metrics_text")
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

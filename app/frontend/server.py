@@ -6,7 +6,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
@@ -185,7 +185,7 @@ class InferFastPath:
     after the same middleware (API keys, body limits), but without FastAPI's route matching
     and dependency solving, which a profile of a front end put above the V2 codec itself
     (every request tried some 20 routes). Errors are answered as the exception handlers
-    answer them. Every other path goes on to the application."""
+    answer them (``ERROR_HANDLERS``). Every other path goes on to the application."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -199,12 +199,8 @@ class InferFastPath:
         response: Response
         try:
             response = await infer_response(request, match[1], match[2])
-        except StokerError as error:
-            response = json_response({"error": error.message}, error.status)
-        except ClientDisconnect:
-            response = await client_gone(request, ClientDisconnect())
         except Exception as error:
-            response = await unexpected_error(request, error)
+            response = await handler_of(error)(request, error)
         await response(scope, receive, send)
 
 
@@ -244,6 +240,22 @@ async def client_gone(request: Request, _: Exception) -> Response:
 async def unexpected_error(_: Request, exc: Exception) -> Response:
     log.error("unhandled %s: %s", type(exc).__name__, exc, exc_info=exc)
     return json_response({"error": "internal server error"}, 500)
+
+
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
+ERROR_HANDLERS: dict[type[Exception], ErrorHandler] = {
+    StokerError: stoker_error,
+    HTTPException: http_error,
+    RequestValidationError: validation_error,
+    ClientDisconnect: client_gone,
+    Exception: unexpected_error,
+}
+"""What answers an exception a route raises, by its type (the nearest in its MRO, as
+Starlette looks them up): the application's handlers and ``InferFastPath``'s."""
+
+
+def handler_of(error: Exception) -> ErrorHandler:
+    return next(ERROR_HANDLERS[kind] for kind in type(error).__mro__ if kind in ERROR_HANDLERS)
 
 
 def embedded(settings: Settings) -> DataPlane:
@@ -318,11 +330,8 @@ def create_app(
     # The caps' fullness, for readiness: the server's connection cap and BodyLimit note here.
     saturation = Saturation(settings.limits.saturated_after_s)
     app.state.saturation = saturation
-    app.add_exception_handler(StokerError, stoker_error)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(ClientDisconnect, client_gone)
-    app.add_exception_handler(Exception, unexpected_error)
+    for kind, handler in ERROR_HANDLERS.items():
+        app.add_exception_handler(kind, handler)
     app.add_middleware(InferFastPath)  # inside the limits and the keys: they apply to it too
     app.add_middleware(
         BodyLimit,

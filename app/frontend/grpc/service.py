@@ -24,18 +24,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from app import __version__
 from app.contract import THREADED_DECODE_BYTES
 from app.errors import PayloadTooLarge, StokerError
-from app.frontend.grpc import codec
-from app.frontend.grpc.ending import Ended
-from app.frontend.grpc.generated import grpc_service_pb2 as pb
-from app.frontend.grpc.limits import CallLimits, peer_host
-from app.frontend.plane import DataPlane
-from app.frontend.routes import (
-    EXTENSIONS,
+from app.frontend.control_parameters import (
     LOAD_PARAMETERS,
     UNLOAD_PARAMETERS,
     check_parameters,
     config_override,
 )
+from app.frontend.grpc import codec
+from app.frontend.grpc.ending import Ended
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
+from app.frontend.grpc.limits import CallLimits, peer_host
+from app.frontend.plane import DataPlane
+from app.frontend.routes import EXTENSIONS
 from app.json_bounds import LARGE_DECODES
 from app.metrics import http_refused
 from app.tensor_data import quote
@@ -137,7 +137,9 @@ class InferenceService:
         self, request: pb.ModelReadyRequest, context: Context
     ) -> pb.ModelReadyResponse:
         try:
-            answer = await self.plane.version_ready(request.name, request.version or None)
+            answer = await self.plane.control(
+                "version_ready", request.name, request.version or None
+            )
         except StokerError as error:
             # Unknown, loading or refused: not ready, as Triton answers (HTTP says 404 or 503).
             if error.status not in (404, 503):
@@ -154,28 +156,30 @@ class InferenceService:
     async def ModelMetadata(
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
-        document = await self.plane.metadata(request.name, request.version or None)
+        document = await self.plane.control("metadata", request.name, request.version or None)
         return codec.model_metadata(document)
 
     @answered
     async def ModelConfig(
         self, request: pb.ModelConfigRequest, context: Context
     ) -> pb.ModelConfigResponse:
-        document = await self.plane.model_config(request.name, request.version or None)
+        document = await self.plane.control("model_config", request.name, request.version or None)
         return codec.model_config(document)
 
     @answered
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context
     ) -> pb.ModelStatisticsResponse:
-        entries = await self.plane.statistics(request.name or None, request.version or None)
+        entries = await self.plane.control(
+            "statistics", request.name or None, request.version or None
+        )
         return codec.model_statistics(entries)
 
     @answered
     async def RepositoryIndex(
         self, request: pb.RepositoryIndexRequest, context: Context
     ) -> pb.RepositoryIndexResponse:
-        entries = await self.plane.repository_index()
+        entries = await self.plane.control("repository_index")
         if request.ready:
             entries = [e for e in entries if e.get("state") == "READY"]
         return codec.repository_index(entries)
@@ -188,7 +192,7 @@ class InferenceService:
     ) -> pb.RepositoryModelLoadResponse:
         parameters = codec.repository_parameters(request.parameters)
         check_parameters(parameters, LOAD_PARAMETERS)
-        await self.plane.load_model(request.model_name, config_override(parameters))
+        await self.plane.control("load", request.model_name, config_override(parameters))
         return pb.RepositoryModelLoadResponse()
 
     @answered
@@ -196,7 +200,7 @@ class InferenceService:
         self, request: pb.RepositoryModelUnloadRequest, context: Context
     ) -> pb.RepositoryModelUnloadResponse:
         check_parameters(codec.repository_parameters(request.parameters), UNLOAD_PARAMETERS)
-        await self.plane.unload_model(request.model_name)
+        await self.plane.control("unload", request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # -- system shared memory -----------------------------------------------------------
@@ -205,21 +209,23 @@ class InferenceService:
     async def SystemSharedMemoryRegister(
         self, request: pb.SystemSharedMemoryRegisterRequest, context: Context
     ) -> pb.SystemSharedMemoryRegisterResponse:
-        await self.plane.shm_register(request.name, request.key, request.offset, request.byte_size)
+        await self.plane.control(
+            "shm_register", request.name, request.key, request.offset, request.byte_size
+        )
         return pb.SystemSharedMemoryRegisterResponse()
 
     @answered
     async def SystemSharedMemoryUnregister(
         self, request: pb.SystemSharedMemoryUnregisterRequest, context: Context
     ) -> pb.SystemSharedMemoryUnregisterResponse:
-        await self.plane.shm_unregister(request.name or None)
+        await self.plane.control("shm_unregister", request.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @answered
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return codec.shm_status(await self.plane.shm_status(request.name or None))
+        return codec.shm_status(await self.plane.control("shm_status", request.name or None))
 
     # -- what Stoker does not serve ------------------------------------------------------
 
@@ -245,7 +251,9 @@ class InferenceService:
         """Triton's trace settings (``app.observed``): a setting sent without values drops
         a model's override of it."""
         update = {key: list(value.value) or None for key, value in request.settings.items()}
-        settings = await self.plane.trace_settings(request.model_name or None, update or None)
+        settings = await self.plane.control(
+            "trace_settings", request.model_name or None, update or None
+        )
         answer = pb.TraceSettingResponse()
         for key, value in settings.items():
             answer.settings[key].value.extend(value if isinstance(value, list) else [value])
@@ -259,7 +267,7 @@ class InferenceService:
         for key, value in request.settings.items():
             which = value.WhichOneof("parameter_choice")
             update[key] = None if which is None else getattr(value, which)
-        settings = await self.plane.log_settings(update or None)
+        settings = await self.plane.control("log_settings", update or None)
         answer = pb.LogSettingsResponse()
         for key, setting in settings.items():
             into = answer.settings[key]

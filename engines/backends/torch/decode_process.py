@@ -41,13 +41,13 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 import torch.multiprocessing as torch_mp
 
 from engines.backends.torch.images import DecodeTimes, DeviceRows, JpegDecode, TorchImageDecoder
+from engines.devices import SHM_ROOT
 from engines.heap import freeze_heap
 from engines.preprocess import ImagePreprocess
 from engines.sampler import sampled
@@ -62,7 +62,6 @@ BATCH_TIMEOUT_S = 10.0
 INPUT_BYTES = 16 << 20
 # After a start that failed, batches go to the CPU for this long before the next try.
 RETRY_S = 30.0
-SHM_ROOT = Path("/dev/shm")
 # A child's answer to a batch: ("ok", whether each image decoded, the batch's times) or
 # ("error", why, None).
 Answer = tuple[str, Any, DecodeTimes | None]

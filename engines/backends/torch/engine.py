@@ -32,10 +32,7 @@ from engines.backends.torch import compiled
 from engines.backends.torch.convert import OnnxModule, UnsupportedModel, convert
 from engines.backends.torch.memory import limit_memory, reserved
 from engines.backends.torch.precision import PRECISIONS, compute_dtype, graph_precision
-from engines.backends.torch.runner import TORCH_DTYPES
-
-# Re-exported: scripts/gpu_bench.py imports the runner from here.
-from engines.backends.torch.runner import TorchRunner as TorchRunner
+from engines.backends.torch.runner import TORCH_DTYPES, TorchRunner
 from engines.base import EngineOptions, ModelDoesNotFit
 from engines.devices.options import GpuOptions
 from engines.preprocess import ImagePreprocess

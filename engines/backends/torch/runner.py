@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -26,10 +26,8 @@ from engines.backends.torch.images import DeviceRows
 from engines.backends.torch.precision import compute_dtype, tf32
 from engines.backends.torch.staging import staged_copy
 from engines.devices import cuda
-from engines.spec import TensorSpec
-
-if TYPE_CHECKING:
-    from engines.backends.torch.engine import TorchEngine
+from engines.preprocess import ImagePreprocess
+from engines.spec import ModelSpec, TensorSpec
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +92,35 @@ class _Input:
     device: dict[str, torch.Tensor]
 
 
+class Layout(Protocol):
+    """The options of a runner's engine that shape its inputs (``TorchOptions``)."""
+
+    @property
+    def image(self) -> ImagePreprocess | None: ...
+    @property
+    def channels_last(self) -> bool: ...
+
+
+class Engine(Protocol):
+    """What a runner reads of its engine (``TorchEngine``, which makes runners)."""
+
+    @property
+    def spec(self) -> ModelSpec: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def options(self) -> Layout: ...
+    @property
+    def pixel_input(self) -> str | None: ...
+    @property
+    def cuda_graphs(self) -> bool: ...
+    def call(self, device: int) -> Any: ...
+
+
 class TorchRunner:
     """One lane: a stream, pinned staging, static device buffers and a graph per bucket."""
 
-    def __init__(self, engine: TorchEngine, device: int, buckets: Sequence[int]) -> None:
+    def __init__(self, engine: Engine, device: int, buckets: Sequence[int]) -> None:
         self.engine = engine
         self.device = device
         spec = engine.spec

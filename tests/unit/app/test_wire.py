@@ -38,20 +38,13 @@ CALLS: list[wire.Call] = [
     wire.Infer("m", "int8", 120, "c", SLOT, 300),
     wire.Classify(None, None, 5, (100, 200), "c"),
     wire.Classify("m", None, None, (150528,), "c", SLOT, (1,), {"crop": 224, "layout": "NCHW"}),
-    wire.Metrics(),
-    wire.ModelMetadata("m"),
-    wire.VersionReady("m", "fp16"),
-    wire.ModelConfig("m"),
-    wire.Statistics(),
-    wire.RepositoryIndex(),
-    wire.Load("m", {"max_batch_size": 4, "dynamic_batching": {"max_queue_delay_us": 0}}),
-    wire.Load("m"),
-    wire.Unload("m"),
-    wire.ShmRegister("r", "/r", 0, 64),
-    wire.ShmUnregister(None),
-    wire.ShmStatus("r"),
-    wire.TraceSettings("m", {"trace_rate": "10", "trace_level": ["TIMESTAMPS"]}),
-    wire.LogSettings({"log_verbose_level": 1}),
+    wire.Control("metrics_text"),
+    wire.Control("metadata", ("m", None)),
+    wire.Control(
+        "load", ("m", {"max_batch_size": 4, "dynamic_batching": {"max_queue_delay_us": 0}})
+    ),
+    wire.Control("shm_register", ("r", "/r", 0, 64)),
+    wire.Control("log_settings", ({"log_verbose_level": 1},)),
 ]
 
 
@@ -71,12 +64,18 @@ def test_a_call_crosses_as_its_own_type(call: wire.Call) -> None:
     [
         wire.Failure("queue full", 429, "rejected"),
         wire.Done(),
+        wire.Welcome(
+            {
+                "metadata": wire.Rule(wire.Spread.MODEL),
+                "shm_register": wire.Rule(wire.Spread.ALL_OR_NONE, "shm_unregister"),
+            }
+        ),
         wire.Value({"name": "m", "versions": ["fp32"]}),
         wire.EngineState(True, False, 3, (wire.Serving("m", "fp32", 8),), 12),
         wire.EngineState(True, True, 0, (), 1, {"revision": 2, "trace": {}, "models": {}}),
-        wire.Ran("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
+        wire.RanReply("m", "fp32", (wire.ItemReply((TENSOR,), True),)),
         wire.Inferred("m", "fp32", {"Inference-Header-Content-Length": "12"}, 40),
-        wire.Classified("m", "fp32"),
+        wire.ClassifiedReply("m", "fp32"),
     ],
     ids=lambda reply: type(reply).__name__,
 )

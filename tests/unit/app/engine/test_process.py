@@ -34,9 +34,9 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
-async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.Answer]:
+async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.ReplyHeader]:
     """The next ``count`` answers, by call number (they may come in any order)."""
-    found: dict[int, wire.Answer] = {}
+    found: dict[int, wire.ReplyHeader] = {}
     while len(found) < count:
         header, _ = await receive(reader)
         answer = wire.decode_answer(header)
@@ -163,13 +163,13 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
         call = wire.Run("tiny", "fp32", None, 0, "", tuple(items))
         out.send(wire.encode_call(3, call), payload)
         reply = await receive(reader)
-        out.send(wire.encode_call(4, wire.Statistics("tiny")))
+        out.send(wire.encode_call(4, wire.Control("statistics", ("tiny",))))
         return reply, await receive(reader)
 
     (header, data), (stats_header, _) = with_engine(tmp_path, talk)
     answer = wire.decode_answer(header)
     ran = answer.reply
-    assert answer.id == 3 and isinstance(ran, wire.Ran) and len(ran.items) == 3
+    assert answer.id == 3 and isinstance(ran, wire.RanReply) and len(ran.items) == 3
     got = []
     for part in ran.items:
         assert part.in_slot is False
@@ -211,7 +211,7 @@ def test_a_frame_too_large_is_refused_by_its_number_and_the_channel_keeps_servin
     (it used to close the channel, which cost the front end its life)."""
     lengths = struct.Struct("!II")
     config = {"labels": ["x" * 100] * 11_000}
-    header = wire.encode_call(1, wire.Load("tiny", config))
+    header = wire.encode_call(1, wire.Control("load", ("tiny", config)))
     assert len(header) > MAX_HEADER_BYTES
 
     async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:

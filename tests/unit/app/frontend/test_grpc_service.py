@@ -250,13 +250,10 @@ class ControlledPlane:
     """A data plane that remembers the loads and unloads it is handed."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, str, Any]] = []
+        self.calls: list[tuple[Any, ...]] = []
 
-    async def load_model(self, name: str, config: dict[str, Any] | None = None) -> None:
-        self.calls.append(("load", name, config))
-
-    async def unload_model(self, name: str) -> None:
-        self.calls.append(("unload", name, None))
+    async def control(self, method: str, *args: Any) -> None:
+        self.calls.append((method, *args))
 
 
 def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() -> None:
@@ -274,7 +271,7 @@ def test_repository_load_and_unload_reach_the_plane_as_http_hands_them_over() ->
     )
     asyncio.run(service.RepositoryModelLoad(load, context))
     asyncio.run(service.RepositoryModelUnload(unload, context))
-    assert plane.calls == [("load", "tiny", {"max_batch_size": 4}), ("unload", "tiny", None)]
+    assert plane.calls == [("load", "tiny", {"max_batch_size": 4}), ("unload", "tiny")]
     for parameters, why in (
         ({"file:1/model.onnx": Parameter(bytes_param=b"onnx")}, "not supported"),
         ({"colour": Parameter(string_param="red")}, "unknown parameter 'colour'"),

@@ -104,7 +104,7 @@ def test_bad_requests_are_refused_with_the_reason_and_counted(tiny_repo: Path) -
             refusals[label] = caught.value.message
         with pytest.raises(NotFound):
             await plane.infer("nope", None, v2_body(x), None)
-        return {"refusals": refusals, "stats": await plane.statistics("tiny")}
+        return {"refusals": refusals, "stats": await plane.control("statistics", "tiny")}
 
     seen = with_plane(tiny_repo, scenario)
     assert "does not match" in seen["refusals"]["shape"]
@@ -156,7 +156,7 @@ def test_loads_and_unloads_are_refused_where_the_mode_does_not_take_them(
     tiny_repo: Path, control: str, refusal: str
 ) -> None:
     async def scenario(plane: DataPlane) -> None:
-        for call in (plane.load_model("tiny"), plane.unload_model("tiny")):
+        for call in (plane.control("load", "tiny"), plane.control("unload", "tiny")):
             with pytest.raises(BadRequest, match=refusal):
                 await call
         assert plane.is_ready
@@ -166,16 +166,16 @@ def test_loads_and_unloads_are_refused_where_the_mode_does_not_take_them(
 
 def test_loads_and_unloads_are_refused_while_draining(tiny_repo: Path) -> None:
     async def scenario(plane: DataPlane) -> None:
-        await plane.unload_model("tiny")
-        await plane.load_model("tiny")
+        await plane.control("unload", "tiny")
+        await plane.control("load", "tiny")
         plane.begin_drain()
-        for call in (plane.load_model("tiny"), plane.unload_model("tiny")):
+        for call in (plane.control("load", "tiny"), plane.control("unload", "tiny")):
             with pytest.raises(Unavailable, match="shutting down"):
                 await call
         # The engine refuses too, on its own drain (an engine process drains on SIGTERM).
         plane.client.begin_drain()
         with pytest.raises(Unavailable, match="shutting down"):
-            await plane.client.load("tiny")
+            await plane.client.control("load", "tiny")
 
     with_plane(tiny_repo, scenario, "explicit")
 
@@ -190,7 +190,7 @@ def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_che
 
     async def scenario(plane: DataPlane) -> tuple[int, int, list[str]]:
         before = await plane.client.contract("tiny")
-        await plane.load_model("tiny", {"max_batch_size": 4})
+        await plane.control("load", "tiny", {"max_batch_size": 4})
         after = await plane.client.contract("tiny")
         wanted = [RequestedOutput("y", True)]
         fits = Frame("tiny", "fp32", [Part({"x": two}, 2, wanted)], None, 0, "", before.serial)
@@ -218,9 +218,9 @@ def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_che
 def test_metadata_and_config_describe_the_served_model(tiny_repo: Path) -> None:
     async def scenario(plane: DataPlane) -> tuple[Any, Any, Any]:
         return (
-            await plane.metadata("tiny"),
-            await plane.model_config("tiny"),
-            await plane.version_ready("tiny"),
+            await plane.control("metadata", "tiny"),
+            await plane.control("model_config", "tiny"),
+            await plane.control("version_ready", "tiny"),
         )
 
     metadata, config, ready = with_plane(tiny_repo, scenario)
@@ -399,7 +399,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
     async def scenario(
         plane: DataPlane, limit: int, until_all_sent: bool = False
     ) -> tuple[list[tuple[int, Any]], list[Any]]:
-        plane.client.frames_in_flight = limit
+        plane.gatherer.frames_in_flight = limit
         frames: list[tuple[int, Any]] = []  # each frame's requests and its earliest arrival
         gate = asyncio.Event()
         real = plane.client.run
@@ -472,7 +472,7 @@ def test_a_held_frame_goes_after_a_tenth_of_its_soonest_timeout(
     timeout = {"parameters": {"timeout": 5_000_000}}
 
     async def scenario(plane: DataPlane) -> tuple[list[int], list[Any]]:
-        plane.client.frames_in_flight = 1
+        plane.gatherer.frames_in_flight = 1
         frames: list[int] = []
         gate = asyncio.Event()
         real = plane.client.run

@@ -21,9 +21,9 @@ import yaml
 
 from app import wire
 from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode_infer
-from app.engine.local import LocalEngine
+from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
-from app.errors import BadRequest, Unavailable
+from app.errors import BadRequest, NotImplementedHere, Unavailable
 from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import DataPlane
@@ -379,7 +379,7 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
         await engine.start()
         server = await asyncio.start_unix_server(Held(engine).serve, path=str(control))
         remote = RemoteEngine(settings, [("", control)])
-        front = DataPlane(settings, remote)
+        front = DataPlane(settings, remote, across=True)
         await front.start()
         await remote.contract("tiny", None)  # asked once, before the five
 
@@ -458,7 +458,7 @@ def test_timeouts_within_a_percent_share_a_frame_under_the_shortest(tmp_path: Pa
         await engine.start()
         server = await asyncio.start_unix_server(Recorded(engine).serve, path=str(control))
         remote = RemoteEngine(settings, [("", control)])
-        front = DataPlane(settings, remote)
+        front = DataPlane(settings, remote, across=True)
         await front.start()
         await remote.contract("tiny", None)
 
@@ -514,7 +514,7 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
             channel = Counted(engine, label, hold=label == "0")
             servers.append(await asyncio.start_unix_server(channel.serve, path=path))
         links = [("0", tmp_path / "engine-0.sock"), ("1", tmp_path / "engine-1.sock")]
-        front = DataPlane(settings, RemoteEngine(settings, links))
+        front = DataPlane(settings, RemoteEngine(settings, links), across=True)
         await front.start()
         try:
             for _ in range(200):  # both polled ready (the poll runs every 0.25 s)
@@ -664,7 +664,7 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
     the chosen engine's max batch (64 on the idle, smaller engine): three requests of 40
     rows cross as frames of 40 rows each, every request answered with its own rows."""
     front, small, large = shrunk_engines(tmp_path)
-    plane = DataPlane(Settings(), front)
+    plane = DataPlane(Settings(), front, across=True)
     sent: list[tuple[EngineLink, int]] = []
 
     def capture(link: EngineLink) -> Any:
@@ -679,7 +679,7 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
                 items.append(wire.ItemReply((ref,), False))
                 data += y.tobytes()
             future = asyncio.get_running_loop().create_future()
-            future.set_result((wire.Ran("m", "fp16", tuple(items)), data))
+            future.set_result((wire.RanReply("m", "fp16", tuple(items)), data))
             link.waiting[len(sent)] = future
             return len(sent)
 
@@ -739,7 +739,7 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
         server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
         one = RemoteEngine(settings, [("", control)], "stoker-test-one")
         other = RemoteEngine(settings, [("", control)], "stoker-test-other")
-        planes = [DataPlane(settings, one), DataPlane(settings, other)]
+        planes = [DataPlane(settings, one, across=True), DataPlane(settings, other, across=True)]
         try:
             for plane in planes:
                 await plane.start()
@@ -748,7 +748,7 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
                     break
                 await asyncio.sleep(0.01)
             cached = (await other.contract("tiny")).spec.max_batch_size
-            await planes[0].load_model("tiny", {"max_batch_size": 4, "runners": 1})
+            await planes[0].control("load", "tiny", {"max_batch_size": 4, "runners": 1})
             mine = (await one.contract("tiny")).spec.max_batch_size
             # Six rows fit the contract the other front end cached, not the served one: it
             # is refused as the new contract refuses it, not run on the old terms.
@@ -759,8 +759,8 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
                     break
                 await asyncio.sleep(0.01)
             learned = (await other.contract("tiny")).spec.max_batch_size
-            await planes[1].unload_model("tiny")
-            states = [item["state"] for item in await other.repository_index()]
+            await planes[1].control("unload", "tiny")
+            states = [item["state"] for item in await other.control("repository_index")]
             return cached, mine, learned, states
         finally:
             for plane in planes:
@@ -788,3 +788,44 @@ def test_the_arena_is_full_while_less_than_a_slot_is_free(arena: Arena) -> None:
     for slot in (first, second, third, fourth):
         arena.give_back(slot)
     assert arena.full_since is None and arena.free_bytes == 16 * PAGE
+
+
+def test_a_new_control_operation_is_its_engine_method_alone(tmp_path: Path) -> None:
+    """An engine method marked ``@operation`` is a control operation with nothing else
+    written for it: called by name in one process and, through the one generic call the
+    engine's table allows (learnt at ``Hello``), from a front end; spread to every engine
+    and merged where it says so (the statistics, added up); a name the engine's table lacks
+    is refused with 501 on either side, and never sent."""
+    settings = tiny_repository(tmp_path, 8, server={"shm_slots": 2, "shm_slot_bytes": 16 * PAGE})
+    control = tmp_path / "engine.sock"
+
+    class Echoing(LocalEngine):
+        @operation(wire.Spread.ANY)
+        async def echo(self, text: str, times: int = 1) -> dict[str, str]:
+            return {"echo": text * times}
+
+    async def main() -> None:
+        engine = Echoing(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        front = RemoteEngine(settings, [("", control)], "stoker-test-echo")
+        try:
+            await front.start()
+            assert await engine.control("echo", "ab", 2) == {"echo": "abab"}
+            assert await front.control("echo", "ab", 2) == {"echo": "abab"}
+            (stats,) = await front.control("statistics", "tiny")
+            assert (
+                stats["name"] == "tiny" and stats == (await engine.control("statistics", "tiny"))[0]
+            )
+            for client in (engine, front):
+                with pytest.raises(NotImplementedHere, match="no control operation 'nope'"):
+                    await client.control("nope")
+        finally:
+            await front.stop()
+            server.close()
+            await engine.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        CONTROL.pop("echo", None)

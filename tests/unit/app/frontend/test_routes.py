@@ -137,7 +137,11 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection() -> None:
 def test_a_load_body_is_tritons_and_its_config_a_json_object(
     body: bytes, config: dict[str, object] | None, problem: str | None
 ) -> None:
-    from app.frontend.routes import LOAD_PARAMETERS, config_override, control_parameters
+    from app.frontend.control_parameters import (
+        LOAD_PARAMETERS,
+        config_override,
+        control_parameters,
+    )
 
     if problem is None:
         assert config_override(control_parameters(body, LOAD_PARAMETERS)) == config

@@ -146,9 +146,9 @@ def test_a_child_that_dies_costs_its_batch_and_is_started_again() -> None:
 
 
 def shm_files() -> set[Path]:
-    from engines.backends.torch import decode_process
+    from engines.devices import SHM_ROOT
 
-    return set(decode_process.SHM_ROOT.glob("stoker-decode-*"))
+    return set(SHM_ROOT.glob("stoker-decode-*"))
 
 
 def test_closing_ends_the_child_and_leaves_no_file() -> None:
