@@ -212,6 +212,43 @@ def thread_kind(thread: str) -> str:
     return "other Python thread"
 
 
+def cpu_per_request(workers: Workers, pid: int, concurrency: int, seconds: float) -> float:
+    """The server's CPU (every process and thread) per request over one closed-loop step."""
+    pids = descendants(pid)
+    before = thread_times(pids)
+    result = workers.run(Step("closed", concurrency, 0.0, 0.0, seconds))
+    after = thread_times(pids)
+    used = sum(t - before.get(k, ("", 0))[1] for k, (_, t) in after.items())
+    return used * 1e6 / TICK / max(result.requests, 1)
+
+
+def compare(args: argparse.Namespace, built: list[payloads.Payload]) -> None:
+    """``--against URL PID``: the two servers' CPU per request in alternating rounds (no
+    profiler attached), and the median of each and of their ratio."""
+    import statistics
+
+    url_b, pid_b = args.against[0].rstrip("/"), int(args.against[1])
+    path = f"/v2/models/{args.model}/infer"
+    url = args.url.rstrip("/")
+    with (
+        Workers(HttpTarget(url, path), built, args.workers) as a,
+        Workers(HttpTarget(url_b, path), built, args.workers) as b,
+    ):
+        for workers in (a, b):
+            workers.run(Step("closed", 1, 0.0, 0.0, 1.0))
+        for c in (int(v) for v in args.concurrency.split(",")):
+            mine, theirs = [], []
+            for _ in range(args.rounds):
+                mine.append(cpu_per_request(a, args.pid, c, args.seconds))
+                theirs.append(cpu_per_request(b, pid_b, c, args.seconds))
+            ratios = [m / t for m, t in zip(mine, theirs, strict=True)]
+            print(
+                f"c={c}: {url} {statistics.median(mine):,.0f} us/request, {url_b} "
+                f"{statistics.median(theirs):,.0f}; median ratio {statistics.median(ratios):.3f} "
+                f"({', '.join(f'{r:.2f}' for r in ratios)})"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
@@ -221,12 +258,22 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument(
+        "--against",
+        nargs=2,
+        metavar=("URL", "PID"),
+        help="compare CPU per request with this server instead of profiling",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--against)")
     args = parser.parse_args()
     url = args.url.rstrip("/")
     with urllib.request.urlopen(f"{url}/v2/models/{args.model}", timeout=10) as response:
         model = payloads.ModelInputs.from_metadata(orjson.loads(response.read()))
     images = payloads.synthetic_images(4, 320, 240)
     built = payloads.build("v2-binary", images, args.rows, 4, model, None, "http", None)
+    if args.against:
+        compare(args, built)
+        return
     target = HttpTarget(url, f"/v2/models/{args.model}/infer")
     with Workers(target, built, args.workers) as workers:
         workers.run(Step("closed", 1, 0.0, 0.0, 1.0))  # connections and the model warm

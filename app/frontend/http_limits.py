@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.frontend.http_write import HeadHeld
 from app.metrics import http_refused
 from app.settings import LimitSettings
 
@@ -257,6 +258,8 @@ class GuardedHttpTools(HttpToolsProtocol):
             )
             return
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = HeadHeld(self.transport)  # type: ignore[assignment]
         if self._over_capacity and self.cycle is not None:
             self.cycle.keep_alive = False  # a probe over the caps: answered, then closed
 
