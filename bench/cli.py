@@ -1,16 +1,17 @@
 """``stoker bench``: measure one or more targets with the same payloads, in one run.
 
-Targets, in the order given, the first being the one the others are compared with:
-``--url`` (any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive``
-(the naive baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool
-with no HTTP), ``--direct`` (the model's runner called directly, ``bench.direct``). ``--protocol http,grpc`` measures each ``--url`` and ``--serve`` server over
-both protocols, one target each (``stoker-http``, ``stoker-grpc``), against the same server
-process. Every step of the concurrency sweep, then every fixed open-loop rate, runs on each
-target in turn (``--rounds`` times over, for a median of each ratio on a noisy machine); the
+Targets, in the order given, the first being the one the others are compared with: ``--url``
+(any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive`` (the naive
+baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool with no
+HTTP), ``--direct`` (the model's runner called directly, ``bench.direct``). ``--protocol
+http,grpc`` measures each ``--url`` and ``--serve`` server over both protocols, one target
+each (``stoker-http``, ``stoker-grpc``), against the same server process. Every step of the
+concurrency sweep, then every fixed open-loop rate, runs on each target in turn
+(``--rounds`` times over, for a median of each ratio on a noisy machine); the
 ``--find-rate`` search comes last, target by target.
 
-The server's own cost, guarded: ``stoker bench --serve --direct --concurrency 1,8 --rounds 3``
-prints Stoker ÷ ONNX Runtime called directly at c=1 and c=8 (binary V2, batch 1, the
+The server's own cost, guarded: ``stoker bench --serve --direct --concurrency 1,8 --rounds
+3`` prints Stoker ÷ ONNX Runtime called directly at c=1 and c=8 (binary V2, batch 1, the
 embedded default), so a change that adds a millisecond a request shows.
 """
 

@@ -2,11 +2,11 @@
 
 The model is loaded by the model layer exactly as the server loads it (the same engine
 store, backend and session options), and a runner of its own, made by the same engine, is
-called in a thread with no batcher, no data plane and no HTTP. A closed-loop step of ``c`` clients is back-to-back runs of batches
-of ``c`` requests' rows: what a server could do for ``c`` clients if every request were
-batched with the others and nothing were spent around the run. A server's throughput over
-this at the same ``c`` is the share of the CPU it leaves to the model (1.0: it costs
-nothing); ``stoker bench --serve --direct`` prints it.
+called in a thread with no batcher, no data plane and no HTTP. A closed-loop step of ``c``
+clients is back-to-back runs of batches of ``c`` requests' rows: what a server could do for
+``c`` clients if every request were batched with the others and nothing were spent around
+the run. A server's throughput over this at the same ``c`` is the share of the CPU it leaves
+to the model (1.0: it costs nothing); ``stoker bench --serve --direct`` prints it.
 """
 
 from __future__ import annotations

@@ -4,14 +4,16 @@ A target is a V2 server over HTTP (aiohttp, one connection per concurrent client
 (``bench.grpc_client``: one channel and connection per request in flight, serialized
 requests sent as they are, answers not parsed, as the HTTP client does with bodies), or
 Stoker's batcher and runner pool loaded in the worker itself (``in-process``: the raw-runner
-baseline, no HTTP, no codec), or the model's runner called directly (``bench.direct``). One asyncio client on one core tops out at a few thousand
-requests/s, so ``workers`` processes share each step's clients (or arrival rate) and their
-samples are merged: the generator must never be the bottleneck it measures.
+baseline, no HTTP, no codec), or the model's runner called directly (``bench.direct``). One
+asyncio client on one core tops out at a few thousand requests/s, so ``workers`` processes
+share each step's clients (or arrival rate) and their samples are merged: the generator must
+never be the bottleneck it measures.
 
 A step is closed loop (``concurrency`` clients, each sending its next request when the last
-is answered) or open loop (Poisson arrivals at ``rate`` requests/s, latency counted from each
-request's scheduled time so a slow client cannot hide queueing). Every step warms up, then
-measures for ``duration_s``; every worker starts its step at the same wall-clock instant.
+is answered) or open loop (Poisson arrivals at ``rate`` requests/s, latency counted from
+each request's scheduled time so a slow client cannot hide queueing). Every step warms up,
+then measures for ``duration_s``; every worker starts its step at the same wall-clock
+instant.
 
 Kept in one module (~550 lines): the step, the HTTP and in-process clients, the recorder and
 the worker protocol change together whenever what a step measures changes; none of it is on

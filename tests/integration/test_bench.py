@@ -223,7 +223,7 @@ def test_the_direct_target_runs_batches_of_c_rows_round_after_round(
     )
     assert code == 0
     document = orjson.loads(out.read_bytes())
-    raw, direct = document["targets"]
+    _, direct = document["targets"]
     assert direct["name"] == "direct"
     assert [s["concurrency"] for s in direct["steps"]] == [1, 4, 1, 4]
     for step in direct["steps"]:
