@@ -75,6 +75,7 @@ class RunnerPool:
         for runner in runners:
             self._idle.put_nowait(runner)
         self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._closed = False
         self._threads = [
             threading.Thread(target=self._work, name=f"{label}_{i}", daemon=True)
             for i in range(len(runners))
@@ -108,7 +109,9 @@ class RunnerPool:
         self._idle.put_nowait(runner)
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run blocking work on the pool's threads."""
+        """Run blocking work on the pool's threads (RuntimeError once the pool is closed)."""
+        if self._closed:
+            raise RuntimeError("the runner pool is closed")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._calls.put((loop, future, fn))
@@ -138,6 +141,7 @@ class RunnerPool:
     def close(self) -> None:
         """Stop the threads (calls still queued are not run: their callers are cancelled),
         then free the runners and the engine."""
+        self._closed = True
         while True:
             try:
                 call = self._calls.get_nowait()
