@@ -1,12 +1,18 @@
 """``stoker bench``: measure one or more targets with the same payloads, in one run.
 
-Targets, in the order given, the first being the one the others are compared with:
-``--url`` (any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive``
-(the naive baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool
-with no HTTP). ``--protocol http,grpc`` measures each ``--url`` and ``--serve`` server over
-both protocols, one target each (``stoker-http``, ``stoker-grpc``), against the same server
-process. Every step of the concurrency sweep, then every fixed open-loop rate, runs on each
-target in turn; the ``--find-rate`` search comes last, target by target.
+Targets, in the order given, the first being the one the others are compared with: ``--url``
+(any V2 server, repeatable), ``--serve`` (a Stoker the bench starts), ``--naive`` (the naive
+baseline the bench starts), ``--in-process`` (Stoker's batcher and runner pool with no
+HTTP), ``--direct`` (the model's runner called directly, ``bench.direct``). ``--protocol
+http,grpc`` measures each ``--url`` and ``--serve`` server over both protocols, one target
+each (``stoker-http``, ``stoker-grpc``), against the same server process. Every step of the
+concurrency sweep, then every fixed open-loop rate, runs on each target in turn
+(``--rounds`` times over, for a median of each ratio on a noisy machine); the
+``--find-rate`` search comes last, target by target.
+
+The server's own cost, guarded: ``stoker bench --serve --direct --concurrency 1,8 --rounds
+3`` prints Stoker ÷ ONNX Runtime called directly at c=1 and c=8 (binary V2, batch 1, the
+embedded default), so a change that adds a millisecond a request shows.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from typing import Any
 import orjson
 
 from bench import launch, payloads, report
+from bench.direct import DirectTarget
 from bench.grpc_client import GrpcTarget
 from bench.loadgen import (
     HttpTarget,
@@ -61,6 +68,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="Stoker's batcher and runner pool in one client process, no HTTP and no codec "
         "(the raw baseline; it always uses one process, and its cpu column includes compute)",
+    )
+    targets.add_argument(
+        "--direct",
+        action="store_true",
+        help="ONNX Runtime called directly: the model's runner as the server makes it, "
+        "batches of c requests' rows back to back, no batcher and no HTTP (what the server "
+        "would do if it cost nothing)",
     )
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=DEFAULT_MODEL, help=f"default {DEFAULT_MODEL}")
@@ -110,6 +124,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     steps.add_argument("--p99-target-ms", type=float, default=100.0)
     steps.add_argument("--search-steps", type=int, default=6, help="bisection steps")
     steps.add_argument("--duration", type=float, default=5.0, help="measured seconds per step")
+    steps.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the sweep this many times over, interleaved across targets; the "
+        "comparison gives each ratio's median",
+    )
     steps.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds first")
     client = parser.add_argument_group("client")
     client.add_argument(
@@ -124,10 +145,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     out.add_argument("--json", type=Path, help="write every result here")
     out.add_argument("--plots", type=Path, help="write throughput.png and latency.png here")
     args = parser.parse_args(argv)
-    if not (args.url or args.serve or args.naive or args.in_process):
-        parser.error("give a target: --url URL, --serve, --naive or --in-process")
-    if args.rows < 1 or args.workers < 1 or args.distinct < 1:
-        parser.error("--rows, --workers and --distinct must be at least 1")
+    if not (args.url or args.serve or args.naive or args.in_process or args.direct):
+        parser.error("give a target: --url URL, --serve, --naive, --in-process or --direct")
+    if args.rows < 1 or args.workers < 1 or args.distinct < 1 or args.rounds < 1:
+        parser.error("--rows, --workers, --distinct and --rounds must be at least 1")
+    if args.direct and args.payload == "jpeg":
+        parser.error("--direct runs tensors: use --payload v2-binary or v2-json")
     if args.duration <= 0 or args.warmup < 0:
         parser.error("--duration must be positive and --warmup not negative")
     args.protocols = protocols(args.protocol)
@@ -175,6 +198,8 @@ class TargetPlan:
     port: int = 0
     grpc: str | None = None
     """Its gRPC address (host:port), where it serves gRPC."""
+    direct: bool = False
+    """The model's runner called directly (``bench.direct``), not the in-process pool."""
 
 
 def plans(args: argparse.Namespace) -> list[TargetPlan]:
@@ -199,6 +224,9 @@ def plans(args: argparse.Namespace) -> list[TargetPlan]:
         result.append(
             TargetPlan("in-process", "Stoker's batcher + runner pool, no HTTP (raw runner)")
         )
+    if args.direct:
+        description = "ONNX Runtime called directly: batches of c rows, nothing around them"
+        result.append(TargetPlan("direct", description, direct=True))
     return result
 
 
@@ -311,7 +339,11 @@ def start(
         # Uploads are decoded in process by the model's handler; anything else goes in as
         # the tensors the engine takes.
         tensors = cache.get("jpeg" if args.payload == "jpeg" else "tensors", inputs)
-        raw = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
+        raw: Target
+        if plan.direct:
+            raw = DirectTarget(args.repository, args.model, args.backend, args.model_version)
+        else:
+            raw = InProcessTarget(args.repository, args.model, args.backend, args.model_version)
         return [(plan.name, plan.description, workers(raw, tensors, 1))]
     model: ModelInputs | None = None
     if args.payload != "jpeg":
@@ -354,6 +386,7 @@ def measure(
 
         steps = [Step("closed", c, 0.0, args.warmup, args.duration) for c in args.levels]
         steps += [Step("open", 0, rate, args.warmup, args.duration) for rate in args.rate]
+        steps *= args.rounds
         for step in steps:
             for result, workers in live:
                 record(result, workers.run(step))

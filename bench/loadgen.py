@@ -4,14 +4,16 @@ A target is a V2 server over HTTP (aiohttp, one connection per concurrent client
 (``bench.grpc_client``: one channel and connection per request in flight, serialized
 requests sent as they are, answers not parsed, as the HTTP client does with bodies), or
 Stoker's batcher and runner pool loaded in the worker itself (``in-process``: the raw-runner
-baseline, no HTTP, no codec). One asyncio client on one core tops out at a few thousand
-requests/s, so ``workers`` processes share each step's clients (or arrival rate) and their
-samples are merged: the generator must never be the bottleneck it measures.
+baseline, no HTTP, no codec), or the model's runner called directly (``bench.direct``). One
+asyncio client on one core tops out at a few thousand requests/s, so ``workers`` processes
+share each step's clients (or arrival rate) and their samples are merged: the generator must
+never be the bottleneck it measures.
 
 A step is closed loop (``concurrency`` clients, each sending its next request when the last
-is answered) or open loop (Poisson arrivals at ``rate`` requests/s, latency counted from each
-request's scheduled time so a slow client cannot hide queueing). Every step warms up, then
-measures for ``duration_s``; every worker starts its step at the same wall-clock instant.
+is answered) or open loop (Poisson arrivals at ``rate`` requests/s, latency counted from
+each request's scheduled time so a slow client cannot hide queueing). Every step warms up,
+then measures for ``duration_s``; every worker starts its step at the same wall-clock
+instant.
 
 Kept in one module (~550 lines): the step, the HTTP and in-process clients, the recorder and
 the worker protocol change together whenever what a step measures changes; none of it is on
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from bench.direct import DirectClient, DirectTarget
 from bench.grpc_client import GrpcClient, GrpcTarget
 from bench.payloads import Payload
 from bench.scrape import ServerStats, step_stats
@@ -77,7 +80,7 @@ class InProcessTarget:
     from the engine store (``STOKER_STORE__PATH``) or built into it, as the server does."""
 
 
-Target = HttpTarget | GrpcTarget | InProcessTarget
+Target = HttpTarget | GrpcTarget | InProcessTarget | DirectTarget
 
 
 @dataclass(frozen=True)
@@ -433,7 +436,9 @@ async def run_share(client: Client, payloads: list[Payload], share: Share) -> Sa
     watcher = asyncio.create_task(watch())
     await sleep_until(start)
     if share.step.mode == "closed":
-        if share.clients:
+        if isinstance(client, DirectClient):
+            await client.closed_loop(payloads, share.clients, share.seed, t0, t1, rec.outcome)
+        elif share.clients:
             await closed_loop(client, payloads, share, t0, t1, rec)
     else:
         await open_loop(client, payloads, share, start, t0, t1, rec)
@@ -455,6 +460,8 @@ async def serve_steps(connection: Connection, target: Target, payloads: list[Pay
         client = HttpClient(target)
     elif isinstance(target, GrpcTarget):
         client = GrpcClient(target)
+    elif isinstance(target, DirectTarget):
+        client = await DirectClient.load(target, payloads)
     else:
         client = await InProcessClient.load(target, payloads)
     loop = asyncio.get_running_loop()

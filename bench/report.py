@@ -6,6 +6,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,14 @@ class TargetResult:
 
     def closed(self) -> dict[int, StepResult]:
         return {s.step.concurrency: s for s in self.steps if s.step.mode == "closed"}
+
+    def closed_rounds(self) -> dict[int, list[StepResult]]:
+        """Each closed-loop concurrency's steps, one a round (``--rounds``), in order."""
+        rounds: dict[int, list[StepResult]] = {}
+        for step in self.steps:
+            if step.step.mode == "closed":
+                rounds.setdefault(step.step.concurrency, []).append(step)
+        return rounds
 
     def as_json(self) -> dict[str, Any]:
         found = None
@@ -118,27 +127,49 @@ def error_lines(target: str, result: StepResult) -> list[str]:
     return [f"  {target}: errors by status {bad}"] if bad else []
 
 
+def _ratios(mine: list[StepResult], theirs: list[StepResult]) -> list[float]:
+    """Throughput ratios of the same rounds (round i with round i)."""
+    return [
+        m.throughput / t.throughput if t.throughput else float("inf")
+        for m, t in zip(mine, theirs, strict=False)
+    ]
+
+
 def comparison(targets: Sequence[TargetResult]) -> list[str]:
     """Closed-loop throughput of the first target over each other one, step by step (same
-    run, same payloads, same machine)."""
+    run, same payloads, same machine); over several rounds, the median of the rounds'
+    ratios and each of them."""
     if len(targets) < 2:
         return []
     first = targets[0]
     lines = []
     for other in targets[1:]:
-        shared = sorted(set(first.closed()) & set(other.closed()))
+        mine_all, theirs_all = first.closed_rounds(), other.closed_rounds()
+        shared = sorted(set(mine_all) & set(theirs_all))
         if not shared:
             continue
         lines.append(f"{first.name} / {other.name} (closed loop):")
         for c in shared:
-            mine, theirs = first.closed()[c], other.closed()[c]
-            ratio = mine.throughput / theirs.throughput if theirs.throughput else float("inf")
+            mine, theirs = mine_all[c][-1], theirs_all[c][-1]
+            ratios = _ratios(mine_all[c], theirs_all[c])
+            if len(ratios) == 1:
+                lines.append(
+                    f"  c={c:<4} {mine.throughput:10,.1f} / {theirs.throughput:10,.1f} req/s "
+                    f"= {ratios[0]:5.2f}x   p99 {_ms(mine.latency_ms['p99'])} vs "
+                    f"{_ms(theirs.latency_ms['p99'])} ms"
+                )
+                continue
+            each = ", ".join(f"{r:.2f}" for r in ratios)
             lines.append(
-                f"  c={c:<4} {mine.throughput:10,.1f} / {theirs.throughput:10,.1f} req/s "
-                f"= {ratio:5.2f}x   p99 {_ms(mine.latency_ms['p99'])} vs "
-                f"{_ms(theirs.latency_ms['p99'])} ms"
+                f"  c={c:<4} median {statistics.median(ratios):5.2f}x of {len(ratios)} rounds "
+                f"({each}); req/s medians {_median_rate(mine_all[c]):,.1f} / "
+                f"{_median_rate(theirs_all[c]):,.1f}"
             )
     return lines
+
+
+def _median_rate(steps: list[StepResult]) -> float:
+    return statistics.median(s.throughput for s in steps)
 
 
 def ratios_json(targets: Sequence[TargetResult]) -> list[dict[str, Any]]:
@@ -147,16 +178,16 @@ def ratios_json(targets: Sequence[TargetResult]) -> list[dict[str, Any]]:
     first = targets[0]
     result = []
     for other in targets[1:]:
-        for c in sorted(set(first.closed()) & set(other.closed())):
-            mine, theirs = first.closed()[c], other.closed()[c]
+        mine_all, theirs_all = first.closed_rounds(), other.closed_rounds()
+        for c in sorted(set(mine_all) & set(theirs_all)):
+            ratios = _ratios(mine_all[c], theirs_all[c])
             result.append(
                 {
                     "numerator": first.name,
                     "denominator": other.name,
                     "concurrency": c,
-                    "throughput_ratio": (
-                        mine.throughput / theirs.throughput if theirs.throughput else None
-                    ),
+                    "throughput_ratio": statistics.median(ratios) if ratios else None,
+                    "rounds": ratios,
                 }
             )
     return result

@@ -1,17 +1,23 @@
 """The runners of one model version, each lent to one batch at a time.
 
-A runner executes in a thread of the pool's own executor (one thread per runner), so the
-event loop never waits on compute and a runner is never used by two threads at once.
+A runner executes in one of the pool's own threads (one thread per runner), so the event
+loop never waits on compute and a runner is never used by two threads at once. The threads
+take calls from a plain queue and answer the loop's future with one ``call_soon_threadsafe``:
+a ``ThreadPoolExecutor`` behind ``run_in_executor`` costs a ``concurrent.futures.Future``,
+its chaining to the loop's and their locks, about 10 us of the loop's CPU per batch
+(BENCHMARKS.md, "A request's budget").
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +41,32 @@ def warmup_inputs(spec: ModelSpec, rows: int) -> dict[str, np.ndarray]:
     return inputs
 
 
+Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[[], Any]]
+"""A call for the pool's threads: the loop to answer on, its future, the work."""
+
+
+def _settle(future: asyncio.Future[T], result: T) -> None:
+    if not future.done():  # its caller may have gone (cancelled) meanwhile
+        future.set_result(result)
+
+
+def _fail(future: asyncio.Future[Any], error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _answer(call: Call) -> None:
+    """Run a call on this thread and answer its future on its loop."""
+    loop, future, fn = call
+    try:
+        answer = partial(_settle, future, fn())
+    except BaseException as error:  # the caller's to raise, as an executor's would be
+        answer = partial(_fail, future, error)
+    # A loop closed meanwhile has no one left to answer.
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(answer)
+
+
 class RunnerPool:
     def __init__(self, engine: Engine, runners: list[Runner], label: str) -> None:
         self.engine = engine
@@ -42,7 +74,14 @@ class RunnerPool:
         self._idle: asyncio.Queue[Runner] = asyncio.Queue()
         for runner in runners:
             self._idle.put_nowait(runner)
-        self._executor = ThreadPoolExecutor(max_workers=len(runners), thread_name_prefix=label)
+        self._calls: queue.SimpleQueue[Call | None] = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{label}_{i}", daemon=True)
+            for i in range(len(runners))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @classmethod
     async def create(cls, engine: Engine, count: int, label: str) -> RunnerPool:
@@ -70,8 +109,18 @@ class RunnerPool:
         self._idle.put_nowait(runner)
 
     async def call(self, fn: Callable[[], T]) -> T:
-        """Run blocking work on the pool's threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+        """Run blocking work on the pool's threads (RuntimeError once the pool is closed)."""
+        if self._closed:
+            raise RuntimeError("the runner pool is closed")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((loop, future, fn))
+        return await future
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            _answer(call)
+            del call  # its batch's tensors go with the answer, not with the next wait
 
     async def warm(self) -> None:
         """Run every runner once at batch 1 and at the max batch, so the first real request
@@ -90,7 +139,21 @@ class RunnerPool:
                 self.release(runner)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Stop the threads (calls still queued are not run: their callers are cancelled),
+        then free the runners and the engine."""
+        self._closed = True
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                with contextlib.suppress(RuntimeError):
+                    call[0].call_soon_threadsafe(call[1].cancel)
+        for _ in self._threads:
+            self._calls.put(None)
+        for thread in self._threads:
+            thread.join()
         for runner in self._runners:
             runner.close()
         self.engine.close()

@@ -25,7 +25,7 @@ import mmap
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -431,6 +431,20 @@ def visible_device(gpu: int, inherited: str | None) -> str:
     return devices[gpu]
 
 
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run the engine's loop on uvloop where it is installed (uvicorn's standard extra brings
+    it, and the front ends' loops are uvicorn's uvloop), else on asyncio's own. Every frame
+    costs the engine's loop a read and a write on the channel and a few callbacks and task
+    steps, each cheaper on uvloop: with two front ends the server's CPU a request fell by
+    about a tenth (BENCHMARKS.md, "A request's budget")."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     """The engine process's entry point (spawned by ``app.processes``); ``gpu``: the one GPU
     it serves on (``server.engine_gpus``), the only one it sees."""
@@ -453,7 +467,7 @@ def main(settings: Settings, control: str, gpu: int | None = None) -> None:
     code = profiled(
         profile,
         "engine" if gpu is None else f"engine-gpu{gpu}",
-        asyncio.run,
+        run_loop,
         run(settings, Path(control), one_device),
     )
     raise SystemExit(code)

@@ -41,6 +41,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused
 from app.settings import LimitSettings
@@ -299,6 +300,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         if self._over_capacity:
             self.probing = True  # answered, then closed (keep_alive below): not evicted
         super().on_headers_complete()
+        if self.cycle is not None:
+            self.cycle.transport = HeadHeld(self.transport)  # type: ignore[assignment]
         if self._over_capacity and self.cycle is not None:
             self.cycle.keep_alive = False
 

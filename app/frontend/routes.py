@@ -7,7 +7,6 @@ statistics extensions; ``POST /infer`` for image uploads; ``GET /metrics``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -81,33 +80,33 @@ async def until_disconnected(request: Request) -> None:
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run ``work``; if the client disconnects first, cancel it (dropping its queued request
-    before any compute) and return None. A failure is raised without a reference cycle: the
-    error's traceback holds this frame, so the frame lets go of the task holding the error
-    (else the failed request's parsed document stays until a full collection)."""
-    task = asyncio.ensure_future(work)
+    """Run ``work`` in this task; if the client disconnects first, cancel it (dropping its
+    queued request before any compute) and return None. Awaited here rather than in a task
+    of its own: a task and the wait on two of them cost more than the work of a small
+    request's data plane (BENCHMARKS.md, "A request's budget")."""
+    this = asyncio.current_task()
+    assert this is not None
+    gone = finished = False
+
+    def disconnected(watcher: asyncio.Task[None]) -> None:
+        nonlocal gone
+        # A callback already scheduled when the work finished must not cancel what follows.
+        if not finished and not watcher.cancelled():
+            gone = True
+            this.cancel()
+
     watcher = asyncio.create_task(until_disconnected(request))
+    watcher.add_done_callback(disconnected)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finished = task in done
-        del done
-        if not finished:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        this.uncancel()
+        return None
     finally:
+        finished = True
         watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task.cancelled() or task.exception() is None:
-        return task.result()
-    error = task.exception()
-    del task
-    try:
-        raise error  # type: ignore[misc]
-    finally:
-        del error
 
 
 CLIENT_GONE = Response(status_code=499)

@@ -208,6 +208,34 @@ def test_naive_and_in_process_targets_in_one_run(tiny_repository: Path, tmp_path
     assert np.isfinite(ratio["throughput_ratio"])
 
 
+def test_the_direct_target_runs_batches_of_c_rows_round_after_round(
+    tiny_repository: Path, tmp_path: Path
+) -> None:
+    """ONNX Runtime called directly: at c=4 each run answers four requests at once (their
+    latencies are the runs' own, so the four of a run are equal), in every round."""
+    out = tmp_path / "bench.json"
+    code = cli.main(
+        [
+            *("--in-process", "--direct", "--repository", str(tiny_repository)),
+            *("--model", "tiny", "--concurrency", "1,4", "--duration", "0.5", "--warmup", "0.2"),
+            *("--rounds", "2", "--json", str(out)),
+        ]
+    )
+    assert code == 0
+    document = orjson.loads(out.read_bytes())
+    _, direct = document["targets"]
+    assert direct["name"] == "direct"
+    assert [s["concurrency"] for s in direct["steps"]] == [1, 4, 1, 4]
+    for step in direct["steps"]:
+        assert step["errors"] == 0 and step["requests"] > 0
+        assert step["requests"] % step["concurrency"] == 0  # whole batches of c requests
+    ratios = [r for r in document["ratios"] if r["denominator"] == "direct"]
+    assert [r["concurrency"] for r in ratios] == [1, 4]
+    for ratio in ratios:
+        assert len(ratio["rounds"]) == 2
+        assert ratio["throughput_ratio"] == pytest.approx(sum(ratio["rounds"]) / 2)
+
+
 def test_uint8_pixels_reach_the_naive_server_and_the_batcher(
     efficientnet_dir: Path, tmp_path: Path
 ) -> None:

@@ -264,12 +264,24 @@ def test_report_writes_table_json_and_plots(tmp_path: Path) -> None:
         "denominator": "naive",
         "concurrency": 4,
         "throughput_ratio": 8.0,
+        "rounds": [8.0],
     }
 
     written = report.write_plots(tmp_path / "plots", [fast, slow], "test")
     assert [p.name for p in written] == ["throughput.png", "latency.png"]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_over_rounds_the_comparison_gives_the_median_of_each_rounds_ratio() -> None:
+    """Round i of one target is compared with round i of the other: ratios 2, 4 and 9 (a
+    noisy round) give a median of 4, not the ratio of the mean rates."""
+    fast = report.TargetResult("stoker", "", [sample_result(1, r, 10.0) for r in (2, 8, 90)])
+    slow = report.TargetResult("direct", "", [sample_result(1, r, 10.0) for r in (1, 2, 10)])
+    lines = report.comparison([fast, slow])
+    assert any("median  4.00x of 3 rounds (2.00, 4.00, 9.00)" in line for line in lines)
+    (ratio,) = report.ratios_json([fast, slow])
+    assert ratio["throughput_ratio"] == 4.0 and ratio["rounds"] == [2.0, 4.0, 9.0]
 
 
 def test_without_the_bench_extra_it_says_what_to_install(
