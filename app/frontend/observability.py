@@ -23,14 +23,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
 from app.errors import BadRequest, NotImplementedHere
-from app.frontend.routes import ERROR_RESPONSE, json_response, plane_of
+from app.frontend.routes import ERROR_RESPONSE, control_body, json_response, plane_of
 
 router = APIRouter(responses={"default": ERROR_RESPONSE})
 
 
 async def settings_update(request: Request) -> dict[str, Any]:
-    """The body of a settings POST: a JSON object (empty: nothing changes)."""
-    body = await request.body()
+    """The body of a settings POST: a JSON object (empty: nothing changes), held to a control
+    body's limit (``limits.max_control_body_bytes``) before it is parsed."""
+    body = await control_body(request)
     if not body.strip():
         return {}
     try:

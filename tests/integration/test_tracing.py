@@ -309,6 +309,12 @@ def test_bad_trace_settings_are_refused_with_a_json_error(traced: Traced) -> Non
         assert answer.status_code == 400 and "error" in answer.json()
     answer = httpx.get(f"{traced.server.url}/v2/models/absent/trace/setting")
     assert answer.status_code == 404 and "absent" in answer.json()["error"]
+    # A settings body is a control body: past its 64 KiB it is 413 before it is parsed.
+    for path in ("/v2/trace/setting", "/v2/logging"):
+        answer = httpx.post(
+            f"{traced.server.url}{path}", json={"log_info": True, "x": "y" * 70_000}
+        )
+        assert answer.status_code == 413 and "exceeds" in answer.json()["error"]
 
 
 def test_the_log_settings_reach_every_process(traced: Traced) -> None:
