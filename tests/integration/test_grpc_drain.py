@@ -158,9 +158,10 @@ def test_calls_that_reached_the_server_before_sigterm_are_all_answered(
                     await asyncio.sleep(0.001)
                 server.process.send_signal(signal.SIGTERM)
                 # Each call queued (or, refused, ended) before the late one is made.
-                while await asyncio.to_thread(pending, server) + sum(
-                    call.done() for call in calls
-                ) < CALLS + 1:
+                while (
+                    await asyncio.to_thread(pending, server) + sum(call.done() for call in calls)
+                    < CALLS + 1
+                ):
                     assert time.monotonic() < deadline, "the calls never all reached the queue"
                     assert not blocker.done(), "the slow request finished before all were queued"
                     await asyncio.sleep(0.02)
