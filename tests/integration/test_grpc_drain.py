@@ -165,6 +165,11 @@ def test_calls_that_reached_the_server_before_sigterm_are_all_answered(
                     assert time.monotonic() < deadline, "the calls never all reached the queue"
                     assert not blocker.done(), "the slow request finished before all were queued"
                     await asyncio.sleep(0.02)
+                # The front end the late call goes to has begun its drain (with two, the
+                # supervisor passes the signal on a moment later).
+                while await clients[7 % CHANNELS].is_server_ready():
+                    assert time.monotonic() < deadline, "readiness never turned false"
+                    await asyncio.sleep(0.02)
                 late = (await one(7.0))[1]
                 answered = await asyncio.gather(*calls)
                 slow = await blocker
