@@ -128,6 +128,13 @@ class DataPlane:
             loop.call_soon(self._close_door, quiet + 1, unread, until)
             return
         self.drain_state.close()
+        open_s = DOOR_MAX_S - (until - time.monotonic())
+        log.log(
+            logging.WARNING if waiting else logging.INFO,
+            "drain: new requests refused from now on, %.0f ms after it began%s",
+            open_s * 1000,
+            ", with requests still unread" if waiting else "",
+        )
 
     def drain_time_left(self) -> float:
         return self.drain_state.time_left()

@@ -25,7 +25,13 @@ from tritonclient.utils import InferenceServerException
 from bench.launch import free_port
 from tests.conftest import slow_onnx
 from tests.integration.conftest import Server, metric_samples, serve_one_model
-from tests.integration.test_grpc import SLOW_CONFIG, SLOW_LAYERS, SLOW_WIDTH, grpc_input
+from tests.integration.test_grpc import (
+    DOOR_CLOSED,
+    SLOW_CONFIG,
+    SLOW_LAYERS,
+    SLOW_WIDTH,
+    grpc_input,
+)
 
 CALLS = 50
 CHANNELS = 5  # connections, so that both front ends take some
@@ -165,10 +171,10 @@ def test_calls_that_reached_the_server_before_sigterm_are_all_answered(
                     assert time.monotonic() < deadline, "the calls never all reached the queue"
                     assert not blocker.done(), "the slow request finished before all were queued"
                     await asyncio.sleep(0.02)
-                # The front end the late call goes to has begun its drain (with two, the
-                # supervisor passes the signal on a moment later).
-                while await clients[7 % CHANNELS].is_server_ready():
-                    assert time.monotonic() < deadline, "readiness never turned false"
+                # Every front end has closed its drain's door (with two, the supervisor passes
+                # the signal on a moment later).
+                while server.log.read_text().count(DOOR_CLOSED) < front_ends:
+                    assert time.monotonic() < deadline, "the drain's door never closed"
                     await asyncio.sleep(0.02)
                 late = (await one(7.0))[1]
                 answered = await asyncio.gather(*calls)
