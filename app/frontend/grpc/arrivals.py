@@ -23,7 +23,9 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc._cython import cygrpc  # type: ignore[attr-defined]  # channelz, as grpcio-channelz reads it
+
+# channelz's counts, read as the grpcio-channelz package reads them (grpcio has no public call)
+from grpc._cython import cygrpc  # type: ignore[attr-defined]
 
 from app.frontend.grpc.connections import sockets_on
 
@@ -44,9 +46,13 @@ def server_ids() -> set[int]:
 
 
 def calls_started(server_id: int) -> int:
-    """How many calls grpc core has taken on server ``server_id`` since it started."""
-    answer = json.loads(cygrpc.channelz_get_server(server_id))
-    return int(answer["server"]["data"].get("callsStarted", 0))
+    """How many calls grpc core has taken on server ``server_id`` since it started (0 once
+    it is gone: channelz then raises ValueError)."""
+    try:
+        answer = json.loads(cygrpc.channelz_get_server(server_id))
+    except ValueError:
+        return 0
+    return int(answer.get("server", {}).get("data", {}).get("callsStarted", 0))
 
 
 class Arrivals(grpc.aio.ServerInterceptor):
