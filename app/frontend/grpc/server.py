@@ -10,10 +10,10 @@ idle connections), and every client address held to its share of the connections
 (``app.frontend.grpc.connections``). With API keys, every call but the health and liveness
 ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's
 headers) or is UNAUTHENTICATED before its handler runs (and before it is counted). On a
-drain, the door stays open until grpc.aio has handed over the calls grpc core had taken at
-its start (``app.frontend.grpc.arrivals``), and each is judged by when it was handed over;
-``stop`` comes after the drain and lets calls in flight finish: the data plane has already
-refused new inference with UNAVAILABLE.
+drain, the door stays open while calls have arrived that grpc.aio has not handed over yet
+(in grpc core or in the kernel: ``app.frontend.grpc.arrivals``), and each is judged by when
+it was handed over; ``stop`` comes after the drain and lets calls in flight finish: the
+data plane has already refused new inference with UNAVAILABLE.
 """
 
 from __future__ import annotations
