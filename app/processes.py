@@ -79,7 +79,10 @@ def run_server(
             plane.begin_drain(self.unread_bytes)
 
         def unread_bytes(self) -> bool:
-            listeners = [sock for server in self.servers for sock in server.sockets]
+            # A signal during the start (the lifespan has run, the listener is not served
+            # yet) comes before uvicorn has its servers: nothing of theirs to read then.
+            servers = getattr(self, "servers", [])
+            listeners = [sock for server in servers for sock in server.sockets]
             return unread(listeners, self.server_state.connections)
 
         async def on_tick(self, counter: int) -> bool:

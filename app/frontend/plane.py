@@ -66,6 +66,8 @@ class DataPlane:
         self.client = client
         self.failed: BaseException | None = None
         self.drain_state = Drain(settings.server.drain_timeout_s)
+        self._unread: list[Callable[[], bool]] = []
+        """What else a drain's door waits for (``hold_door``): the gRPC server's calls."""
         front = settings.server
         self.gatherer = Gatherer(settings, client, front.frames_in_flight if across else 0)
         self.row_maker = (
@@ -83,14 +85,19 @@ class DataPlane:
     def draining(self) -> bool:
         return self.drain_state.draining
 
+    def hold_door(self, unread: Callable[[], bool]) -> None:
+        """A drain's door also waits while ``unread()`` says requests arrived that this
+        process has not read yet (the gRPC server's calls: ``app.frontend.grpc.arrivals``)."""
+        self._unread.append(unread)
+
     def begin_drain(self, unread: Callable[[], bool] | None = None) -> None:
         """From now on readiness is false and the drain timeout runs; new requests get 503
         once this process has read what had arrived at the call (``_close_door``): a
         request whose bytes arrived before a SIGTERM is answered. ``unread``: whether the
-        kernel still holds connections or bytes this process has not read. A signal handler
-        may call it: it sets plain attributes and schedules the rest with
-        ``call_soon_threadsafe``. Once begun, a drain is not begun again: its door keeps
-        the watch it was given."""
+        kernel still holds connections or bytes this process has not read (each
+        ``hold_door`` is asked too). A signal handler may call it: it sets plain attributes
+        and schedules the rest with ``call_soon_threadsafe``. Once begun, a drain is not
+        begun again: its door keeps the watch it was given."""
         if self.drain_state.draining:
             return
         self.drain_state.begin()
@@ -111,7 +118,7 @@ class DataPlane:
             return
         loop = asyncio.get_running_loop()
         try:
-            waiting = unread is not None and unread()
+            waiting = any(check() for check in (unread, *self._unread) if check is not None)
         except (OSError, ValueError):  # a socket closing under the poll: nothing to wait for
             waiting = False
         if waiting:
@@ -122,6 +129,13 @@ class DataPlane:
             loop.call_soon(self._close_door, quiet + 1, unread, until)
             return
         self.drain_state.close()
+        open_s = DOOR_MAX_S - (until - time.monotonic())
+        log.log(
+            logging.WARNING if waiting else logging.INFO,
+            "drain: new requests refused from now on, %.0f ms after it began%s",
+            open_s * 1000,
+            ", with requests still unread" if waiting else "",
+        )
 
     def drain_time_left(self) -> float:
         return self.drain_state.time_left()

@@ -856,6 +856,9 @@ def test_a_taken_grpc_port_stops_the_server(tmp_path: Path) -> None:
 # -- drain ----------------------------------------------------------------------------------
 
 
+DOOR_CLOSED = "drain: new requests refused from now on"  # the data plane's log line
+
+
 def pending(server: GrpcServer) -> float:
     return sum(
         value
@@ -909,6 +912,12 @@ def test_sigterm_answers_every_call_in_flight_and_refuses_new_ones(tmp_path: Pat
                 assert not blocker.done(), "the slow request finished before all were queued"
                 await asyncio.sleep(0.05)
             server.http.process.send_signal(signal.SIGTERM)
+            # A call that arrives while the drain still reads what came before the signal is
+            # taken: the late one is made once the door has closed.
+            deadline = time.monotonic() + 60
+            while DOOR_CLOSED not in server.http.log.read_text():
+                assert time.monotonic() < deadline, "the drain's door never closed"
+                await asyncio.sleep(0.02)
             after: dict[str, Any] = {}
             try:
                 await one(7.0)

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -43,17 +44,15 @@ def _host(address: str) -> str:
     return address
 
 
-def connections(port: int) -> dict[str, list[tuple[int, socket.socket]]]:
-    """This process's established TCP connections whose local port is ``port``, by peer
-    host, each as its socket's inode and a socket of its own on the same connection (a
-    duplicate descriptor: the caller closes it), in descriptor order. One that is closing
-    (shut down here, or by its peer, and not yet let go by grpc core) is not counted."""
-    found: dict[str, list[tuple[int, socket.socket]]] = defaultdict(list)
+def sockets_on(port: int) -> Iterator[tuple[int, socket.socket]]:
+    """This process's TCP sockets whose local port is ``port`` (its listener and its
+    connections), each once, as its inode and a socket of its own on it (a duplicate
+    descriptor: the caller closes it), in descriptor order."""
     inodes: set[int] = set()
     try:
         fds = sorted(int(name) for name in os.listdir(FDS))
     except OSError:
-        return {}
+        return
     for fd in fds:
         try:
             link = os.readlink(FDS / str(fd))
@@ -67,11 +66,23 @@ def connections(port: int) -> dict[str, list[tuple[int, socket.socket]]]:
         except OSError:
             continue  # closed meanwhile
         try:
-            if (
-                sock.family in (socket.AF_INET, socket.AF_INET6)
-                and sock.getsockname()[1] == port
-                and sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _ESTABLISHED
-            ):
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockname()[1] == port:
+                yield inode, sock
+                continue
+        except OSError:
+            pass  # gone meanwhile
+        sock.close()
+
+
+def connections(port: int) -> dict[str, list[tuple[int, socket.socket]]]:
+    """This process's established TCP connections whose local port is ``port``, by peer
+    host, each as its socket's inode and a socket of its own on the same connection (a
+    duplicate descriptor: the caller closes it), in descriptor order. One that is closing
+    (shut down here, or by its peer, and not yet let go by grpc core) is not counted."""
+    found: dict[str, list[tuple[int, socket.socket]]] = defaultdict(list)
+    for inode, sock in sockets_on(port):
+        try:
+            if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == _ESTABLISHED:
                 found[_host(sock.getpeername()[0])].append((inode, sock))
                 continue
         except OSError:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
+from app.drain import Drain
 from app.frontend.grpc.ending import Ended
 from app.metrics import http_refused
 from app.settings import LimitSettings, Settings
@@ -185,10 +186,12 @@ def limited(
     limits: CallLimits,
     counted: Budget | None,
     max_message_bytes: int | None = None,
+    drain: Drain | None = None,
 ) -> Handler:
     """``handler`` with its calls counted against ``counted`` (None: a probe's, whose
     message still has its deadline and its bytes their budget), its message refused past
-    ``max_message_bytes`` before it is parsed, and every ``Ended`` raised below it set on
+    ``max_message_bytes`` before it is parsed, a unary call counted as in flight in
+    ``drain`` (which then waits for it), and every ``Ended`` raised below it set on
     the call as its status. A unary request is taken as a request stream of one message, so
     the call counts from its start, before its message arrives (grpc.aio calls a unary
     handler only once it has), and the message can be given a deadline; the client sees no
@@ -271,19 +274,20 @@ def limited(
     behaviour: Any = handler.unary_unary
 
     async def unary(_: Any, context: Context) -> Any:
-        try:
-            address = admitted(context)
+        with drain.in_flight() if drain is not None else contextlib.nullcontext():
             try:
-                message, size = await request(context, address)
+                address = admitted(context)
                 try:
-                    return await behaviour(message, context)
+                    message, size = await request(context, address)
+                    try:
+                        return await behaviour(message, context)
+                    finally:
+                        held.give(address, size)
                 finally:
-                    held.give(address, size)
-            finally:
-                leave(address)
-        except Ended as ended:
-            ended.end(context)
-            return None
+                    leave(address)
+            except Ended as ended:
+                ended.end(context)
+                return None
 
     return grpc.stream_unary_rpc_method_handler(unary, None, encode)
 

@@ -9,9 +9,11 @@ and request bytes in flight, per process and per address; message size and arriv
 idle connections), and every client address held to its share of the connections
 (``app.frontend.grpc.connections``). With API keys, every call but the health and liveness
 ones needs one (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as HTTP's
-headers) or is UNAUTHENTICATED before its handler runs (and before it is counted). ``stop``
-lets calls in flight finish: the data plane's drain has already refused new inference with
-UNAVAILABLE.
+headers) or is UNAUTHENTICATED before its handler runs (and before it is counted). On a
+drain, the door stays open while calls have arrived that grpc.aio has not handed over yet
+(in grpc core or in the kernel: ``app.frontend.grpc.arrivals``), and each is judged by when
+it was handed over; ``stop`` comes after the drain and lets calls in flight finish: the
+data plane has already refused new inference with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from grpc_health.v1 import health_pb2
 
 from app import tracing
 from app.frontend.auth import KeyRing, RefusalLog, presented_key
+from app.frontend.grpc.arrivals import Arrivals, server_ids
 from app.frontend.grpc.connections import ConnectionShares
 from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
@@ -137,7 +140,10 @@ def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler
             handler = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
         counted = None if method.name in PROBES else limits.calls
         most = limits.max_control_bytes if method.name in CONTROL_METHODS else None
-        found[method.name] = limited(handler, limits, counted, most)
+        # A unary inference call is one the drain waits for, from before its message is
+        # read (a stream's requests are, each, from the data plane's ``infer``).
+        drain = service.plane.drain_state if method.name == "ModelInfer" else None
+        found[method.name] = limited(handler, limits, counted, most, drain)
     return found
 
 
@@ -162,12 +168,18 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     """The gRPC server on ``server.grpc_port``, started; raises if the port cannot be bound."""
     keys = KeyRing(settings.auth.keys())
     options = core_options(settings)
-    interceptors: list[grpc.aio.ServerInterceptor] = [KeyCheck(keys)] if keys else []
+    arrivals = Arrivals()
+    interceptors: list[grpc.aio.ServerInterceptor] = [arrivals]
+    if keys:
+        interceptors.append(KeyCheck(keys))
     if tracing.tracer is not None:
         from app.frontend.grpc.tracing import TraceCalls
 
         interceptors.append(TraceCalls())
+    before = server_ids()
     server = grpc.aio.server(interceptors=interceptors, options=options)
+    if len(created := server_ids() - before) == 1:
+        arrivals.server_id = created.pop()
     limits = CallLimits(settings.limits)
     service = InferenceService(plane, settings.limits.max_body_bytes, limits)
     for name, served in [
@@ -184,6 +196,8 @@ async def start(plane: DataPlane, settings: Settings) -> grpc.aio.Server:
     if not bound:
         raise OSError(f"gRPC cannot listen on {where} (in use, or not an address of this host)")
     await server.start()
+    arrivals.port = bound
+    plane.hold_door(arrivals.unread)
     shares = ConnectionShares(settings.limits, bound)
     sweeping = asyncio.create_task(shares.run(server), name="grpc-connection-shares")
     _SWEEPS.add(sweeping)

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -31,6 +32,7 @@ from app.frontend.control_parameters import (
     config_override,
 )
 from app.frontend.grpc import codec
+from app.frontend.grpc.arrivals import ARRIVED
 from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.limits import CallLimits, peer_host
@@ -285,7 +287,7 @@ class InferenceService:
 
     @answered
     async def ModelInfer(self, request: bytes, context: Context) -> bytes:
-        return await self._infer(codec.read_request(request), context)
+        return await self._infer(codec.read_request(request), context, ARRIVED.get())
 
     async def ModelStreamInfer(
         self, request_iterator: AsyncIterator[bytes], context: Context
@@ -304,11 +306,11 @@ class InferenceService:
         held = self.limits.message_bytes
         address = peer_host(context)
 
-        async def one(data: bytes) -> None:
+        async def one(data: bytes, began: float) -> None:
             refusal = held.take(address, len(data))
             kept = 0 if refusal is not None else len(data)
             try:
-                answer = await self._stream_answer(data, refusal, context)
+                answer = await self._stream_answer(data, refusal, context, began)
             except BaseException:
                 if kept:
                     held.give(address, kept)
@@ -324,7 +326,7 @@ class InferenceService:
                         data = await anext(requests)
                     except StopAsyncIteration:
                         break
-                    task = asyncio.create_task(one(data))
+                    task = asyncio.create_task(one(data, time.monotonic()))
                     running.add(task)
                     task.add_done_callback(running.discard)
                 if running:
@@ -353,9 +355,11 @@ class InferenceService:
                 if (unsent := answers.get_nowait()) is not None and unsent[1]:
                     held.give(address, unsent[1])
 
-    async def _stream_answer(self, data: bytes, refusal: str | None, context: Context) -> bytes:
+    async def _stream_answer(
+        self, data: bytes, refusal: str | None, context: Context, began: float
+    ) -> bytes:
         """A stream's answer to one request: its response, or its error (``refusal``: why
-        its bytes were not admitted)."""
+        its bytes were not admitted; ``began``: when it was read)."""
         request = pb.ModelInferRequest()
         try:
             call = codec.read_request(data)
@@ -363,17 +367,19 @@ class InferenceService:
             if refusal is not None:
                 http_refused(503, "grpc_inflight_bytes")
                 raise PayloadTooLarge(refusal)
-            return codec.stream_answer(await self._infer(call, context))
+            return codec.stream_answer(await self._infer(call, context, began))
         except StokerError as error:
             return codec.stream_error(request, error.message)
         except Exception as error:
             log.error("unhandled %s in a gRPC stream", type(error).__name__, exc_info=error)
             return codec.stream_error(request, "internal server error")
 
-    async def _infer(self, call: codec.InferCall, context: Context) -> bytes:
+    async def _infer(self, call: codec.InferCall, context: Context, began: float | None) -> bytes:
         """What HTTP's infer route does with a binary body: into an arena slot when the
-        engine client lends one (the tensors' one copy), through ``plane.infer``. Typed
-        contents are counted against the model's contract first (``contents.typed_bytes``)."""
+        engine client lends one (the tensors' one copy), through ``plane.infer``, which a
+        drain judges by ``began`` (when the call or the stream's request was handed over).
+        Typed contents are counted against the model's contract first
+        (``contents.typed_bytes``)."""
         request = call.request
         name, version = request.model_name, request.model_version or None
         limit, left_us = self.max_body_bytes, deadline_us(context)
@@ -414,6 +420,7 @@ class InferenceService:
                 len(header),
                 slot,
                 peer_host(context),
+                began,
             )
         return codec.infer_response(answer)
 

@@ -219,6 +219,7 @@ class LendingPlane:
         header_length: int | None,
         slot: Slot | None,
         client: str,
+        began: float | None,
     ) -> Answer:
         self.seen.append((body, header_length, slot, client))
         length = np.array([len(body)], np.int64)
