@@ -13,10 +13,12 @@ new connections' SYNs in the kernel (its client's retries wait, as for a full ba
 they never reach grpc core and never count; its newest connections past the share are shut
 down (the peer sees the connection end; grpc core lets the socket go); the block lasts
 ``COOL_DOWN_S`` after the address was last seen at its share. While the process holds
-more than ``max_connections`` less half of what a share leaves to the others, every address
-holding that half or more is blocked too, so two large holders cannot fill the cap between
-them. The sweep runs every ``FAST_SWEEP_INTERVAL_S`` while any address is blocked or the
-cap is near full, every ``SWEEP_INTERVAL_S`` otherwise. A connection under its address's
+more than ``max_connections`` less half of what a share leaves to the others (the
+reserve: 125 of 1,000 at a share of 0.75), every address holding the reserve or more is
+blocked too, so large holders cannot refill the cap between them as their connections
+close (what they hold stays until it closes: idle at ``server.keep_alive_s``). The
+sweep runs every ``FAST_SWEEP_INTERVAL_S`` while any address is blocked or the cap is
+near full, every ``SWEEP_INTERVAL_S`` otherwise. A connection under its address's
 share is never touched. With no ``/proc`` (not Linux) nothing is looked at.
 """
 
@@ -175,8 +177,9 @@ class ConnectionShares:
         self.port = port
         self.cap = limits.max_connections
         self.per_address = max(1, int(self.cap * limits.max_share_per_address))
-        # Half of what a share leaves to the others: past cap less this, large holders wait.
-        self.reserve = max(1, (self.cap - self.per_address) // 2)
+        # Half of what a share leaves to the others: past cap less this, large holders wait
+        # (none with a share of 1: shares are off).
+        self.reserve = (self.cap - self.per_address) // 2
         self._sweeps = 0
         self._first_seen: dict[int, int] = {}
         """The sweep that first saw each connection (by its socket's inode): the newest of
@@ -224,8 +227,7 @@ class ConnectionShares:
             for inode, _ in entries
         }
         self._first_seen = seen
-        total = len(seen)
-        self._near_full = total > self.cap - self.reserve
+        self._near_full = self.reserve > 0 and len(seen) > self.cap - self.reserve
         for host, socks in found.items():
             if len(socks) >= self.per_address or (self._near_full and len(socks) >= self.reserve):
                 self.blocked[host] = now + COOL_DOWN_S
@@ -276,7 +278,10 @@ class ConnectionShares:
 
     async def run(self, server: grpc.aio.Server) -> None:
         """Sweep every ``SWEEP_INTERVAL_S`` (``FAST_SWEEP_INTERVAL_S`` while ``urgent``)
-        until ``server`` has stopped."""
+        until ``server`` has stopped; nothing with a share of all (``max_share_per_address``
+        1: behind a proxy every client has its address)."""
+        if self.per_address >= self.cap:
+            return
         # wait_for_termination is True when it timed out: the server still serves.
         while await server.wait_for_termination(
             FAST_SWEEP_INTERVAL_S if self.urgent else SWEEP_INTERVAL_S
