@@ -12,12 +12,13 @@ of ``max_connections``) or more is **blocked**: a socket filter on the listener 
 new connections' SYNs in the kernel (its client's retries wait, as for a full backlog), so
 they never reach grpc core and never count; its newest connections past the share are shut
 down (the peer sees the connection end; grpc core lets the socket go); the block lasts
-``COOL_DOWN_S`` after the address was last seen at its share. While the process holds
+``COOL_DOWN_S`` after the address was last seen at its share (twice its last block's
+length, up to ``MAX_COOL_DOWN_S``, if it is blocked again soon after). While the process holds
 more than ``max_connections`` less half of what a share leaves to the others (the
 reserve: 125 of 1,000 at a share of 0.75), every address holding the reserve or more is
 blocked too, so large holders cannot refill the cap between them as their connections
 close (what they hold stays until it closes: idle at ``server.keep_alive_s``). The
-sweep runs every ``FAST_SWEEP_INTERVAL_S`` while any address is blocked or the cap is
+sweep runs every ``FAST_SWEEP_INTERVAL_S`` while an address was blocked lately or the cap is
 near full, every ``SWEEP_INTERVAL_S`` otherwise. A connection under its address's
 share is never touched. With no ``/proc`` (not Linux) nothing is looked at.
 """
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 SWEEP_INTERVAL_S = 1.0
 FAST_SWEEP_INTERVAL_S = 0.05
 COOL_DOWN_S = 5.0
+MAX_COOL_DOWN_S = 60.0
+"""An address blocked again within this of its last block waits twice as long as then, up
+to this: a client that reopens whatever closes is kept waiting, not let in every 5 s."""
 MAX_BLOCKED = 256
 """Most addresses one filter drops (the largest holders first): its size stays bounded."""
 _ESTABLISHED = 1  # tcp_info's tcpi_state (linux/tcp.h)
@@ -186,12 +190,16 @@ class ConnectionShares:
         an address's connections are the ones closed, those it held longest kept."""
         self.blocked: dict[str, float] = {}
         """Each blocked address, and when its block ends (``time.monotonic``)."""
+        self._strikes: dict[str, tuple[float, float]] = {}
+        """Each address blocked lately: its last block's length, and when that is forgotten
+        (``MAX_COOL_DOWN_S`` after the block ended)."""
         self._attached: list[bytes] = []
 
     @property
     def urgent(self) -> bool:
-        """Whether the next sweep comes soon (an address blocked, or the cap near full)."""
-        return bool(self.blocked) or self._near_full
+        """Whether the next sweep comes soon (an address blocked lately, or the cap near
+        full): one that reopens its connections at once is seen again within a sweep."""
+        return bool(self._strikes) or self._near_full
 
     _near_full = False
 
@@ -201,6 +209,7 @@ class ConnectionShares:
         self._sweeps += 1
         now = time.monotonic()
         self.blocked = {host: until for host, until in self.blocked.items() if until > now}
+        self._strikes = {host: kept for host, kept in self._strikes.items() if kept[1] > now}
         try:
             # Fewer descriptors than a share: no address can be at it.
             if not self.blocked and len(os.listdir(FDS)) < self.per_address:
@@ -230,7 +239,7 @@ class ConnectionShares:
         self._near_full = self.reserve > 0 and len(seen) > self.cap - self.reserve
         for host, socks in found.items():
             if len(socks) >= self.per_address or (self._near_full and len(socks) >= self.reserve):
-                self.blocked[host] = now + COOL_DOWN_S
+                self._block(host, now)
         # The filter first: what is shut down below cannot be reopened meanwhile.
         self._filter(listeners, found)
         closed = 0
@@ -248,11 +257,20 @@ class ConnectionShares:
                 len(socks) - self.per_address,
                 host,
                 self.per_address,
-                COOL_DOWN_S,
+                self._strikes[host][0],
             )
         if closed:
             http_refused(503, "grpc_connections", closed)
         return closed
+
+    def _block(self, host: str, now: float) -> None:
+        """Blocks ``host`` from ``now``: as long as its block now if it still has one, else
+        ``COOL_DOWN_S``, or twice its last block if that ended lately."""
+        length, _ = self._strikes.get(host, (COOL_DOWN_S / 2, 0.0))
+        if host not in self.blocked:
+            length = min(2 * length, MAX_COOL_DOWN_S)
+        self.blocked[host] = now + length
+        self._strikes[host] = (length, now + length + MAX_COOL_DOWN_S)
 
     def _filter(self, listeners: list[socket.socket], found: Found | None) -> None:
         """Sets the listeners' filter to the blocked addresses, the largest holders first,
