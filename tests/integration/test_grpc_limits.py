@@ -696,7 +696,7 @@ def test_a_reconnecting_flood_from_one_address_does_not_lock_another_out(
     ):
         answered = asyncio.run(scenario(far_address, opened))
     assert sum(answered) >= 0.9 * len(answered), answered
-    assert refusals(limited, "grpc_connections") - before >= 2  # its past the share, cut
+    assert refusals(limited, "grpc_connections") - before >= 1  # what it held past its share
 
 
 def test_probes_that_never_send_their_message_end_soon_and_are_bounded_per_address(

@@ -95,7 +95,9 @@ class Budget:
 
     def take(self, address: str, amount: int) -> str | None:
         """Holds ``amount`` for ``address``; or, where that would pass a limit, holds nothing
-        and says which limit and its value."""
+        and says which limit and its value. Nothing (an empty message) is always taken."""
+        if not amount:
+            return None  # an address holding nothing has no entry: none is made for it
         mine = self.by_address.get(address, 0)
         if self.held + amount > self.limit:
             return (
@@ -113,6 +115,8 @@ class Budget:
         return None
 
     def give(self, address: str, amount: int) -> None:
+        if not amount:
+            return
         self.held -= amount
         left = self.by_address[address] - amount
         if left:
