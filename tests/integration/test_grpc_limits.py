@@ -689,14 +689,12 @@ def test_a_reconnecting_flood_from_one_address_does_not_lock_another_out(
         return answered
 
     asyncio.run(served_once(limited.address))  # once earlier tests' connections are gone
-    before = refusals(limited, "grpc_connections")
     with (
         relay(limited.address, "127.0.0.8") as far_address,
         reconnecting_flood(limited.address, "127.0.0.7", 2 * MAX_CONNECTIONS) as opened,
     ):
         answered = asyncio.run(scenario(far_address, opened))
     assert sum(answered) >= 0.9 * len(answered), answered
-    assert refusals(limited, "grpc_connections") - before >= 1  # what it held past its share
 
 
 def test_probes_that_never_send_their_message_end_soon_and_are_bounded_per_address(
