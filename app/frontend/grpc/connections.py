@@ -34,6 +34,7 @@ import socket
 import struct
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -82,19 +83,15 @@ def _prefix(host: str) -> bytes:
     return ipaddress.IPv4Address(host).packed
 
 
-def connections(port: int) -> tuple[Found, list[socket.socket]]:
-    """This process's established TCP connections whose local port is ``port``, by peer
-    (``_host``), each as its socket's inode and a socket of its own on the same connection
-    (a duplicate descriptor: the caller closes it), in descriptor order; and the listening
-    sockets on ``port``, duplicated too. One that is closing (shut down here, or by its
-    peer, and not yet let go by grpc core) is not counted."""
-    found: Found = defaultdict(list)
-    listeners: list[socket.socket] = []
+def sockets_on(port: int) -> Iterator[tuple[int, socket.socket]]:
+    """This process's TCP sockets whose local port is ``port`` (its listener and its
+    connections), each once, as its inode and a socket of its own on it (a duplicate
+    descriptor: the caller closes it), in descriptor order."""
     inodes: set[int] = set()
     try:
         fds = sorted(int(name) for name in os.listdir(FDS))
     except OSError:
-        return {}, []
+        return
     for fd in fds:
         try:
             link = os.readlink(FDS / str(fd))
@@ -109,15 +106,32 @@ def connections(port: int) -> tuple[Found, list[socket.socket]]:
             continue  # closed meanwhile
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.getsockname()[1] == port:
-                state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
-                if state == _ESTABLISHED:
-                    found[_host(sock.getpeername()[0])].append((inode, sock))
-                    continue
-                if state == _LISTEN:
-                    listeners.append(sock)
-                    continue
+                yield inode, sock
+                continue
         except OSError:
-            pass  # not TCP, or a connection already gone
+            pass  # gone meanwhile
+        sock.close()
+
+
+def connections(port: int) -> tuple[Found, list[socket.socket]]:
+    """This process's established TCP connections whose local port is ``port``, by peer
+    (``_host``), each as its socket's inode and a socket of its own on the same connection
+    (a duplicate descriptor: the caller closes it), in descriptor order; and the listening
+    sockets on ``port``, duplicated too. One that is closing (shut down here, or by its
+    peer, and not yet let go by grpc core) is not counted."""
+    found: Found = defaultdict(list)
+    listeners: list[socket.socket] = []
+    for inode, sock in sockets_on(port):
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0]
+            if state == _ESTABLISHED:
+                found[_host(sock.getpeername()[0])].append((inode, sock))
+                continue
+            if state == _LISTEN:
+                listeners.append(sock)
+                continue
+        except OSError:
+            pass  # a connection already gone
         sock.close()
     return found, listeners
 
