@@ -162,7 +162,7 @@ HTTP_REFUSALS = Counter(
     "for bodies), image_header (400, 413: an upload whose image header is broken or over the "
     "pixel or aspect limits), host, origin (403, a browser's cross-origin or DNS-rebinding "
     "request); and "
-    "gRPC calls by the status HTTP would have answered: grpc_calls, grpc_watches, "
+    "gRPC calls by the status HTTP would have answered: grpc_calls, grpc_watches, grpc_probes, "
     "grpc_inflight_bytes (503, RESOURCE_EXHAUSTED), grpc_control_bytes (413, "
     "RESOURCE_EXHAUSTED), grpc_message_timeout (408, DEADLINE_EXCEEDED), grpc_connections "
     "(503: connections closed past their address's share).",

@@ -357,6 +357,13 @@ class LimitSettings(BaseModel):
     ``max_grpc_calls``: a Watch needs no API key and stays open, so watches must not take
     the room of inference calls. A watcher holds a call and wakes once a second; a
     Kubernetes probe uses Check, not Watch."""
+    max_grpc_probes: int = Field(default=100, gt=0)
+    """gRPC liveness, readiness and health Check calls in flight at once per process,
+    ``max_share_per_address`` of them from one address; beyond it a probe is
+    RESOURCE_EXHAUSTED. Counted apart from ``max_grpc_calls`` so probes answer while the
+    server is full; a probe is answered at once, and one whose (empty) message does not
+    arrive within a second is ended, so a few are plenty, and this bounds what calls that
+    never send their message cost (some 4 KB each)."""
     max_share_per_address: float = Field(default=0.75, gt=0, le=1)
     """The most of ``max_connections`` (HTTP's and gRPC's), ``max_grpc_calls``,
     ``max_grpc_watches`` and ``max_inflight_body_bytes`` one client address may hold, so

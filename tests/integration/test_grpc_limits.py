@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import socket
 import struct
 import threading
@@ -40,6 +41,7 @@ MAX_CONNECTIONS = 6
 MiB = 1024 * 1024
 MAX_BYTES = 4 * MiB  # 3 MiB per address
 MAX_WATCHES = 4  # 3 per address
+MAX_PROBES = 8  # 6 per address
 MAX_CONTROL_BYTES = 1024
 # A request to "hold" waits a minute for a fuller batch: its bytes stay in flight until then,
 # or until its client cancels it.
@@ -80,6 +82,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
         "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
         "STOKER_SERVER__KEEP_ALIVE_S": "2",
         "STOKER_LIMITS__MAX_GRPC_WATCHES": str(MAX_WATCHES),
+        "STOKER_LIMITS__MAX_GRPC_PROBES": str(MAX_PROBES),
         "STOKER_LIMITS__MAX_CONTROL_BODY_BYTES": str(MAX_CONTROL_BYTES),
     }
     running = start_grpc(repo, repo.parent / "server.log", env)
@@ -110,7 +113,14 @@ def relay(target: str, source: str) -> Iterator[str]:
                 return
             upstream = socket.socket()
             upstream.bind((source, 0))
-            upstream.connect((host, int(port)))
+            upstream.settimeout(2)  # a connection the server's kernel holds back: the next
+            try:
+                upstream.connect((host, int(port)))
+            except OSError:
+                client.close()
+                upstream.close()
+                continue
+            upstream.settimeout(None)
             opened.extend([client, upstream])
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=pump, args=(src, dst), daemon=True).start()
@@ -469,17 +479,28 @@ async def served_once(address: str) -> None:
     await (await opened(address)).close()
 
 
-def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
-    limited: GrpcServer,
-) -> None:
-    """127.0.0.5 keeps six connections busy (the cap; its share is 4 of 6), as idle clients
-    kept past the idle timeout by a probe now and then: within a sweep it is cut back to
-    its share, and 127.0.0.6 is served on the room left. (Its clients do not connect again
-    once closed, so that what the server closed can be counted; the addresses are this
-    test's alone, so no connection of an earlier test counts against their shares.)"""
-    before = refusals(limited, "grpc_connections")
+def test_an_address_at_its_share_of_connections_waits_for_more(limited: GrpcServer) -> None:
+    """127.0.0.5 keeps its share of the connections busy (4 of 6), as idle clients kept past
+    the idle timeout by a probe now and then: once the server has seen it, a new connection
+    from it is not served (it waits in the kernel), the four are never touched, and
+    127.0.0.6 is served on the room left. (The addresses are this test's alone, so no
+    connection of an earlier test counts against their shares.)"""
 
-    async def scenario() -> tuple[int, Any]:
+    async def served(address: str, within_s: float) -> bool:
+        channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                service_pb2.ServerLiveRequest(), timeout=within_s, wait_for_ready=True
+            )
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await channel.close()
+
+    async def scenario() -> tuple[list[grpc.aio.Channel], Any]:
         near: list[grpc.aio.Channel] = []
         ended: list[grpc.aio.Channel] = []
         stop = asyncio.Event()
@@ -488,25 +509,22 @@ def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
             stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
             try:
                 while not stop.is_set():
-                    if channel.get_state() != grpc.ChannelConnectivity.READY:
-                        break  # closed by the server
                     await stub.ServerLive(service_pb2.ServerLiveRequest())
                     await asyncio.sleep(0.2)
-                else:
-                    return
+                return
             except grpc.aio.AioRpcError:
-                pass  # closed under a call
-            ended.append(channel)
+                ended.append(channel)  # closed under a call
 
         keepers = []
         with relay(limited.address, "127.0.0.5") as near_address:
-            for _ in range(6):  # each kept busy from its start: idle ones close after 2 s
+            for _ in range(4):  # each kept busy from its start: idle ones close after 2 s
                 near.append(await opened(near_address))
                 keepers.append(asyncio.create_task(keep(near[-1])))
             deadline = time.monotonic() + 60
-            while len(ended) < 2:
-                assert time.monotonic() < deadline, "no connection of 127.0.0.5 was closed"
-                await asyncio.sleep(0.1)
+            while await served(near_address, 3):  # until the server has seen the four
+                assert time.monotonic() < deadline, "127.0.0.5 is served past its share"
+            # and from then on (a connection closed after it was served would be too)
+            assert not any([await served(near_address, 3) for _ in range(3)])
             with relay(limited.address, "127.0.0.6") as far_address:
                 far = await opened(far_address)
                 answer = await service_pb2_grpc.GRPCInferenceServiceStub(far).ModelInfer(
@@ -517,12 +535,11 @@ def test_an_address_past_its_share_of_connections_is_cut_back_to_it(
             await asyncio.gather(*keepers)
             for channel in near:
                 await channel.close()
-        return len(ended), answer
+        return ended, answer
 
     ended, answer = asyncio.run(scenario())
-    assert ended == 2  # the four under its share were never touched
+    assert ended == []  # the four at its share were never touched
     assert list(answer.outputs[0].shape) == [1, 3]
-    assert refusals(limited, "grpc_connections") - before >= 2
 
 
 def test_health_watches_are_bounded_per_address_apart_from_calls(limited: GrpcServer) -> None:
@@ -596,3 +613,132 @@ def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
         stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="tiny"))
     assert small.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
     channel.close()
+
+
+@contextlib.contextmanager
+def reconnecting_flood(address: str, source: str, count: int) -> Iterator[list[int]]:
+    """``count`` plain TCP connections to ``address`` from ``source``, each one that closes
+    opened again at once, until the block ends; yields a list holding how many were opened."""
+    host, port = address.rsplit(":", 1)
+    opened = [0]
+    stop = threading.Event()
+
+    def flood() -> None:
+        socks: set[socket.socket] = set()
+        while not stop.is_set():
+            while len(socks) < count:
+                sock = socket.socket()
+                sock.bind((source, 0))
+                sock.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    sock.connect((host, int(port)))
+                socks.add(sock)
+                opened[0] += 1
+            readable, _, _ = select.select(list(socks), [], [], 0.02)
+            for sock in readable:
+                try:
+                    data = sock.recv(4096)
+                except OSError:
+                    data = b""
+                if not data:
+                    socks.discard(sock)
+                    sock.close()
+        for sock in socks:
+            sock.close()
+
+    thread = threading.Thread(target=flood, daemon=True)
+    thread.start()
+    try:
+        yield opened
+    finally:
+        stop.set()
+        thread.join(30)
+
+
+def test_a_reconnecting_flood_from_one_address_does_not_lock_another_out(
+    limited: GrpcServer,
+) -> None:
+    """127.0.0.7 keeps twice the cap of plain TCP connections open and reopens any that
+    closes: once it is seen at its share, its new connections wait in the kernel, so
+    127.0.0.8's new channels (a connection each) are served while it runs."""
+
+    async def live(address: str) -> bool:
+        channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.use_local_subchannel_pool", 1)]
+        )
+        try:
+            await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                service_pb2.ServerLiveRequest(), timeout=10
+            )
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+        finally:
+            await channel.close()
+
+    async def scenario(far_address: str, opened: list[int]) -> list[bool]:
+        deadline = time.monotonic() + 60
+        while opened[0] < 2 * MAX_CONNECTIONS:  # the flood has filled the cap
+            assert time.monotonic() < deadline, "the flood never started"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.5)  # a slow sweep's interval: the flood has been seen
+        answered = []
+        for _ in range(30):
+            answered.append(await live(far_address))
+            await asyncio.sleep(0.1)
+        return answered
+
+    asyncio.run(served_once(limited.address))  # once earlier tests' connections are gone
+    with (
+        relay(limited.address, "127.0.0.8") as far_address,
+        reconnecting_flood(limited.address, "127.0.0.7", 2 * MAX_CONNECTIONS) as opened,
+    ):
+        answered = asyncio.run(scenario(far_address, opened))
+    assert sum(answered) >= 0.9 * len(answered), answered
+
+
+def test_probes_that_never_send_their_message_end_soon_and_are_bounded_per_address(
+    limited: GrpcServer,
+) -> None:
+    """ServerLive, ServerReady and health Check calls whose message never comes end within
+    seconds (DEADLINE_EXCEEDED), and one address holds at most its share of them at once
+    (RESOURCE_EXHAUSTED past it); a probe that sends its message is answered after."""
+
+    async def scenario() -> tuple[list[grpc.aio.AioRpcError], float, bool]:
+        never = asyncio.Event()
+
+        async def nothing() -> AsyncIterator[bytes]:
+            await never.wait()
+            yield b""
+
+        methods = [
+            "/inference.GRPCInferenceService/ServerLive",
+            "/inference.GRPCInferenceService/ServerReady",
+            "/grpc.health.v1.Health/Check",
+        ]
+        channel = await opened(limited.address)
+        started = time.monotonic()
+        probes: list[Any] = [channel.stream_unary(method) for method in methods]
+        calls = [probes[index % 3](nothing(), timeout=60) for index in range(3 * MAX_PROBES)]
+        ended = await asyncio.gather(*calls, return_exceptions=True)
+        elapsed = time.monotonic() - started
+        live = await service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+            service_pb2.ServerLiveRequest(), timeout=10
+        )
+        await channel.close()
+        errors = [error for error in ended if isinstance(error, grpc.aio.AioRpcError)]
+        assert len(errors) == len(ended), ended
+        return errors, elapsed, live.live
+
+    errors, elapsed, live = asyncio.run(scenario())
+    codes = [error.code() for error in errors]
+    # 6 at once at most (all but those ended late are refused at once)
+    assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) >= MAX_PROBES * 3 // 4
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1
+    assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    late = next(e for e in errors if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert late.details() == "the request message did not arrive whole within a probe's 1 s"
+    refused = next(e for e in errors if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert "its share of limits.max_grpc_probes (6 of 8)" in str(refused.details())
+    assert elapsed < 30  # a second each, not body_timeout_s's 60 (the calls' own timeout)
+    assert live

@@ -5,8 +5,10 @@ arrived whole, so the limits sit at these levels (``limits`` in the settings):
 
 - **gRPC core, per process**: at most ``max_connections`` connections (one past it is
   closed as it opens, a health probe's too: HTTP's probes stay open), counted apart from
-  HTTP's, and ``max_share_per_address`` of them from one address (swept once a second,
-  here: ``app.frontend.grpc.connections``); a connection must open HTTP/2 within
+  HTTP's, and ``max_share_per_address`` of them from one address (an address at its share
+  has its new connections dropped in the kernel, those past it shut down: ``app.frontend.
+  grpc.connections``); at most ``MAX_STREAMS`` calls at once on one connection (a client
+  queues the rest); a connection must open HTTP/2 within
   ``header_timeout_s``; one with no call for ``server.keep_alive_s`` is told GOAWAY; a
   peer that stops answering keepalive pings (sent every ``keep_alive_s``) is dropped 20 s
   later; a message over ``max_body_bytes`` is RESOURCE_EXHAUSTED; a client that pings more
@@ -16,8 +18,10 @@ arrived whole, so the limits sit at these levels (``limits`` in the settings):
   the limit and its value). A gRPC connection carries many calls, so this is what bounds an
   address's use of the server, as HTTP/1.1's connections (one request each) do over HTTP;
   the connections it holds beyond its calls are idle and closed after ``keep_alive_s``.
-  Liveness, readiness and ``grpc.health.v1`` Check are not counted, so probes answer while
-  the server is full; a health Watch (it stays open, and needs no key) counts against
+  Liveness, readiness and ``grpc.health.v1`` Check are counted apart, against
+  ``max_grpc_probes`` and its share per address, so probes answer while the server is full,
+  and their message must arrive within ``PROBE_MESSAGE_TIMEOUT_S`` (it is empty: a probe that
+  does not send it is no probe); a health Watch (it stays open, and needs no key) counts against
   ``max_grpc_watches`` and its share per address instead, so watches never take the
   inference calls' room.
 - **Control messages, here**: a load, unload or shared-memory registration message over
@@ -50,6 +54,12 @@ from app.drain import Drain
 from app.frontend.grpc.ending import Ended
 from app.metrics import http_refused
 from app.settings import LimitSettings, Settings
+
+MAX_STREAMS = 100
+"""Calls at once on one connection (``grpc.max_concurrent_streams``): core's default is
+unbounded, and a call that has not sent its message yet costs the server some 4 KB."""
+PROBE_MESSAGE_TIMEOUT_S = 1.0
+"""How long a probe's (empty) message may take to arrive, ``body_timeout_s`` at most."""
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -86,7 +96,9 @@ class Budget:
 
     def take(self, address: str, amount: int) -> str | None:
         """Holds ``amount`` for ``address``; or, where that would pass a limit, holds nothing
-        and says which limit and its value."""
+        and says which limit and its value. Nothing (an empty message) is always taken."""
+        if not amount:
+            return None  # an address holding nothing has no entry: none is made for it
         mine = self.by_address.get(address, 0)
         if self.held + amount > self.limit:
             return (
@@ -104,6 +116,8 @@ class Budget:
         return None
 
     def give(self, address: str, amount: int) -> None:
+        if not amount:
+            return
         self.held -= amount
         left = self.by_address[address] - amount
         if left:
@@ -124,6 +138,9 @@ class CallLimits:
         self.watches = Budget(
             limits.max_grpc_watches, share, "health watches", "max_grpc_watches", "grpc_watches"
         )
+        self.probes = Budget(
+            limits.max_grpc_probes, share, "probe calls", "max_grpc_probes", "grpc_probes"
+        )
         self.message_bytes = Budget(
             limits.max_inflight_body_bytes,
             share,
@@ -133,6 +150,7 @@ class CallLimits:
         )
         self.max_control_bytes = limits.max_control_body_bytes
         self.message_timeout_s = limits.body_timeout_s
+        self.probe_timeout_s = min(PROBE_MESSAGE_TIMEOUT_S, limits.body_timeout_s)
         self._endings: set[asyncio.Future[Any]] = set()
         """Calls being ended for a message that came too late (a reference to each)."""
 
@@ -141,14 +159,15 @@ class CallLimits:
         http_refused(503, budget.reason)
         raise Ended(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
 
-    async def message(self, context: Context) -> bytes:
+    async def message(self, context: Context, timeout_s: float | None = None) -> bytes:
         """A unary call's request, once it has arrived whole; DEADLINE_EXCEEDED if it has not
-        within ``message_timeout_s``."""
+        within ``timeout_s`` (None: ``message_timeout_s``)."""
+        timeout_s = self.message_timeout_s if timeout_s is None else timeout_s
         # Past the deadline the call is ended from a timer, which makes the read fail with
         # that ending; cancelling the read instead would abandon grpc's pending operation.
         ended: list[asyncio.Future[Any]] = []
         timer = asyncio.get_running_loop().call_later(
-            self.message_timeout_s, self._too_late, context, ended
+            timeout_s, self._too_late, context, ended, timeout_s
         )
         try:
             data = await context.read()
@@ -162,12 +181,16 @@ class CallLimits:
         assert isinstance(data, bytes)
         return data
 
-    def _too_late(self, context: Context, ended: list[asyncio.Future[Any]]) -> None:
+    def _too_late(
+        self, context: Context, ended: list[asyncio.Future[Any]], timeout_s: float
+    ) -> None:
         http_refused(408, "grpc_message_timeout")
-        message = (
-            "the request message did not arrive whole within limits.body_timeout_s "
-            f"({self.message_timeout_s:g} s)"
+        within = (
+            f"limits.body_timeout_s ({timeout_s:g} s)"
+            if timeout_s == self.message_timeout_s
+            else f"a probe's {timeout_s:g} s"
         )
+        message = f"the request message did not arrive whole within {within}"
         # Only abort ends a read still waiting; its exception holds this timer's frames,
         # no request (none arrived).
         ending = asyncio.ensure_future(context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, message))
@@ -186,14 +209,15 @@ def limited(
     limits: CallLimits,
     counted: Budget | None,
     max_message_bytes: int | None = None,
+    message_timeout_s: float | None = None,
     drain: Drain | None = None,
 ) -> Handler:
-    """``handler`` with its calls counted against ``counted`` (None: a probe's, whose
-    message still has its deadline and its bytes their budget), its message refused past
-    ``max_message_bytes`` before it is parsed, a unary call counted as in flight in
-    ``drain`` (which then waits for it), and every ``Ended`` raised below it set on
-    the call as its status. A unary request is taken as a request stream of one message, so
-    the call counts from its start, before its message arrives (grpc.aio calls a unary
+    """``handler`` with its calls counted against ``counted`` (None: not counted), its
+    message due within ``message_timeout_s`` (None: ``limits.message_timeout_s``) and
+    refused past ``max_message_bytes`` before it is parsed, a unary call counted as in
+    flight in ``drain`` (which then waits for it), and every ``Ended`` raised below it set
+    on the call as its status. A unary request is taken as a request stream of one message,
+    so the call counts from its start, before its message arrives (grpc.aio calls a unary
     handler only once it has), and the message can be given a deadline; the client sees no
     difference on the wire. (Written out rather than with context managers: this runs for
     every call.)"""
@@ -213,7 +237,7 @@ def limited(
 
     async def request(context: Context, address: str) -> tuple[Any, int]:
         """The call's request, parsed, and its size, counted in ``held``."""
-        data = await limits.message(context)
+        data = await limits.message(context, message_timeout_s)
         size = len(data)
         if max_message_bytes is not None and size > max_message_bytes:
             http_refused(413, "grpc_control_bytes")
@@ -301,6 +325,7 @@ def core_options(settings: Settings) -> list[tuple[str, int]]:
         ("grpc.max_receive_message_length", limits.max_body_bytes),
         ("grpc.max_metadata_size", limits.max_header_bytes),
         ("grpc.max_allowed_incoming_connections", limits.max_connections),
+        ("grpc.max_concurrent_streams", MAX_STREAMS),
         ("grpc.max_connection_idle_ms", keep_alive_ms),
         # A connection that has not opened HTTP/2 in this long is closed, as a request head
         # that does not arrive in header_timeout_s is over HTTP (slow-loris).

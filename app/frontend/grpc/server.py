@@ -3,8 +3,8 @@
 ``start`` binds ``server.grpc_port`` (with several front-end processes each binds it with
 SO_REUSEPORT, so the kernel spreads connections over them as the shared HTTP listener does;
 with one process a port that is taken fails the start) and serves ``inference.
-GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, every call but
-the probes' counted against the limits of ``app.frontend.grpc.limits`` (connections, calls
+GRPCInferenceService`` and ``grpc.health.v1.Health`` over the data plane, every call
+counted against the limits of ``app.frontend.grpc.limits`` (connections, calls, probes
 and request bytes in flight, per process and per address; message size and arrival time;
 idle connections), and every client address held to its share of the connections
 (``app.frontend.grpc.connections``). With API keys, every call but the health and liveness
@@ -57,8 +57,9 @@ OPEN_METHODS = frozenset(
         f"/{HEALTH}/Watch",
     }
 )
-# Not counted against the calls in flight, so that probes answer while the server is full
-# (a Watch is counted, against watches: it stays open).
+# Counted against the probes, not the calls in flight, so that probes answer while the
+# server is full; their message is due within a second (a Watch is counted against
+# watches: it stays open).
 PROBES = frozenset({"ServerLive", "ServerReady"})
 # Messages held to ``limits.max_control_body_bytes``, refused before they are parsed.
 CONTROL_METHODS = frozenset(
@@ -123,7 +124,7 @@ RAW_METHODS = frozenset({"ModelInfer", "ModelStreamInfer"})
 
 def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler]:
     """A handler for every method the proto declares, by its name, each calling the method of
-    ``service`` of that name under ``limits`` (``PROBES`` not counted, ``CONTROL_METHODS``'
+    ``service`` of that name under ``limits`` (``PROBES`` counted as probes, ``CONTROL_METHODS``'
     messages held to their own size); the messages of all but ``RAW_METHODS``
     (de)serialized by the generated classes."""
     found: dict[str, Handler] = {}
@@ -138,24 +139,28 @@ def handlers(service: InferenceService, limits: CallLimits) -> dict[str, Handler
             handler = grpc.stream_stream_rpc_method_handler(behaviour, decode, encode)
         else:
             handler = grpc.unary_unary_rpc_method_handler(behaviour, decode, encode)
-        counted = None if method.name in PROBES else limits.calls
         most = limits.max_control_bytes if method.name in CONTROL_METHODS else None
         # A unary inference call is one the drain waits for, from before its message is
         # read (a stream's requests are, each, from the data plane's ``infer``).
         drain = service.plane.drain_state if method.name == "ModelInfer" else None
-        found[method.name] = limited(handler, limits, counted, most, drain)
+        if method.name in PROBES:
+            found[method.name] = limited(
+                handler, limits, limits.probes, most, limits.probe_timeout_s
+            )
+        else:
+            found[method.name] = limited(handler, limits, limits.calls, most, drain=drain)
     return found
 
 
 def health_handlers(health: Health, limits: CallLimits) -> dict[str, Handler]:
-    """``grpc.health.v1.Health``'s two methods under ``limits``: a Check not counted, a
-    Watch counted against the watches, apart from the calls."""
+    """``grpc.health.v1.Health``'s two methods under ``limits``: a Check counted against
+    the probes, a Watch against the watches, both apart from the calls."""
     decode = health_pb2.HealthCheckRequest.FromString
     encode = health_pb2.HealthCheckResponse.SerializeToString
     check = grpc.unary_unary_rpc_method_handler(health.Check, decode, encode)
     watch = grpc.unary_stream_rpc_method_handler(health.Watch, decode, encode)
     return {
-        "Check": limited(check, limits, None),
+        "Check": limited(check, limits, limits.probes, None, limits.probe_timeout_s),
         "Watch": limited(watch, limits, limits.watches),
     }
 

@@ -33,3 +33,13 @@ def test_what_is_given_back_can_be_taken_again_and_a_refusal_holds_nothing() -> 
 def test_a_tiny_share_still_admits_one() -> None:
     calls = Budget(1, 0.75, "gRPC calls", "max_grpc_calls")
     assert calls.per_address == 1 and calls.take("a", 1) is None
+
+
+def test_empty_messages_hold_nothing_however_many_end_at_once() -> None:
+    """Probes' and watches' messages are empty: taking and giving back nothing, in any
+    order, leaves no entry behind and never fails (it was a KeyError)."""
+    message_bytes = Budget(100, 0.5, "request bytes", "max_inflight_body_bytes")
+    assert message_bytes.take("a", 0) is None and message_bytes.take("a", 0) is None
+    message_bytes.give("a", 0)
+    message_bytes.give("a", 0)
+    assert (message_bytes.held, message_bytes.by_address) == (0, {})
