@@ -314,7 +314,7 @@ def run_tool(
     """A tooling command (``stoker accuracy``, or ``python -m bench accuracy`` from a source
     checkout) with the service's settings and log; a config error (an unknown model, a bad
     config.yaml) is one line, not a traceback."""
-    from app.engine.repository import ConfigError
+    from app.engine.folders import ConfigError
 
     settings = settings_for(args)
     try:
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "accuracy":
         return run_tool(module.run, args)
-    from app.engine.repository import ConfigError
+    from app.engine.folders import ConfigError
 
     settings = settings_for(args)
     if args.command == "models" and (args.load or args.unload or args.index):

@@ -237,7 +237,8 @@ def fetch_json(url: str) -> Any:
 
 def configured_preprocess(repository: Path, model: str, datatype: str) -> ImagePreprocess | None:
     """The model's own preprocessing when its config is in the local repository."""
-    from app.engine.repository import ConfigError, load_config
+    from app.engine.folders import ConfigError
+    from app.engine.repository import load_config
 
     folder = repository / model
     if not (folder / "config.yaml").is_file():

@@ -12,16 +12,9 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.engine.folders import ConfigError, Files, check_folder, triton_layout, version_folders
 from app.engine.models import LoadedModel
-from app.engine.repository import (
-    ConfigError,
-    Files,
-    ModelEntry,
-    check_folder,
-    load_config,
-    triton_layout,
-    version_folders,
-)
+from app.engine.repository import ModelEntry, load_config
 from app.errors import NotFound, Unavailable, client_text
 from app.settings import ModelRepositorySettings
 from engines.spec import TensorSpec

@@ -33,9 +33,10 @@ from app.contract import Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.decoders import decode_queue, describe_decoding
+from app.engine.folders import triton_layout, version_folders
 from app.engine.handlers import Handler, HandlerContext, RowsHandler, handler_for
 from app.engine.pool import RunnerPool
-from app.engine.repository import DynamicBatching, ModelEntry, triton_layout, version_folders
+from app.engine.repository import DynamicBatching, ModelEntry
 from app.engine.startup import describe_phases, start_decoders, start_phases, stop_decoders
 from app.errors import BadRequest, Reloaded, client_text
 from app.metrics import ModelMetrics

@@ -18,6 +18,17 @@ import threading
 import time
 from typing import Any, NoReturn
 
+from app.engine.folders import (
+    ConfigError,
+    Files,
+    check_folder,
+    fingerprint,
+    model_folder,
+    triton_layout,
+    valid_name,
+    version_folders,
+    without_paths,
+)
 from app.engine.index import (
     LOADING,
     READY,
@@ -29,21 +40,7 @@ from app.engine.index import (
     served_version,
 )
 from app.engine.models import LoadedModel, load, release_memory, source
-from app.engine.repository import (
-    ConfigError,
-    Files,
-    ModelEntry,
-    check_folder,
-    discover,
-    fingerprint,
-    load_config,
-    model_folder,
-    parse_config,
-    triton_layout,
-    valid_name,
-    version_folders,
-    without_paths,
-)
+from app.engine.repository import ModelEntry, discover, load_config, parse_config
 from app.engine.startup import describe_phases
 from app.errors import BadRequest, NotFound, Unavailable, client_text
 from app.metrics import model_available, model_unavailable

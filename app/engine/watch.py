@@ -1,6 +1,6 @@
 """Poll mode (``models.control: poll``), Triton's ``--model-control-mode=poll``: every
 ``models.poll_s`` the repository's folders are compared with what each model was loaded from
-(``app.engine.repository.fingerprint``: file names, sizes and modification times).
+(``app.engine.folders.fingerprint``: file names, sizes and modification times).
 
 A model whose files changed is reloaded (its old version serves until the new one is warm; a
 change that does not load leaves it serving and says why), a new folder is loaded when its
@@ -16,8 +16,9 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
+from app.engine.folders import ConfigError, Files, fingerprint
 from app.engine.registry import Registry
-from app.engine.repository import ConfigError, Files, fingerprint, load_config
+from app.engine.repository import load_config
 from app.errors import StokerError
 from app.settings import Settings
 

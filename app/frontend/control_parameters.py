@@ -10,17 +10,27 @@ import orjson
 from app.errors import BadRequest, client_text
 
 
+def json_object(text: bytes | str, what: str, not_an_object: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object; ``BadRequest`` saying ``what`` is not JSON, or
+    ``not_an_object`` where it is JSON of another kind."""
+    try:
+        document = orjson.loads(text)
+    except orjson.JSONDecodeError as error:
+        raise BadRequest(f"{what} is not JSON: {error}") from None
+    if not isinstance(document, dict):
+        raise BadRequest(not_an_object)
+    return document
+
+
 def control_parameters(body: bytes, accepted: frozenset[str]) -> dict[str, Any]:
     """The ``parameters`` of a load or unload body (Triton's and MLServer's; the body is
     optional), each named in ``accepted``."""
     if not body.strip():
         return {}
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadRequest(f"the body is not JSON: {error}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("parameters", {}), dict):
-        raise BadRequest('expected {"parameters": {...}}')
+    expected = 'expected {"parameters": {...}}'
+    document = json_object(body, "the body", expected)
+    if not isinstance(document.get("parameters", {}), dict):
+        raise BadRequest(expected)
     parameters: dict[str, Any] = document.get("parameters", {})
     check_parameters(parameters, accepted)
     return parameters
@@ -45,13 +55,11 @@ def config_override(parameters: dict[str, Any]) -> dict[str, Any] | None:
     config = parameters.get("config")
     if config is None:
         return None
+    not_an_object = "parameters.config must be a JSON object (a config.yaml's fields)"
     if isinstance(config, str):
-        try:
-            config = orjson.loads(config)
-        except orjson.JSONDecodeError as error:
-            raise BadRequest(f"parameters.config is not JSON: {error}") from None
+        return json_object(config, "parameters.config", not_an_object)
     if not isinstance(config, dict):
-        raise BadRequest("parameters.config must be a JSON object (a config.yaml's fields)")
+        raise BadRequest(not_an_object)
     return config
 
 

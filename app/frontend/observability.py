@@ -17,12 +17,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
 from fastapi import APIRouter, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import tracing
-from app.errors import BadRequest, NotImplementedHere
+from app.errors import NotImplementedHere
+from app.frontend.control_parameters import json_object
 from app.frontend.routes import ERROR_RESPONSE, control_body, json_response, plane_of
 
 router = APIRouter(responses={"default": ERROR_RESPONSE})
@@ -34,13 +34,7 @@ async def settings_update(request: Request) -> dict[str, Any]:
     body = await control_body(request)
     if not body.strip():
         return {}
-    try:
-        update = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise BadRequest(f"settings are not JSON: {error}") from None
-    if not isinstance(update, dict):
-        raise BadRequest("settings must be a JSON object")
-    return update
+    return json_object(body, "the settings body", "settings must be a JSON object")
 
 
 @router.get("/v2/trace/setting")

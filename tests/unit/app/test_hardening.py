@@ -21,8 +21,9 @@ from PIL import Image
 
 from app import image_pixels
 from app.engine.batcher import Batcher
+from app.engine.folders import ConfigError
 from app.engine.pool import RunnerPool
-from app.engine.repository import ConfigError, DynamicBatching, discover
+from app.engine.repository import DynamicBatching, discover
 from app.errors import BadRequest, EngineError, PayloadTooLarge, Unavailable
 from app.image_header import UPLOAD_FORMATS, read_header, screen_upload
 from app.metrics import ModelMetrics

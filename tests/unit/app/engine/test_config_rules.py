@@ -17,17 +17,10 @@ import pytest
 import yaml
 
 import zoo
+from app.engine.folders import ConfigError, check_folder, inside, model_folder
 from app.engine.models import prepare
 from app.engine.registry import Registry
-from app.engine.repository import (
-    ConfigError,
-    check_folder,
-    discover,
-    inside,
-    load_config,
-    model_folder,
-    parse_config,
-)
+from app.engine.repository import discover, load_config, parse_config
 from app.errors import BadRequest
 from app.settings import ModelRepositorySettings, Settings
 from tests.conftest import ROOT

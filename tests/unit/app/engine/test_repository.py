@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.repository import ConfigError, ModelConfig, ModelEntry, discover, load_config
+from app.engine.folders import ConfigError
+from app.engine.repository import ModelConfig, ModelEntry, discover, load_config
 from engines.precision.options import Budget
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec

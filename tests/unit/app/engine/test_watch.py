@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from app.engine.repository import Files, fingerprint
+from app.engine.folders import Files, fingerprint
 from app.engine.watch import changes
 from app.settings import Settings
 
