@@ -113,9 +113,12 @@ def test_closed_loop_latency_and_throughput_match_the_delay(sleepy: str) -> None
         c, seen, ms = result.step.concurrency, result.as_json(), DELAY_S * 1e3
         latency = result.latency_ms
         assert result.errors == 0 and result.statuses == {"200": result.requests}, seen
-        assert result.throughput == pytest.approx(c / DELAY_S, rel=0.15), seen
-        assert ms <= latency["p50"] <= ms + 8, seen  # type: ignore[operator]
-        assert latency["p99"] <= ms + 25, seen  # type: ignore[operator]
+        # A closed loop of c clients over a fixed delay cannot pass c / delay; a stall of
+        # this shared machine can only slow it, so the bounds below are one-sided and loose
+        # where a stall lands (the tail), tight where the measurement itself would be wrong.
+        assert 0.6 * c / DELAY_S <= result.throughput <= 1.05 * c / DELAY_S, seen
+        assert ms <= latency["p50"] <= ms + 25, seen  # type: ignore[operator]
+        assert ms <= latency["p99"] <= 10 * ms, seen  # type: ignore[operator]
         assert latency["max"] >= latency["p99.9"] >= latency["p99"] >= latency["p90"], seen  # type: ignore[operator]
         # No /metrics on this server: the scrape says nothing rather than failing.
         assert result.server.mean_batch_size is None
@@ -128,7 +131,7 @@ def test_open_loop_offers_the_poisson_rate(sleepy: str) -> None:
     seen, ms = result.as_json(), DELAY_S * 1e3
     assert result.errors == 0, seen
     assert result.throughput == pytest.approx(150.0, rel=0.2), seen
-    assert ms <= result.latency_ms["p50"] <= ms + 8, seen  # type: ignore[operator]
+    assert ms <= result.latency_ms["p50"] <= ms + 25, seen  # type: ignore[operator]
 
 
 def test_jpeg_forms_reach_the_server_whole(sleepy: str) -> None:
@@ -154,7 +157,7 @@ def test_rate_search_stays_under_a_serial_servers_capacity(sleepy: str, tmp_path
     document = orjson.loads(out.read_bytes())
     (target,) = document["targets"]
     capacity = 1 / SERIAL_DELAY_S
-    assert target["steps"][0]["throughput"] == pytest.approx(capacity, rel=0.15)
+    assert 0.6 * capacity <= target["steps"][0]["throughput"] <= 1.05 * capacity
     found = target["find_rate"]["rate"]
     assert found is not None and 0.3 * capacity <= found <= capacity
     assert target["find_rate"]["step"]["latency_ms"]["p99"] <= 60
