@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# Issue 42's A/B in one call on the GPU machine: the served default (ResNet-50 FP16 from
+# scripts/gpu_repo.py, gpu.compile default, 4 runners, decode processes, front_ends auto)
+# started from the last verified tree (carried in .gpu/$BASE: `git archive $BASE | tar -x -C
+# .gpu/$BASE`; it is started with --front-ends 4, what auto chooses on this 16-core machine)
+# and then from this tree, each with an engine store of its own, and the same client (this
+# tree's bench) against each: UINT8 32 rows a request at c = U8_CONCURRENCY, batch 1 at
+# c=256, and on this tree gRPC at both loads and the in-process pool (Stoker's batcher and
+# runner pool, no HTTP, loaded from the store this tree's server filled) at the 32-row
+# loads, and the naive server at batch 1. PYSPY=1: py-spy samples every process of this
+# tree's server for 8 s of a 32-row c=32 load (pyspy_summary.txt). A table last.
+#
+#   BASE=a833e8c bash scripts/h200_hotpath.sh     (carry .whl and .gpu)
+set -u
+OUT=${OUT:-/tmp/stoker-gpu}
+mkdir -p "$OUT"
+source "$(dirname "$0")/h200_wheels.sh"
+root=$PWD
+base=${BASE:-a833e8c}
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0
+site=${PYTHONPATH:-}
+python3 -V >"$OUT/env.txt"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/env.txt"
+python3 -c "import torch; print('torch', torch.__version__)" >>"$OUT/env.txt"
+git -C "$root" log --oneline -1 >>"$OUT/env.txt" 2>/dev/null
+cat "$OUT/env.txt"
+port=8125
+url=http://127.0.0.1:$port
+
+bench() {  # name, limit, arguments: this tree's bench, against the server at $url
+    local name=$1 limit=$2
+    shift 2
+    (cd "$root" && PYTHONPATH="$site${site:+:}$root" timeout "$limit" python3 -m bench \
+        --url "$url" --backend torch --model resnet50 --repository "$repo" --model-version fp16 --uint8 \
+        --payload v2-binary --workers 4 --duration "${DURATION:-5}" --warmup "${WARMUP:-1.5}" \
+        --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1)
+    echo "$name exit $?"
+}
+
+for tree in base this; do
+    dir=$root
+    extra=()
+    if [ "$tree" = base ]; then
+        dir=$root/.gpu/$base
+        extra=(--front-ends 4)
+    fi
+    repo=/tmp/stoker-repo-$tree
+    export STOKER_STORE__PATH=/tmp/stoker-store-$tree
+    (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" python3 scripts/gpu_repo.py "$repo" \
+        --compile default >"$OUT/repo_$tree.log" 2>&1)
+    t0=$(date +%s.%N)
+    (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" STOKER_MODELS__BACKEND=torch \
+        exec timeout 500 python3 -m app serve --repository "$repo" --model resnet50 \
+        --port $port "${extra[@]}") >"$OUT/server_$tree.log" 2>&1 &
+    server=$!
+    for _ in $(seq 1 1200); do
+        curl -sf "$url/v2/health/ready" >/dev/null && break
+        kill -0 $server 2>/dev/null || break
+        sleep 0.2
+    done
+    echo "$tree ($dir): ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
+    grep -h -E "front end|Traceback|Error" "$OUT/server_$tree.log" | head -3 | cut -c1-200
+    bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}"
+    if [ "$tree" = this ]; then
+        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive
+        bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
+        bench "${tree}_grpc_rows1" 60 --protocol grpc --rows 1 --concurrency 256
+        if [ "${PYSPY:-0}" = 1 ] && command -v py-spy >/dev/null; then
+            py-spy record --pid $server --subprocesses --threads --nonblocking --rate 97 \
+                --duration 8 --format raw -o "$OUT/pyspy_rows32.txt" >"$OUT/pyspy.log" 2>&1 &
+            spy=$!
+            DURATION=9 WARMUP=0.5 bench "${tree}_spied" 40 --rows 32 --concurrency 32
+            wait $spy
+        fi
+        curl -s "$url/metrics" >"$OUT/metrics_$tree.txt"
+        kill -TERM $server 2>/dev/null
+        wait $server
+        # The in-process pool over the store this server filled, no server beside it.
+        (cd "$root" && PYTHONPATH="$site${site:+:}$root" STOKER_MODELS__BACKEND=torch \
+            timeout 200 python3 -m bench --in-process --backend torch --model resnet50 --repository "$repo" \
+            --model-version fp16 --uint8 --payload v2-binary --workers 4 --rows 32 \
+            --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}" --duration "${DURATION:-5}" \
+            --warmup "${WARMUP:-1.5}" --json "$OUT/pool_u8_rows32.json" >"$OUT/pool.log" 2>&1)
+        echo "pool exit $?"
+    else
+        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256
+        kill -TERM $server 2>/dev/null
+        wait $server
+    fi
+done
+[ -f "$OUT/pyspy_rows32.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_rows32.txt" \
+    --top 40 >"$OUT/pyspy_summary.txt" 2>&1
+python3 - "$OUT" "$base" <<'PY'
+import json, sys
+from pathlib import Path
+out, base = Path(sys.argv[1]), sys.argv[2]
+rates: dict[tuple[str, str, int], tuple[float, float]] = {}
+for path in sorted(out.glob("*.json")):
+    for target in json.loads(path.read_text())["targets"]:
+        for step in target["steps"]:
+            key = (path.stem, target["name"], step["concurrency"])
+            rates[key] = (step["rows_per_s"], step["latency_ms"]["p99"])
+print(f"| load | c | {base} img/s | this img/s | this / {base} | pool img/s | this / pool | p99 ms {base} / this |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
+    for (s, t, cc), v in rates.items():
+        if s == stem and cc == c and (t == name or name == "*"):
+            return v
+    return None
+for stem, label in (("u8_rows32", "UINT8 32 rows"), ("u8_rows1", "UINT8 1 row")):
+    cs = sorted({c for (s, _, c) in rates if s == f"this_{stem}"})
+    for c in cs:
+        b, t = one(f"base_{stem}", c, "target"), one(f"this_{stem}", c, "target")
+        p = one(f"pool_{stem}", c, "in-process")
+        cells = [f"{b[0]:,.0f}" if b else "-", f"{t[0]:,.0f}" if t else "-",
+                 f"{t[0] / b[0]:.2f}" if b and t else "-", f"{p[0]:,.0f}" if p else "-",
+                 f"{t[0] / p[0]:.2f}" if p and t else "-",
+                 f"{b[1]:.0f} / {t[1]:.0f}" if b and t else "-"]
+        print(f"| {label} | {c} | " + " | ".join(cells) + " |")
+for (s, t, c), (r, p99) in sorted(rates.items()):
+    if "grpc" in s or t == "naive" or s.endswith("spied"):
+        print(f"| {s} {t} | {c} | | {r:,.0f} | | | | p99 {p99:.0f} |")
+PY
