@@ -41,6 +41,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from app.frontend.body_sink import BODY_INTO, BodyReader, BodySink
 from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused
@@ -158,6 +159,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         """The client's address while this connection counts against the caps."""
         self.probing = False
         """Whether this connection, over the caps, is answering a ``/v2/health/*`` probe."""
+        self.sink: BodySink | None = None
+        """Where the body's chunks go while the application waits for them (``read_into``)."""
 
     # -- the header timer
 
@@ -302,15 +305,22 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not None:
             self.cycle.transport = HeadHeld(self.transport)  # type: ignore[assignment]
+            extensions: dict[str, Any] = self.cycle.scope.setdefault("extensions", {})
+            extensions[BODY_INTO] = BodyReader(self, self.cycle)
         if self._over_capacity and self.cycle is not None:
             self.cycle.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
         self._in_read += len(body)
-        if not self._refused:
-            super().on_body(body)
+        if self._refused:
+            return
+        sink = self.sink
+        if sink is not None and sink.cycle is self.cycle and sink.take(body):
+            return  # copied once, where the application keeps it; woken at the end
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self.sink = None  # a pipelined request's body is not this one's
         if not self._refused:
             super().on_message_complete()
 

@@ -18,6 +18,7 @@ from starlette.datastructures import UploadFile
 
 from app import __version__
 from app.errors import BadRequest, PayloadTooLarge
+from app.frontend.body_sink import BODY_INTO, ReadInto
 from app.frontend.control_parameters import (
     LOAD_PARAMETERS,
     UNLOAD_PARAMETERS,
@@ -131,6 +132,12 @@ async def read_body(
         return await request.body()
     length = int(declared)
     if into is not None and len(into) >= length:
+        reader: ReadInto | None = request.scope.get("extensions", {}).get(BODY_INTO)
+        if reader is not None:  # copied once, by the protocol (app.frontend.body_sink)
+            filled = await reader(into[:length])
+            if filled != length:
+                raise BadRequest("request body is shorter than its Content-Length")
+            return into[:length]
         buffer: bytearray | memoryview = into
     else:
         buffer = bytearray(min(length, UPFRONT_BODY_BYTES))

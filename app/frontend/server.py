@@ -28,6 +28,7 @@ from app.errors import (
 )
 from app.frontend import observability
 from app.frontend.auth import ApiKeys
+from app.frontend.body_sink import BODY_INTO, BodyReader
 from app.frontend.browser import BrowserGuard, HostPolicy
 from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
@@ -129,19 +130,41 @@ class BodyLimit:
         complete = timed_out = False
         deadline = time.monotonic() + self.timeout_s
 
+        def too_slow() -> RequestTimeout:
+            nonlocal timed_out
+            timed_out = True
+            http_refused(408, "body_timeout")
+            return RequestTimeout(
+                f"{received} of {size or 'the'} body bytes arrived in {self.timeout_s:g} s"
+            )
+
+        extensions = scope.get("extensions") or {}
+        into: BodyReader | None = extensions.get(BODY_INTO)
+        if into is not None:  # a declared body read straight into its buffer: same deadline
+
+            async def limited_into(buffer: memoryview) -> int:
+                nonlocal received, complete
+                assert into is not None
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        received = await into(buffer)
+                except TimeoutError:
+                    received = into.received
+                    raise too_slow() from None
+                complete = True
+                return received
+
+            extensions[BODY_INTO] = limited_into
+
         async def limited() -> Message:
-            nonlocal received, reserved, complete, timed_out
+            nonlocal received, reserved, complete
             if complete:  # after the body: only the disconnect is left to wait for
                 return await receive()
             try:
                 async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                     message = await receive()
             except TimeoutError:
-                timed_out = True
-                http_refused(408, "body_timeout")
-                raise RequestTimeout(
-                    f"{received} of {size or 'the'} body bytes arrived in {self.timeout_s:g} s"
-                ) from None
+                raise too_slow() from None
             if message["type"] == "http.request":
                 chunk = len(message.get("body", b""))
                 received += chunk
