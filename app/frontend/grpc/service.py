@@ -159,7 +159,7 @@ class InferenceService:
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
         document = await self.plane.control("metadata", request.name, request.version or None)
-        return codec.model_metadata(document)
+        return codec.message(pb.ModelMetadataResponse, document)
 
     @answered
     async def ModelConfig(
@@ -175,7 +175,7 @@ class InferenceService:
         entries = await self.plane.control(
             "statistics", request.name or None, request.version or None
         )
-        return codec.model_statistics(entries)
+        return codec.message(pb.ModelStatisticsResponse, {"model_stats": entries})
 
     @answered
     async def RepositoryIndex(
@@ -184,7 +184,7 @@ class InferenceService:
         entries = await self.plane.control("repository_index")
         if request.ready:
             entries = [e for e in entries if e.get("state") == "READY"]
-        return codec.repository_index(entries)
+        return codec.message(pb.RepositoryIndexResponse, {"models": entries})
 
     # -- model control ------------------------------------------------------------------
 
@@ -227,7 +227,9 @@ class InferenceService:
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return codec.shm_status(await self.plane.control("shm_status", request.name or None))
+        entries = await self.plane.control("shm_status", request.name or None)
+        regions = {entry["name"]: entry for entry in entries}
+        return codec.message(pb.SystemSharedMemoryStatusResponse, {"regions": regions})
 
     # -- what Stoker does not serve ------------------------------------------------------
 
