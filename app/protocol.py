@@ -41,6 +41,8 @@ Array = NDArray[Any]
 
 # numpy cannot hold more dimensions than this, and refusing longer shapes early keeps the
 # element-count product cheap to compute.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+"""Triton's binary extension: the bytes of JSON before a body's (or an answer's) tensors."""
 MAX_DIMS = 64
 _MAX_ELEMENTS = int(np.iinfo(np.intp).max)
 # Nesting deeper than this in a tensor's JSON "data" is refused; a shape has at most MAX_DIMS
@@ -123,9 +125,9 @@ def decode_request(
     elif header_length == 0:
         return _decode_raw(body, spec)
     elif header_length < 0:
-        raise BadRequest("Inference-Header-Content-Length must not be negative")
+        raise BadRequest(f"{HEADER_LENGTH} must not be negative")
     elif header_length > len(body):
-        raise BadRequest("Inference-Header-Content-Length is larger than the body")
+        raise BadRequest(f"{HEADER_LENGTH} is larger than the body")
     else:
         header, binary = body[:header_length], memoryview(body)[header_length:]
 
@@ -230,7 +232,7 @@ def encode_response(
         return header, {"Content-Type": "application/json"}
     headers = {
         "Content-Type": "application/octet-stream",
-        "Inference-Header-Content-Length": str(len(header)),
+        HEADER_LENGTH: str(len(header)),
     }
     return b"".join([header, *chunks]), headers
 

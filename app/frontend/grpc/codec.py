@@ -36,10 +36,10 @@ from app.frontend.grpc.contents import (
 from app.frontend.grpc.contents import TYPED_CONTENTS as TYPED_CONTENTS  # bench's payloads
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
+from app.protocol import HEADER_LENGTH
 from app.tensor_data import quote
 from engines.spec import ModelSpec
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 # grpc_service.proto's field numbers of what is read or written as wire bytes.
 _INPUTS = 5  # ModelInferRequest.inputs
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
