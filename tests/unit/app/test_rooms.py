@@ -1,6 +1,6 @@
 """Two rooms, one narrow door: the front end's code loads none of the engine's, the shared
 floor (app/'s top-level modules) holds only what both rooms import, no import goes round in a
-circle, and no module of the service imports the tooling."""
+circle, ``engines/`` never imports the service and the service never imports the tooling."""
 
 from __future__ import annotations
 
@@ -89,6 +89,12 @@ def test_the_floor_holds_only_what_both_rooms_import() -> None:
     for module in sorted(graph):
         if module not in SUPERVISOR:
             assert not graph[module] & SUPERVISOR, f"{module} imports the supervisor"
+
+
+def test_the_engines_package_never_imports_the_service() -> None:
+    graph = import_graph()
+    for module in sorted(m for m in graph if m.startswith("engines")):
+        assert not [m for m in graph[module] if m.startswith("app")], module
 
 
 def import_graph() -> dict[str, set[str]]:
