@@ -77,10 +77,6 @@ def code_of(error: StokerError) -> grpc.StatusCode:
     return CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-async def refuse(context: Context, error: StokerError) -> NoReturn:
-    raise Ended(code_of(error), error.message)
-
-
 async def unimplemented(context: Context, what: str) -> NoReturn:
     raise Ended(grpc.StatusCode.UNIMPLEMENTED, f"not supported: {what}")
 
