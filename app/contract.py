@@ -302,7 +302,8 @@ class Raw:
 class Uploads:
     """Image uploads for a model's handler: ``name`` None is the default model; ``k``: how
     many labels each answer has (None: the server's default). ``counts``: the images of each
-    request, in order, where the data plane gathered several requests (empty: one)."""
+    request, in order, where a front end gathered several (``app.frontend.gathering``;
+    empty: one)."""
 
     name: str | None
     version: str | None

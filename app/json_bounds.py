@@ -19,6 +19,7 @@ from typing import TypeVar
 import numpy as np
 
 from app.errors import BadRequest, PayloadTooLarge
+from app.protocol import HEADER_LENGTH
 from engines.spec import ModelSpec
 
 T = TypeVar("T")
@@ -39,7 +40,7 @@ def json_part(body: bytes | bytearray | memoryview, header_length: int | None) -
     if header_length is None:
         return view
     if header_length > len(view):
-        raise BadRequest("Inference-Header-Content-Length is larger than the body")
+        raise BadRequest(f"{HEADER_LENGTH} is larger than the body")
     return view[:header_length]
 
 

@@ -16,7 +16,7 @@ Decoder and encoder are fuzzed together (``tests/unit/app/test_protocol_properti
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Protocol
@@ -41,6 +41,8 @@ Array = NDArray[Any]
 
 # numpy cannot hold more dimensions than this, and refusing longer shapes early keeps the
 # element-count product cheap to compute.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+"""Triton's binary extension: the bytes of JSON before a body's (or an answer's) tensors."""
 MAX_DIMS = 64
 _MAX_ELEMENTS = int(np.iinfo(np.intp).max)
 # Nesting deeper than this in a tensor's JSON "data" is refused; a shape has at most MAX_DIMS
@@ -123,9 +125,9 @@ def decode_request(
     elif header_length == 0:
         return _decode_raw(body, spec)
     elif header_length < 0:
-        raise BadRequest("Inference-Header-Content-Length must not be negative")
+        raise BadRequest(f"{HEADER_LENGTH} must not be negative")
     elif header_length > len(body):
-        raise BadRequest("Inference-Header-Content-Length is larger than the body")
+        raise BadRequest(f"{HEADER_LENGTH} is larger than the body")
     else:
         header, binary = body[:header_length], memoryview(body)[header_length:]
 
@@ -230,7 +232,7 @@ def encode_response(
         return header, {"Content-Type": "application/json"}
     headers = {
         "Content-Type": "application/octet-stream",
-        "Inference-Header-Content-Length": str(len(header)),
+        HEADER_LENGTH: str(len(header)),
     }
     return b"".join([header, *chunks]), headers
 
@@ -328,14 +330,7 @@ def _decode_inputs(
         raise BadRequest('"inputs" must be a non-empty list')
     inputs: dict[str, Array] = {}
     offset = 0
-    for entry in entries:
-        if type(entry) is not dict:
-            raise BadRequest('each entry of "inputs" must be an object')
-        name = entry.get("name")
-        if type(name) is not str or not name:
-            raise BadRequest('each input needs a non-empty string "name"')
-        if name in inputs:
-            raise BadRequest(f"input {quote(name)} appears more than once")
+    for name, entry, parameters in _named(entries, "input", regions):
         datatype = entry.get("datatype")
         if type(datatype) is not str:
             raise BadRequest(f'input {quote(name)} needs a string "datatype"')
@@ -347,7 +342,6 @@ def _decode_inputs(
             raise BadRequest(f"input {quote(name)} has a shape too large to hold")
 
         where = f"input {quote(name)}"
-        parameters = _parameters(entry, where, regions)
         size = parameters.get("binary_data_size")
         has_data = "data" in entry
         shared = _shared(parameters, where, has_data or size is not None)
@@ -386,16 +380,8 @@ def _decode_outputs(
     if type(entries) is not list:
         raise BadRequest('"outputs" must be a list')
     outputs: dict[str, RequestedOutput] = {}
-    for entry in entries:
-        if type(entry) is not dict:
-            raise BadRequest('each entry of "outputs" must be an object')
-        name = entry.get("name")
-        if type(name) is not str or not name:
-            raise BadRequest('each output needs a non-empty string "name"')
-        if name in outputs:
-            raise BadRequest(f"output {quote(name)} is requested more than once")
+    for name, _, parameters in _named(entries, "output", regions):
         where = f"output {quote(name)}"
-        parameters = _parameters(entry, where, regions)
         shared = _shared(parameters, where, False)  # binary_data is moot with a region
         binary = parameters.get("binary_data", binary_default)
         if type(binary) is not bool:
@@ -405,6 +391,24 @@ def _decode_outputs(
             raise BadRequest(f'output {quote(name)}: "classification" must be a positive integer')
         outputs[name] = RequestedOutput(name, binary and shared is None, classification, shared)
     return tuple(outputs.values())
+
+
+def _named(
+    entries: list[Any], kind: str, regions: Regions | None
+) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """Each entry of ``"inputs"`` or ``"outputs"`` (``kind``): its name (once), the entry
+    and its ``parameters``."""
+    seen: set[str] = set()
+    for entry in entries:
+        if type(entry) is not dict:
+            raise BadRequest(f'each entry of "{kind}s" must be an object')
+        name = entry.get("name")
+        if type(name) is not str or not name:
+            raise BadRequest(f'each {kind} needs a non-empty string "name"')
+        if name in seen:
+            raise BadRequest(f"{kind} {quote(name)} appears more than once")
+        seen.add(name)
+        yield name, entry, _parameters(entry, f"{kind} {quote(name)}", regions)
 
 
 def _parameters(

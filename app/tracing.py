@@ -39,7 +39,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from app import observed
 
@@ -47,11 +47,23 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span, Tracer
 
-    from app.engine.batch import Pending
     from app.metrics import BatchTimes
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class Queued(Protocol):
+    """What a batch's trace reads of each request in it (the batcher's ``Pending``): the
+    floor names no room's types."""
+
+    @property
+    def traced(self) -> tuple[Any, ...]: ...
+    @property
+    def enqueued(self) -> float: ...
+    @property
+    def requests(self) -> int: ...
+
 
 tracer: Tracing | None = None
 """This process's tracing; None while off (the hooks' one check)."""
@@ -320,7 +332,7 @@ class Tracing:
             for span in spans:
                 span.end()
 
-    def batch(self, requests: Sequence[Pending], rows: int) -> BatchTrace | None:
+    def batch(self, requests: Sequence[Queued], rows: int) -> BatchTrace | None:
         """A batch starts: the ``queue`` span of each traced request in it (ending now),
         and its ``batch`` and ``run`` spans; None where none of its requests is traced."""
         from opentelemetry import trace

@@ -101,7 +101,7 @@ class EngineLink:
         return self.connected and self.state.ready
 
     @property
-    def load(self) -> int:
+    def work_ahead(self) -> int:
         """The work ahead of a request sent to it now, in requests: what it had queued or
         running at the last poll, and this front end's unanswered requests to it."""
         return self.state.queued + self.in_flight
@@ -195,7 +195,7 @@ def choose(
             f"no engine that takes {rows} rows of {name} in one request is ready; retry"
         )
     if serving or ready:
-        return min(serving or ready, key=lambda link: link.load)
+        return min(serving or ready, key=lambda link: link.work_ahead)
     return connected(links)[0]
 
 

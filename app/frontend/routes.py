@@ -29,6 +29,7 @@ from app.frontend.http_limits import BEGAN, Saturation
 from app.frontend.plane import DataPlane
 from app.frontend.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 from app.metrics import http_refused
+from app.protocol import HEADER_LENGTH
 
 T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
@@ -48,7 +49,6 @@ ERROR_RESPONSE: dict[str, Any] = {
 }
 router = APIRouter(responses={"default": ERROR_RESPONSE})
 
-HEADER_LENGTH = "inference-header-content-length"
 EXTENSIONS = [
     "binary_tensor_data",
     "classification",
@@ -342,7 +342,7 @@ INFER_OPENAPI: dict[str, Any] = {
     },
     "parameters": [
         {
-            "name": "Inference-Header-Content-Length",
+            "name": HEADER_LENGTH,
             "in": "header",
             "required": False,
             "schema": {"type": "integer", "minimum": 0},

@@ -418,6 +418,6 @@ def test_the_infer_path_answers_what_its_route_declares(server: Server) -> None:
         headers={"Inference-Header-Content-Length": "many"},
     )
     assert bad_length.status_code == 400
-    assert bad_length.json() == {"error": "inference-header-content-length must be an integer"}
+    assert bad_length.json() == {"error": "Inference-Header-Content-Length must be an integer"}
     empty_version = httpx.post(f"{url}/v2/models/tiny/versions//infer", json=good)
     assert empty_version.status_code == 404 and set(empty_version.json()) == {"error"}

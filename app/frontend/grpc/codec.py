@@ -16,13 +16,13 @@ response once. Every other field goes through the generated classes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from app.contract import Answer, input_mismatch
 from app.errors import BadRequest, EngineError
@@ -36,10 +36,10 @@ from app.frontend.grpc.contents import (
 from app.frontend.grpc.contents import TYPED_CONTENTS as TYPED_CONTENTS  # bench's payloads
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.frontend.grpc.generated import model_config_pb2 as config_pb
+from app.protocol import HEADER_LENGTH
 from app.tensor_data import quote
 from engines.spec import ModelSpec
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
 # grpc_service.proto's field numbers of what is read or written as wire bytes.
 _INPUTS = 5  # ModelInferRequest.inputs
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest.raw_input_contents
@@ -304,22 +304,14 @@ def stream_error(request: pb.ModelInferRequest, message: str) -> bytes:
 # -- the other answers ----------------------------------------------------------------------
 
 
-def model_metadata(document: Mapping[str, Any]) -> pb.ModelMetadataResponse:
-    def tensors(entries: Sequence[Mapping[str, Any]]) -> list[Any]:
-        return [
-            pb.ModelMetadataResponse.TensorMetadata(
-                name=t["name"], datatype=t["datatype"], shape=t["shape"]
-            )
-            for t in entries
-        ]
+M = TypeVar("M", bound=Message)
 
-    return pb.ModelMetadataResponse(
-        name=document["name"],
-        versions=document["versions"],
-        platform=document["platform"],
-        inputs=tensors(document["inputs"]),
-        outputs=tensors(document["outputs"]),
-    )
+
+def message(kind: type[M], document: dict[str, Any]) -> M:
+    """The ``kind`` message of an answer's JSON document as HTTP serialises it (the metadata,
+    statistics, index and shared-memory documents are Triton's JSON of its messages): the
+    fields the message has, the rest (Stoker's own) left out."""
+    return json_format.ParseDict(document, kind(), ignore_unknown_fields=True)
 
 
 def model_config(document: Mapping[str, Any]) -> pb.ModelConfigResponse:
@@ -342,26 +334,6 @@ def model_config(document: Mapping[str, Any]) -> pb.ModelConfigResponse:
     return response
 
 
-def model_statistics(entries: Sequence[Any]) -> pb.ModelStatisticsResponse:
-    response = pb.ModelStatisticsResponse()
-    json_format.ParseDict({"model_stats": list(entries)}, response, ignore_unknown_fields=True)
-    return response
-
-
-def repository_index(entries: Sequence[Mapping[str, str]]) -> pb.RepositoryIndexResponse:
-    return pb.RepositoryIndexResponse(
-        models=[
-            pb.RepositoryIndexResponse.ModelIndex(
-                name=e["name"],
-                version=e.get("version", ""),
-                state=e.get("state", ""),
-                reason=e.get("reason", ""),
-            )
-            for e in entries
-        ]
-    )
-
-
 def repository_parameters(
     parameters: Mapping[str, pb.ModelRepositoryParameter],
 ) -> dict[str, Any]:
@@ -372,15 +344,3 @@ def repository_parameters(
         which = parameter.WhichOneof("parameter_choice")
         values[key] = getattr(parameter, which) if which else None
     return values
-
-
-def shm_status(entries: Sequence[Mapping[str, Any]]) -> pb.SystemSharedMemoryStatusResponse:
-    Status = pb.SystemSharedMemoryStatusResponse.RegionStatus
-    return pb.SystemSharedMemoryStatusResponse(
-        regions={
-            str(e["name"]): Status(
-                name=e["name"], key=e["key"], offset=e["offset"], byte_size=e["byte_size"]
-            )
-            for e in entries
-        }
-    )

@@ -77,10 +77,6 @@ def code_of(error: StokerError) -> grpc.StatusCode:
     return CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-async def refuse(context: Context, error: StokerError) -> NoReturn:
-    raise Ended(code_of(error), error.message)
-
-
 async def unimplemented(context: Context, what: str) -> NoReturn:
     raise Ended(grpc.StatusCode.UNIMPLEMENTED, f"not supported: {what}")
 
@@ -159,7 +155,7 @@ class InferenceService:
         self, request: pb.ModelMetadataRequest, context: Context
     ) -> pb.ModelMetadataResponse:
         document = await self.plane.control("metadata", request.name, request.version or None)
-        return codec.model_metadata(document)
+        return codec.message(pb.ModelMetadataResponse, document)
 
     @answered
     async def ModelConfig(
@@ -175,7 +171,7 @@ class InferenceService:
         entries = await self.plane.control(
             "statistics", request.name or None, request.version or None
         )
-        return codec.model_statistics(entries)
+        return codec.message(pb.ModelStatisticsResponse, {"model_stats": entries})
 
     @answered
     async def RepositoryIndex(
@@ -184,7 +180,7 @@ class InferenceService:
         entries = await self.plane.control("repository_index")
         if request.ready:
             entries = [e for e in entries if e.get("state") == "READY"]
-        return codec.repository_index(entries)
+        return codec.message(pb.RepositoryIndexResponse, {"models": entries})
 
     # -- model control ------------------------------------------------------------------
 
@@ -227,7 +223,9 @@ class InferenceService:
     async def SystemSharedMemoryStatus(
         self, request: pb.SystemSharedMemoryStatusRequest, context: Context
     ) -> pb.SystemSharedMemoryStatusResponse:
-        return codec.shm_status(await self.plane.control("shm_status", request.name or None))
+        entries = await self.plane.control("shm_status", request.name or None)
+        regions = {entry["name"]: entry for entry in entries}
+        return codec.message(pb.SystemSharedMemoryStatusResponse, {"regions": regions})
 
     # -- what Stoker does not serve ------------------------------------------------------
 

@@ -394,21 +394,24 @@ def test_the_model_config_holds_what_tritons_message_has() -> None:
 
 
 def test_statistics_index_metadata_and_regions() -> None:
-    stats = codec.model_statistics(
-        [
-            {
-                "name": "m",
-                "version": "fp32",
-                "last_inference": 17,
-                "inference_count": 5,
-                "execution_count": 2,
-                "inference_stats": {
-                    "success": {"count": 2, "ns": 300},
-                    "queue": {"count": 2, "ns": 40},
-                },
-                "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 1}}],
-            }
-        ]
+    stats = codec.message(
+        pb.ModelStatisticsResponse,
+        {
+            "model_stats": [
+                {
+                    "name": "m",
+                    "version": "fp32",
+                    "last_inference": 17,
+                    "inference_count": 5,
+                    "execution_count": 2,
+                    "inference_stats": {
+                        "success": {"count": 2, "ns": 300},
+                        "queue": {"count": 2, "ns": 40},
+                    },
+                    "batch_stats": [{"batch_size": 4, "compute_infer": {"count": 1}}],
+                }
+            ]
+        },
     ).model_stats[0]
     assert (stats.name, stats.version, stats.inference_count, stats.execution_count) == (
         "m",
@@ -419,17 +422,21 @@ def test_statistics_index_metadata_and_regions() -> None:
     assert stats.inference_stats.success.ns == 300 and stats.inference_stats.queue.count == 2
     assert stats.batch_stats[0].batch_size == 4 and stats.batch_stats[0].compute_infer.count == 1
 
-    index = codec.repository_index(
-        [
-            {"name": "m", "version": "fp32", "state": "READY"},
-            {"name": "m", "version": "int8", "state": "UNAVAILABLE", "reason": "budget"},
-        ]
+    index = codec.message(
+        pb.RepositoryIndexResponse,
+        {
+            "models": [
+                {"name": "m", "version": "fp32", "state": "READY"},
+                {"name": "m", "version": "int8", "state": "UNAVAILABLE", "reason": "budget"},
+            ]
+        },
     )
     assert [(e.name, e.version, e.state, e.reason) for e in index.models] == [
         ("m", "fp32", "READY", ""),
         ("m", "int8", "UNAVAILABLE", "budget"),
     ]
-    metadata = codec.model_metadata(
+    metadata = codec.message(
+        pb.ModelMetadataResponse,
         {
             "name": "m",
             "versions": ["fp32"],
@@ -437,8 +444,9 @@ def test_statistics_index_metadata_and_regions() -> None:
             "inputs": [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}],
             "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 3]}],
             "unavailable_versions": [{"version": "int8", "reason": "budget"}],
-        }
+        },
     )
     assert list(metadata.inputs[0].shape) == [-1, 4] and metadata.outputs[0].name == "y"
-    regions = codec.shm_status([{"name": "r", "key": "/k", "offset": 8, "byte_size": 64}]).regions
+    region = {"name": "r", "key": "/k", "offset": 8, "byte_size": 64}
+    regions = codec.message(pb.SystemSharedMemoryStatusResponse, {"regions": {"r": region}}).regions
     assert (regions["r"].key, regions["r"].offset, regions["r"].byte_size) == ("/k", 8, 64)

@@ -1,5 +1,5 @@
 """What the routes do themselves: read a body exactly as declared, into a buffer that grows
-with what arrives rather than with what is declared; read a load request's parameters.
+with what arrives rather than with what is declared.
 """
 
 from __future__ import annotations
@@ -117,34 +117,3 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection() -> None:
         assert seen and seen[0]() is None
     finally:
         gc.enable()
-
-
-@pytest.mark.parametrize(
-    ("body", "config", "problem"),
-    [
-        (b"", None, None),
-        (b"{}", None, None),
-        (b'{"parameters": {"config": "{\\"max_batch_size\\": 4}"}}', {"max_batch_size": 4}, None),
-        (b'{"parameters": {"config": {"max_batch_size": 2}}}', {"max_batch_size": 2}, None),
-        (b'{"parameters": {"config": "[1]"}}', None, "must be a JSON object"),
-        (b'{"parameters": {"config": "{oops"}}', None, "parameters.config is not JSON"),
-        (b'{"parameters": {"file:1/model.onnx": "AAAA"}}', None, "model files in the request"),
-        (b'{"parameters": {"colour": "red"}}', None, "unknown parameter 'colour'"),
-        (b'{"parameters": []}', None, "expected"),
-        (b"not json", None, "not JSON"),
-    ],
-)
-def test_a_load_body_is_tritons_and_its_config_a_json_object(
-    body: bytes, config: dict[str, object] | None, problem: str | None
-) -> None:
-    from app.frontend.control_parameters import (
-        LOAD_PARAMETERS,
-        config_override,
-        control_parameters,
-    )
-
-    if problem is None:
-        assert config_override(control_parameters(body, LOAD_PARAMETERS)) == config
-        return
-    with pytest.raises(BadRequest, match=problem):
-        config_override(control_parameters(body, LOAD_PARAMETERS))
