@@ -6,9 +6,11 @@ there into a new ``bytes``, which the application copies again into its own buff
 shared-memory slot of the arena): three copies of every byte in this process and a turn of
 the loop per 64-256 KiB, about half of a front end's CPU for a 4.8 MB request of 32 images
 (BENCHMARKS.md, "The hot path on this CPU"). ``BodySink`` lets the application name its
-buffer instead: the protocol (``app.frontend.http_limits.GuardedHttpTools``) copies each
-chunk once, into it, and wakes the application once, when the body is whole or the client
-has gone.
+buffer instead, and the protocol (``app.frontend.http_limits.GuardedHttpTools``, an
+``asyncio.BufferedProtocol``) has the socket's reads land in it: the body's bytes are copied
+by the kernel into the slot and by httptools once more (the chunk it hands over, counted
+and dropped), and the application is woken once, when the body is whole or the client has
+gone.
 
 The application finds the reader in its scope, under ``extensions[BODY_INTO]``
 (``BodyReader``): ``await read(buffer)`` fills ``buffer`` (at least the declared length)
@@ -30,23 +32,37 @@ BODY_INTO = "stoker.body_into"
 ReadInto = Callable[[memoryview], Awaitable[int]]
 
 
+SCRATCH = memoryview(bytearray(256 * 1024))
+"""Where a front end's connections read what no waiting body takes (requests' heads, small
+bodies): one buffer for the process, since each read goes to the parser, which copies what
+it keeps, before the next read begins (``asyncio.BufferedProtocol``, as uvloop calls it)."""
+
+
 class BodySink:
     """Where the chunks of one request's body go while its application waits for them."""
 
-    __slots__ = ("buffer", "cycle", "filled")
+    __slots__ = ("buffer", "cycle", "filled", "in_place")
 
     def __init__(self, cycle: Any, buffer: memoryview, filled: int) -> None:
         self.cycle = cycle
         self.buffer = buffer
         self.filled = filled
+        self.in_place = False
+        """Set while the parser reads bytes the socket put in the buffer itself (``room``)."""
+
+    def room(self) -> memoryview:
+        """The rest of the buffer, for the next read off the socket to land in."""
+        return self.buffer[self.filled :]
 
     def take(self, chunk: bytes) -> bool:
-        """Copy ``chunk`` in after what arrived before; False if it does not fit (the
-        protocol keeps it as uvicorn would, and the application sees a body too long)."""
+        """Copy ``chunk`` in after what arrived before (or count it, when the read put it
+        there: ``in_place``); False if it does not fit (the protocol keeps it as uvicorn
+        would, and the application sees a body too long)."""
         end = self.filled + len(chunk)
         if end > len(self.buffer):
             return False
-        self.buffer[self.filled : end] = chunk
+        if not self.in_place:
+            self.buffer[self.filled : end] = chunk
         self.filled = end
         return True
 

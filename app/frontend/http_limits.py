@@ -41,7 +41,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.frontend.body_sink import BODY_INTO, BodyReader, BodySink
+from app.frontend.body_sink import BODY_INTO, SCRATCH, BodyReader, BodySink
 from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused
@@ -160,7 +160,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.probing = False
         """Whether this connection, over the caps, is answering a ``/v2/health/*`` probe."""
         self.sink: BodySink | None = None
-        """Where the body's chunks go while the application waits for them (``read_into``)."""
+        """Where the body's chunks go while the application waits for them (``BodyReader``)."""
+        self._direct: BodySink | None = None
+        """The sink the read in progress lands in (``get_buffer``), if any."""
 
     # -- the header timer
 
@@ -232,6 +234,29 @@ class GuardedHttpTools(HttpToolsProtocol):
         if received > self.limits.max_header_bytes:
             limit = self.limits.max_header_bytes
             self._refuse(431, f"the request line and headers exceed {limit} bytes", "header_bytes")
+
+    # -- reads: straight into a waiting body's buffer, else into the process's scratch
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        sink = self.sink
+        if sink is not None and sink.cycle is self.cycle and not self._refused:
+            room = sink.room()
+            if room:  # the body's rest: this read cannot pass its end
+                self._direct = sink
+                return room
+        self._direct = None
+        return SCRATCH
+
+    def buffer_updated(self, nbytes: int) -> None:
+        sink, self._direct = self._direct, None
+        if sink is None:
+            self.data_received(SCRATCH[:nbytes])  # type: ignore[arg-type]
+            return
+        sink.in_place = True  # httptools hands these bytes over as a chunk: counted only
+        try:
+            self.data_received(sink.buffer[sink.filled : sink.filled + nbytes])  # type: ignore[arg-type]
+        finally:
+            sink.in_place = False
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -325,11 +350,56 @@ class GuardedHttpTools(HttpToolsProtocol):
             super().on_message_complete()
 
 
-def guarded(limits: LimitSettings, saturation: Saturation | None = None) -> type[GuardedHttpTools]:
-    """The protocol class for uvicorn's ``http=``, with these limits; a full connection cap
-    is noted in ``saturation``."""
+class Reads(asyncio.BufferedProtocol):
+    """A connection's protocol as the event loop sees it, in front of its
+    ``GuardedHttpTools``: uvloop reads into a protocol's buffer (``get_buffer``) only when the
+    protocol is not an ``asyncio.Protocol``, and uvicorn's is one, so this one is only a
+    ``BufferedProtocol`` and hands every event on. The reads land in a waiting body's slot
+    or in the process's scratch buffer instead of a new ``bytes`` each."""
+
+    __slots__ = ("http",)
+
+    def __init__(self, http: GuardedHttpTools) -> None:
+        self.http = http
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.http.connection_made(transport)  # type: ignore[arg-type]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.http.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.http.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.http.resume_writing()
+
+    def eof_received(self) -> None:
+        self.http.eof_received()  # None: the transport closes itself
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.http.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.http.buffer_updated(nbytes)
+
+
+def guarded(limits: LimitSettings, saturation: Saturation | None = None) -> Any:
+    """The protocol class for uvicorn's ``http=``, with these limits (a ``Reads`` before a
+    ``GuardedHttpTools``: uvicorn's hint names ``asyncio.Protocol``, it takes any protocol
+    class); a full connection cap is noted in ``saturation``."""
     admitted = Admitted(saturation)
-    return type("GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": admitted})
+    protocol = type(
+        "GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": admitted}
+    )
+
+    class GuardedReads(Reads):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(protocol(*args, **kwargs))
+
+    return GuardedReads
 
 
 def unread(listeners: Iterable[Any], connections: Iterable[Any]) -> bool:
