@@ -184,7 +184,7 @@ def main() -> None:
             cpu = cpu_per_image(lambda: decoder.decode(batch), size)  # noqa: B023
             rows.append((name, size, size / alone, size / whole, whole / size * 1e6, cpu))
         # Decoders side by side, each called from a thread of its own (the service's
-        # ``models.decode_workers``, on a stream each, or ``models.decode_processes``): does
+        # ``uploads.decode_workers``, on a stream each, or ``uploads.decode_processes``): does
         # the CPU side of one batch overlap another's?
         batch64 = [datas[i % len(datas)] for i in range(64)]
         for workers in [int(n) for n in args.threads.split(",") if n]:
