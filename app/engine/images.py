@@ -144,8 +144,10 @@ class DecodeQueue:
         future: asyncio.Future[Decoded | None] = asyncio.get_running_loop().create_future()
         mine = [data for data in uploads if data is not None]
         size = sum(len(data) for data in mine)
-        area = len(mine) if pixels is None else sum(
-            p for p, data in zip(pixels, uploads, strict=True) if data is not None
+        area = (
+            len(mine)
+            if pixels is None
+            else sum(p for p, data in zip(pixels, uploads, strict=True) if data is not None)
         )
         self._pending.append(Pending(list(uploads), area, size, future, time.perf_counter()))
         self._count(self._pending[-1], 1)

@@ -4,12 +4,12 @@ A ``TorchImageDecoder`` holds its process's GIL from one launch to the next: abo
 CPU an image, 5.5k images/s alone on an H200 and 2.2k inside the engine process, whose event
 loop and runner threads want the same GIL (BENCHMARKS.md, runs 26 and 27). A
 ``DecodeProcess`` runs one decoder in a spawned child instead. Per batch only the JPEG bytes
-cross (into a slot of a shared input area, a short message on a pipe); the child decodes, resizes and crops as the in-process decoder does and
-writes the rows into a buffer the parent allocated and shared with it at start (CUDA IPC on
-a GPU, shared memory on the CPU, which is how it is tested); it answers which images it
-decoded, and the parent copies the rows out of the buffer on the device (one copy, ~10 us
-for 64 rows on an H200), which frees the buffer for the next batch. Nothing decoded goes
-through the host.
+cross (into a slot of a shared input area, a short message on a pipe); the child decodes,
+resizes and crops as the in-process decoder does and writes the rows into a buffer the
+parent allocated and shared with it at start (CUDA IPC on a GPU, shared memory on the CPU,
+which is how it is tested); it answers which images it decoded, and the parent copies the
+rows out of the buffer on the device (one copy, ~10 us for 64 rows on an H200), which frees
+the buffer for the next batch. Nothing decoded goes through the host.
 
 Each process takes ``slots`` batches at once (``uploads.decode_in_flight``), and decodes them
 at once: a decoder, a stream and a thread a slot in the child. torchvision's nvJPEG calls
