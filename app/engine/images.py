@@ -130,6 +130,11 @@ class DecodeQueue:
         """Batches decoding now."""
         return len(self._decoders) - len(self._free)
 
+    @property
+    def queued(self) -> int:
+        """Uploads waiting for a batch."""
+        return self._queued[1]
+
     def start(self) -> None:
         self._free.extend(range(len(self._decoders)))
         self._task = asyncio.get_running_loop().create_task(self._run())
