@@ -119,7 +119,8 @@ DECODE_BATCH_SIZE = Histogram(
 DECODE_QUEUE_DURATION = CountedHistogram(
     "stoker_image_decode_queue_duration_seconds",
     "Per request with JPEG uploads for the GPU: from handing them to the decode queue to the "
-    "start of the batch they joined (waiting for a free decoder).",
+    "start of the batch they joined (waiting for a free decoder, or, while another batch "
+    "decodes, for uploads.decode_spread_pixels to queue).",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
