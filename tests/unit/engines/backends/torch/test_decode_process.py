@@ -92,6 +92,22 @@ def test_the_childs_time_is_summed_by_part_and_images() -> None:
         decoder.close()
 
 
+def test_a_batch_within_the_queues_bounds_crosses_in_one_part() -> None:
+    """A batch the decode queue forms (at most ``rows`` photos and a slot's bytes: the
+    served ``uploads.decode_batch_photos`` and ``decode_batch_bytes``) goes to the child
+    whole, one part and one answer, not cut again by the process."""
+    photos = sample_jpegs()
+    uploads: list[bytes | None] = [photos[i % len(photos)] for i in range(40)]
+    decoder = start(rows=64)
+    try:
+        rows, ok = decoder(uploads)
+        assert ok == [True] * 40 and (decoder.times.batches, decoder.times.images) == (1, 40)
+        want, _ = in_process(uploads)
+        assert np.abs(np.asarray(rows).astype(np.int16) - want).max() <= 1
+    finally:
+        decoder.close()
+
+
 def test_parts_fit_the_shared_input_and_a_larger_image_goes_over_the_pipe() -> None:
     """With an input slot smaller than the largest photo (as if it were a 20 MB upload),
     batches split by bytes as well as rows, the photos over the limit cross the pipe
