@@ -328,7 +328,7 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
     assert "torch backend" in log
     assert (
         "JPEG uploads decoded on the GPU by torchvision "
-        "(2 decode processes, 2 batches in flight each)" in log
+        "(2 decode processes, 1 batch in flight each)" in log
     )
     assert "pixels normalised on the device" in log
     uploads_answer_espresso_all_on_the_gpu(gpu_server, coffee_jpeg, 48)
