@@ -1,7 +1,7 @@
 """Uploaded images to pixels with Pillow, refusing what is not an image or is too big with
 the right status: what the engine does with an upload no device decoder takes, and what a
-front end does with its uploads when the engine decodes on the CPU (``server.
-decode_uploads_in_front_ends``). The header was screened before (``app.image_header``);
+front end does with its uploads when the engine decodes on the CPU (``uploads.
+decode_in_front_ends``). The header was screened before (``app.image_header``);
 Pillow checks its limits again as it opens the image. Imported only where images are
 decoded: a front end that hands the engine files never loads Pillow.
 """

@@ -105,9 +105,9 @@ BATCH_SIZE = Histogram(
 IMAGES_DECODED = Counter(
     "stoker_image_decode",
     "Uploaded images decoded, by device and decoder: gpu (in batches, by torchvision's nvJPEG "
-    "or nvImageCodec: models.jpeg_decoder) or cpu (pillow, in the engine: formats other than "
+    "or nvImageCodec: uploads.jpeg_decoder) or cpu (pillow, in the engine: formats other than "
     "JPEG, GPU decoding off, or an image the GPU's decoder refused; pillow_front_ends: made "
-    "rows by the front ends, server.decode_uploads_in_front_ends).",
+    "rows by the front ends, uploads.decode_in_front_ends).",
     (*LABELS, "device", "decoder"),
 )
 DECODE_BATCH_SIZE = Histogram(
@@ -119,7 +119,8 @@ DECODE_BATCH_SIZE = Histogram(
 DECODE_QUEUE_DURATION = CountedHistogram(
     "stoker_image_decode_queue_duration_seconds",
     "Per request with JPEG uploads for the GPU: from handing them to the decode queue to the "
-    "start of the batch they joined (waiting for a free decoder).",
+    "start of the batch they joined (waiting for a free decoder, or, while another batch "
+    "decodes, for uploads.decode_spread_pixels to queue).",
     LABELS,
     buckets=LATENCY_BUCKETS,
 )
@@ -276,7 +277,7 @@ class ModelMetrics:
     model: str
     version: str
     jpeg_decoder: str = "torchvision"
-    """What decodes the version's JPEG uploads on the GPU (``models.jpeg_decoder``)."""
+    """What decodes the version's JPEG uploads on the GPU (``uploads.jpeg_decoder``)."""
     success: Duration = field(default_factory=Duration)
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)

@@ -108,15 +108,6 @@ class ServerSettings(BaseModel):
             return count
         return value
 
-    decode_uploads_in_front_ends: bool = True
-    """Where front ends and engines are processes (``front_ends`` > 1 or ``engine_gpus``), uploads
-    for a model whose engine decodes them on the CPU (no GPU decoder:
-    ``models.image_decode``) are decoded, resized and cropped in the front ends, in parallel
-    across their processes, each with a share of the cores in threads (8 at most, each
-    holding one decoded image: 240 MB at most at the default ``limits.max_image_pixels``),
-    and cross to the engine as UINT8 rows (150 KB for 224x224, more than most photos' files)
-    that it only batches and runs. Off: the files cross and the engine decodes them in its
-    own process. Uploads decoded on a GPU always cross as files."""
     engine_gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     """One engine process per listed GPU, each serving every model on that GPU alone (its
     ``CUDA_VISIBLE_DEVICES`` is that GPU; the models' own ``gpus`` are then not used), behind
@@ -213,49 +204,6 @@ class ModelRepositorySettings(BaseModel):
     backend: str | None = None
     """Override every model's backend (``auto``, ``onnxruntime``...). ``auto`` picks the
     fastest backend this machine can run."""
-    image_decode: Literal["auto", "cpu", "gpu"] = "auto"
-    """Where ``/infer`` decodes and preprocesses JPEG uploads: ``gpu`` decodes batches of
-    them with nvJPEG (torchvision) on the model's first GPU; ``auto`` does so when the model
-    runs on a GPU backend and torchvision sees CUDA, else on the CPU. Other formats are
-    always decoded on the CPU."""
-    jpeg_decoder: Literal["torchvision", "nvimgcodec"] = "torchvision"
-    """What decodes JPEG uploads on the GPU: torchvision's nvJPEG, or nvImageCodec (the
-    ``nvimgcodec`` extra), which parses a batch without holding the GIL and hands its
-    baseline JPEGs to the GPU's hardware JPEG engines where it has them (A100, H100, H200),
-    leaving the SMs to the model. On an H200 nvImageCodec made 0.56-0.60x torchvision's
-    photos/s in the service and fewer alone in every form (BENCHMARKS.md, runs 45-46). An
-    image the chosen decoder refuses goes to Pillow."""
-    jpeg_hardware_share: float = Field(default=1.0, ge=0.0, le=1.0)
-    """With nvImageCodec, the share of each batch offered to the hardware JPEG engines (its
-    load hint); the rest, and what they cannot take (progressive JPEGs), go to nvJPEG's
-    CUDA decoder on the SMs. Lower it when the engines, not the SMs, are the bound."""
-    decode_batch: int = Field(default=64, gt=0)
-    """Most JPEG uploads decoded together on the GPU (uploads of concurrent requests are
-    gathered while the previous batch decodes)."""
-    decode_workers: int = Field(default=1, gt=0)
-    """GPU JPEG decoders per model in threads of the engine (each on a CUDA stream of its
-    own), where ``decode_processes`` is 0. They share the engine's GIL with its event loop
-    and runners: three threads served 0.62-0.82 of what two processes did on an H200
-    (BENCHMARKS.md, run 36)."""
-    decode_processes: int = Field(default=2, ge=0)
-    """GPU JPEG decoders per model in processes of their own, spawned by the engine: the
-    JPEG bytes go to them through shared memory and the decoded rows come back on the GPU
-    (CUDA IPC), so their Python work does not take the engine's GIL. On an H200 two served
-    1.32x the photos of one decoder thread at 256 clients and 1.34x at 16 photos a request
-    (BENCHMARKS.md, run 35); three, 0.93-0.99 of two at one photo a request and 1.14x at 16
-    (run 36). Each costs a CUDA context (~0.5 GiB of GPU memory) and seconds at load. 0:
-    ``decode_workers`` threads in the engine instead. Unused where uploads decode on the CPU."""
-    decode_in_flight: int = Field(default=2, ge=1, le=8)
-    """Batches each decode process holds and decodes at once, a thread and a stream each in
-    the process (with one, a process waited 31% of its time for the round trip of its answer
-    at 256 clients, BENCHMARKS.md, run 40). On an H200, two against one when the process
-    still decoded them in turn: 4,912 photos/s against 4,352 at 16 a request and 32 clients,
-    the same at one a request and 256 clients (run 44, one round). Decoded at once (since run
-    47): 3,045 photos/s at 256 clients, as 3,058 decoded in turn the hour before (run 46);
-    four slots at once 3,029, and at 64 clients 1,386 (p99 380 ms) against two's 1,894 (74
-    ms): one round each.
-    Each costs a slot of ``decode_batch`` rows in the process's GPU buffer and divides its
-    16 MiB input area (a part of a batch larger than its slot goes on its own)."""
     prepare_missing: bool = True
     """Generate a missing ONNX file from the model's ``generator`` at startup (offline,
     seconds for the bundled models). Off makes a missing file a startup error."""
@@ -297,6 +245,92 @@ class ModelRepositorySettings(BaseModel):
     bounds: ConfigBounds = Field(default_factory=ConfigBounds)
     """The most a model config may ask for, so that no config (least of all one sent with a
     load) takes the server's memory or CPU."""
+
+
+class UploadSettings(BaseModel):
+    """Image uploads (``POST /infer``): where they are decoded, and how the engine's decode
+    queue batches JPEGs for the GPU.
+
+    Uploads have one batching owner. A front end only gathers the uploads of one turn of its
+    loop into one crossing (as many as fit a slot of its arena, ``server.shm_slot_bytes``);
+    the engine's decode queue then sizes each GPU decode batch from what is queued, as the
+    dynamic batcher sizes model batches: when a decoder is free it takes every queued upload
+    up to ``decode_batch_pixels`` (and ``decode_batch_photos``, ``decode_batch_bytes``), and
+    the model's batcher bounds the model batches. A lone photo goes at once (no timer); under
+    load the queue fills while a batch decodes, so batches grow to what the GPU wants (128-256
+    photos), and a second batch starts beside one that decodes only once a share of a batch
+    is queued (``decode_spread_pixels``), never as many small batches across the decoders."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    image_decode: Literal["auto", "cpu", "gpu"] = "auto"
+    """Where ``/infer`` decodes and preprocesses JPEG uploads: ``gpu`` decodes batches of
+    them with nvJPEG (torchvision) on the model's first GPU; ``auto`` does so when the model
+    runs on a GPU backend and torchvision sees CUDA, else on the CPU. Other formats are
+    always decoded on the CPU."""
+    decode_in_front_ends: bool = True
+    """Where front ends and engines are processes (``server.front_ends`` > 1 or
+    ``server.engine_gpus``), uploads for a model whose engine decodes them on the CPU (no GPU
+    decoder: ``image_decode``) are decoded, resized and cropped in the front ends, in
+    parallel across their processes, each with a share of the cores in threads (8 at most,
+    each holding one decoded image: 240 MB at most at the default
+    ``limits.max_image_pixels``), and cross to the engine as UINT8 rows (150 KB for 224x224,
+    more than most photos' files) that it only batches and runs. Off: the files cross and the
+    engine decodes them in its own process. Uploads decoded on a GPU always cross as files."""
+    jpeg_decoder: Literal["torchvision", "nvimgcodec"] = "torchvision"
+    """What decodes JPEG uploads on the GPU: torchvision's nvJPEG, or nvImageCodec (the
+    ``nvimgcodec`` extra), which parses a batch without holding the GIL and hands its
+    baseline JPEGs to the GPU's hardware JPEG engines where it has them (A100, H100, H200),
+    leaving the SMs to the model. On an H200 nvImageCodec made 0.56-0.60x torchvision's
+    photos/s in the service and fewer alone in every form (BENCHMARKS.md, runs 45-46), at
+    batches of about 21 photos. An image the chosen decoder refuses goes to Pillow."""
+    jpeg_hardware_share: float = Field(default=1.0, ge=0.0, le=1.0)
+    """With nvImageCodec, the share of each batch offered to the hardware JPEG engines (its
+    load hint); the rest, and what they cannot take (progressive JPEGs), go to nvJPEG's
+    CUDA decoder on the SMs. Lower it when the engines, not the SMs, are the bound."""
+    decode_batch_pixels: int = Field(default=48_000_000, gt=0)
+    """The bound of one GPU decode batch: its decoded pixels (width x height from each
+    upload's header, read before any decode), since what a batch costs in time and GPU
+    memory (3 bytes a pixel decoded, 12 while it is resized) grows with its pixels, not its
+    count. 48 M: 256 photos of 500x375 (ImageNet's most common size; 144 MB decoded), where
+    an H200's batched decode gives 12-14k photos/s against 3-4k at 20 (BENCHMARKS.md, issue
+    43). A request larger than the bound decodes alone. Smaller bounds the GPU memory a
+    batch takes, and how long the last photo of a batch waits for its first."""
+    decode_batch_photos: int = Field(default=256, gt=0)
+    """The most photos in one GPU decode batch, whatever their pixels. Each decode process
+    holds a GPU buffer of this many model rows a batch in flight (256 rows of 224x224: 38
+    MB)."""
+    decode_batch_bytes: int = Field(default=32 * 1024 * 1024, ge=1024 * 1024)
+    """The most JPEG bytes in one GPU decode batch: each decode process takes this much
+    ``/dev/shm`` a batch in flight for the files it is handed (256 photos of 128 KB). A
+    photo larger than it decodes alone, its bytes over the process's pipe."""
+    decode_spread_pixels: int = Field(default=12_000_000, ge=0)
+    """While a batch decodes, a free decoder starts another only once the queue holds this
+    many pixels (a quarter of ``decode_batch_pixels``: 64 photos of 500x375) or a full
+    batch; until then the uploads that arrive gather and go together when a decoder frees.
+    So the queue is not cut into several small batches across decoders, each paying nvJPEG's
+    and the crossing's cost per batch. 0: every free decoder takes what is queued at once
+    (at 256 clients on an H200 that gave batches of about 21 photos with 4 in flight)."""
+    decode_processes: int = Field(default=2, ge=0)
+    """GPU JPEG decoders per model in processes of their own, spawned by the engine: the
+    JPEG bytes go to them through shared memory and the decoded rows come back on the GPU
+    (CUDA IPC), so their Python work does not take the engine's GIL. On an H200 two served
+    1.32x the photos of one decoder thread at 256 clients and 1.34x at 16 photos a request
+    (BENCHMARKS.md, run 35); three, 0.93-0.99 of two at one photo a request and 1.14x at 16
+    (run 36). Each costs a CUDA context (~0.5 GiB of GPU memory) and seconds at load. 0:
+    ``decode_workers`` threads in the engine instead. Unused where uploads decode on the CPU."""
+    decode_in_flight: int = Field(default=1, ge=1, le=8)
+    """Batches each decode process holds and decodes at once, a thread and a stream each in
+    the process. Each costs a buffer of ``decode_batch_photos`` rows on the GPU and
+    ``decode_batch_bytes`` of ``/dev/shm``. With small batches two a process helped at 16
+    photos a request (4,912 photos/s against 4,352, BENCHMARKS.md, run 44) and four changed
+    nothing (run 47); with batches sized by ``decode_batch_pixels`` one a process, so two in
+    flight in all, keeps each batch large while the other process's decodes."""
+    decode_workers: int = Field(default=1, gt=0)
+    """GPU JPEG decoders per model in threads of the engine (each on a CUDA stream of its
+    own), where ``decode_processes`` is 0. They share the engine's GIL with its event loop
+    and runners: three threads served 0.62-0.82 of what two processes did on an H200
+    (BENCHMARKS.md, run 36)."""
 
 
 class StoreSettings(BaseModel):
@@ -474,6 +508,8 @@ class Settings(BaseSettings):
     """HTTP server."""
     models: ModelRepositorySettings = Field(default_factory=ModelRepositorySettings)
     """Which models are served and how they are found."""
+    uploads: UploadSettings = Field(default_factory=UploadSettings)
+    """Image uploads: where they decode and how their GPU decode batches form."""
     limits: LimitSettings = Field(default_factory=LimitSettings)
     """What one request may ask for."""
     auth: AuthSettings = Field(default_factory=AuthSettings)

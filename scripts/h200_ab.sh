@@ -18,9 +18,9 @@
 # After each server stops, each decode process's time a batch (decode, resize, handover).
 #
 #   AB_VAR=STOKER_SERVER__PIN_ARENA AB_VALUES="1 0" ROUNDS=2 bash scripts/h200_ab.sh
-#   MPS=1 AB_SETS="STOKER_MODELS__JPEG_DECODER=torchvision CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe" \
+#   MPS=1 AB_SETS="STOKER_UPLOADS__JPEG_DECODER=torchvision CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe" \
 #       JPEG_IMAGES=$PWD/.carry/photos AB_LOADS="jpeg:1:256" bash scripts/h200_ab.sh
-#   AB_VAR=STOKER_MODELS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
+#   AB_VAR=STOKER_UPLOADS__DECODE_PROCESSES AB_VALUES="0 2" JPEG_IMAGES=$PWD/.carry/photos \
 #       AB_LOADS="jpeg:1:64,256 jpeg:16:32" bash scripts/h200_ab.sh
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}

@@ -7,11 +7,15 @@ for each decoder named (torchvision's, nvImageCodec's with a share to the hardwa
 With ``--baseline`` (``git show REV:engines/backends/torch/images.py > FILE``), that version's
 ``TorchImageDecoder`` beside this one, on batches of sizes seen before (the same batch again)
 and of sizes never seen (every photo cropped to a size of its own and encoded again), as
-uploads from many sources are.
+uploads from many sources are. With ``--chain STORE`` (an engine store the served default
+filled: ``scripts/h200_jpeg.sh`` runs it after the service), the chain the service runs, in
+one process on one stream: a batch decoded and resized by ``TorchImageDecoder``, its rows
+left on the GPU, then the compiled ResNet-50 FP16 of the store through a runner at that
+batch (its CUDA graph), photos/s per batch size; with ``--json FILE`` the chain's figures.
 
     python3 scripts/jpeg_decode_bench.py PHOTOS [--batches 64,128,256] [--processes 1,2,3,4]
         [--decoders torchvision,nvimgcodec,nvimgcodec:0.5,nvimgcodec:0] [--threads 1,2,4]
-        [--baseline FILE]
+        [--baseline FILE] [--chain STORE [--json FILE]]
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import io
+import json
 import statistics
 import sys
 import threading
@@ -142,6 +147,59 @@ def against_baseline(path: Path, datas: list[bytes], prep: ImagePreprocess) -> l
     return found
 
 
+def chain(store_root: Path, datas: list[bytes], sizes: list[int]) -> list[dict[str, float]]:
+    """Photos/s of decode, decode + resize + crop, and the whole chain (those, then the
+    store's compiled ResNet-50 FP16 through a runner, the rows handed over on the GPU), per
+    batch size: median of 7 batches after 2, one stream, one thread."""
+    from engines.backends.onnxruntime import read_spec
+    from engines.backends.torch.engine import TorchEngine, TorchOptions
+    from engines.base import EngineOptions
+    from engines.devices.options import GpuOptions
+    from engines.store import EngineStore
+
+    store = EngineStore(store_root)
+    variant = next(p for p in store.root.rglob("*fp16*.onnx"))
+    spec = read_spec(variant, "resnet50", max(sizes))
+    prep = ImagePreprocess(datatype="UINT8")
+    engine = TorchEngine(
+        variant,
+        spec,
+        EngineOptions(store=store),
+        TorchOptions(
+            image=ImagePreprocess(),
+            batch_buckets=tuple(sorted(set(sizes))),
+            gpu=GpuOptions(compile="default"),
+        ),
+    )
+    runner = engine.new_runner()
+    decoder = TorchImageDecoder(prep, "cuda:0")
+    name = spec.inputs[0].name
+    found = []
+    try:
+        for size in sizes:
+            batch = [datas[i % len(datas)] for i in range(size)]
+            tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in batch]
+            alone = timed(lambda: decode_jpeg(tensors, device="cuda:0", mode=ImageReadMode.RGB))  # noqa: B023
+            resized = timed(lambda: decoder.decode(batch))  # noqa: B023
+
+            def whole() -> None:
+                rows, _ = decoder.decode(batch)  # noqa: B023
+                runner.run({name: rows})  # type: ignore[dict-item]
+
+            found.append(
+                {
+                    "batch": size,
+                    "decode": size / alone,
+                    "decode_resize": size / resized,
+                    "chain": size / timed(whole),
+                }
+            )
+    finally:
+        runner.close()
+        engine.close()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("photos", type=Path)
@@ -154,6 +212,8 @@ def main() -> None:
     )
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--baseline", type=Path, help="another images.py to measure beside")
+    parser.add_argument("--chain", type=Path, help="an engine store: the chain to the model")
+    parser.add_argument("--json", type=Path, help="the chain's figures as JSON")
     args = parser.parse_args()
     datas = [p.read_bytes() for p in sorted(args.photos.glob("*.JPEG"))]
     prep = ImagePreprocess(datatype="UINT8")
@@ -184,7 +244,7 @@ def main() -> None:
             cpu = cpu_per_image(lambda: decoder.decode(batch), size)  # noqa: B023
             rows.append((name, size, size / alone, size / whole, whole / size * 1e6, cpu))
         # Decoders side by side, each called from a thread of its own (the service's
-        # ``models.decode_workers``, on a stream each, or ``models.decode_processes``): does
+        # ``uploads.decode_workers``, on a stream each, or ``uploads.decode_processes``): does
         # the CPU side of one batch overlap another's?
         batch64 = [datas[i % len(datas)] for i in range(64)]
         for workers in [int(n) for n in args.threads.split(",") if n]:
@@ -227,6 +287,18 @@ def main() -> None:
     print("| --- | ---: | --- | ---: |")
     for name, where, workers, rate in parallel:
         print(f"| {name} | {workers} | {where} | {rate:,.0f} |")
+    if args.chain is not None:
+        sizes = [int(b) for b in args.batches.split(",")]
+        chained = chain(args.chain, datas, sizes)
+        if args.json:
+            args.json.write_text(json.dumps(chained))
+        print("| batch | decode img/s | decode+resize+crop img/s | chain to the model img/s |")
+        print("| ---: | ---: | ---: | ---: |")
+        for row in chained:
+            print(
+                f"| {row['batch']} | {row['decode']:,.0f} | {row['decode_resize']:,.0f} "
+                f"| {row['chain']:,.0f} |"
+            )
     if compared:
         print("| TorchImageDecoder of | image sizes | decode+resize+crop img/s, batches of 64 |")
         print("| --- | --- | ---: |")

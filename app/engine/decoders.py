@@ -26,7 +26,7 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
     """The batch decoders of the model's JPEG uploads where ``image_decode`` and this machine
     allow them (else none): ``decode_processes`` processes of their own, or ``decode_workers``
     decoders for the engine's threads. Blocks while processes start (seconds)."""
-    config, wanted = entry.config, settings.models.image_decode
+    config, wanted = entry.config, settings.uploads.image_decode
     if config.preprocess is None or wanted == "cpu":
         return []
     available = backends.gpu_image_decode_available()
@@ -37,7 +37,7 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
     device = f"cuda:{config.gpus[0] if config.gpus else 0}"
     prep = config.preprocess.with_datatype("UINT8")
     decode_jpeg = jpeg_decode(settings)
-    if settings.models.decode_processes:
+    if settings.uploads.decode_processes:
         try:
             return decode_processes(prep, device, config.name, settings, decode_jpeg)
         except RuntimeError as error:
@@ -48,19 +48,19 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
 
     return [
         TorchImageDecoder(prep, device, decode_jpeg).decode
-        for _ in range(settings.models.decode_workers)
+        for _ in range(settings.uploads.decode_workers)
     ]
 
 
 def jpeg_decode(settings: Settings) -> JpegDecode | None:
     """The ``decode_jpeg`` function ``jpeg_decoder`` names (None: torchvision's)."""
-    if settings.models.jpeg_decoder == "torchvision":
+    if settings.uploads.jpeg_decoder == "torchvision":
         return None
     from engines.backends.torch import nvimgcodec
 
     if not nvimgcodec.available():
         raise RuntimeError("jpeg_decoder is nvimgcodec, but nvidia-nvimgcodec is not installed")
-    return partial(nvimgcodec.decode_jpeg, hardware_share=settings.models.jpeg_hardware_share)
+    return partial(nvimgcodec.decode_jpeg, hardware_share=settings.uploads.jpeg_hardware_share)
 
 
 def decode_processes(
@@ -75,17 +75,20 @@ def decode_processes(
     Each is listed ``decode_in_flight`` times: the queue's threads call it that many at once."""
     from engines.backends.torch.decode_process import DecodeProcess
 
+    uploads = settings.uploads
+
     def start(i: int) -> DecodeProcess:
         return DecodeProcess(
             prep,
             device,
-            settings.models.decode_batch,
+            uploads.decode_batch_photos,
             decode_jpeg=decode_jpeg,
             label=f"{name}-{i}",
-            slots=settings.models.decode_in_flight,
+            slots=uploads.decode_in_flight,
+            slot_bytes=uploads.decode_batch_bytes,
         )
 
-    count = settings.models.decode_processes
+    count = settings.uploads.decode_processes
     with ThreadPoolExecutor(count, thread_name_prefix="decode-start") as pool:
         futures = [pool.submit(start, i) for i in range(count)]
     failed = [error for future in futures if (error := future.exception()) is not None]
@@ -97,7 +100,7 @@ def decode_processes(
     # interleaved (p0, p1, p0, p1): the queue's free decoders come first-in first-out, so a
     # batch goes to an idle process before a second one goes to a busy one
     processes = [future.result() for future in futures]
-    return [process for _ in range(settings.models.decode_in_flight) for process in processes]
+    return [process for _ in range(settings.uploads.decode_in_flight) for process in processes]
 
 
 def describe_decoding(decoders: list[images.BatchDecode], settings: Settings) -> str:
@@ -105,7 +108,7 @@ def describe_decoding(decoders: list[images.BatchDecode], settings: Settings) ->
     if not decoders:
         return "CPU"
     library = {"torchvision": "torchvision", "nvimgcodec": "nvImageCodec"}
-    return f"GPU by {library[settings.models.jpeg_decoder]} ({_where(decoders)})"
+    return f"GPU by {library[settings.uploads.jpeg_decoder]} ({_where(decoders)})"
 
 
 def _where(decoders: list[images.BatchDecode]) -> str:
@@ -139,7 +142,7 @@ def decode_queue(
         return None
     queue = images.DecodeQueue(
         decoders,
-        settings.models.decode_batch,
+        images.BatchBounds.of(settings.uploads),
         f"{name}-jpeg",
         metrics.decode_batch,
         lambda: close_decoders(decoders),

@@ -201,7 +201,8 @@ class ImageClassifier:
                 data if h.device_decodable else None
                 for data, h in zip(uploads, headers, strict=True)
             ]
-            decoded = await context.decoder.decode(picked)
+            pixels = [h.width * h.height for h in headers]  # the queue's bound of a batch
+            decoded = await context.decoder.decode(picked, pixels)
         if decoded is None:  # no device decoder, or it failed: every image on the CPU
             done = await asyncio.to_thread(lambda: [self._on_cpu(data) for data in uploads])
             context.metrics.images_decoded("cpu", len(uploads))

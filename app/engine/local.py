@@ -43,7 +43,7 @@ from app.engine.index import triton_config
 from app.engine.models import LoadedModel
 from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
-from app.engine.uploads import classify_uploads
+from app.engine.uploads import run_uploads
 from app.engine.watch import watch
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.protocol import RequestedOutput, classify, encode_response
@@ -469,7 +469,7 @@ class LocalEngine:
         """Uploads through the model's handler and batcher (``app.engine.uploads``): per
         request, one answer per image. ``name`` None: the default model."""
         model = self._upload_model(uploads.name, uploads.version)
-        return await classify_uploads(model, uploads, self.settings.limits, self._measured)
+        return await run_uploads(model, uploads, self.settings.limits, self._measured)
 
     def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:
         if name is None:

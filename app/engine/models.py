@@ -445,7 +445,7 @@ async def load(
     handler: Handler | None = None
     decoder: images.DecodeQueue | None = None
     if metrics is None:
-        metrics = ModelMetrics(config.name, precision, settings.models.jpeg_decoder)
+        metrics = ModelMetrics(config.name, precision, settings.uploads.jpeg_decoder)
     try:
         labels = await asyncio.to_thread(entry.labels)
         runners = config.runner_count(backends.resolve(backend))

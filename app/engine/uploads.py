@@ -1,10 +1,12 @@
-"""Image uploads through a model's handler and batcher (``LocalEngine.classify``).
+"""Image uploads through a model's handler and batcher (``run_uploads``, which
+``LocalEngine.classify`` calls: the engine client's name for it, kept for the wire).
 
 The upload path beside the V2 one: each request's images are checked against the limits,
-decoded by the model's handler (the device decoder's queue joins the requests the data
-plane gathered; rows a front end made of its uploads are only stacked), run through the
-batcher in as few entries as the max batch allows, and encoded by the handler in one call
-for all of them (top-k labels for the image classifier). An upload that is not an image
+decoded by the model's handler (the device decoder's queue, which alone bounds a decode
+batch, joins them with the uploads of other calls; rows a front end made of its uploads are
+only stacked), run through the batcher in as few entries as the max batch allows, and
+encoded by the handler in one call for all of them (top-k labels for the image classifier:
+a handler may answer anything). An upload that is not an image
 fails its own request alone, counted as it fails.
 """
 
@@ -38,7 +40,7 @@ class Measured(Protocol):
     ) -> Awaitable[None]: ...
 
 
-async def classify_uploads(
+async def run_uploads(
     model: LoadedModel, uploads: Uploads, limits: LimitSettings, measured: Measured
 ) -> Classified:
     """Per request of ``uploads``, one answer per image, or the error that request alone

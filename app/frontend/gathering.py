@@ -138,6 +138,8 @@ class UploadGathering:
     row_preprocess: ImagePreprocess | None = None
     """The preprocessing that made each image a row in this front end (None: files)."""
     images: list[bytes] = field(default_factory=list)
+    size: int = 0
+    """The bytes of ``images``."""
     counts: list[int] = field(default_factory=list)
     callers: Callers[Classified] = field(default_factory=Callers)
 
@@ -338,12 +340,13 @@ class Gatherer:
         row_preprocess: ImagePreprocess | None = None,
     ) -> tuple[Classified, int]:
         """Gather uploads with the others for the same model, ``k`` and client (and the same
-        ``row_preprocess``: files, or rows made with it) into one engine call (up to
-        ``models.decode_batch`` images); the call's answer and this request's index in it."""
+        ``row_preprocess``: files, or rows made with it) into one engine call, as many bytes
+        as one crossing takes (``server.shm_slot_bytes``): the engine's decode queue and
+        batcher bound the batches; the call's answer and this request's index in it."""
         key = (name, version, k, client, row_preprocess)
         gathering = self._uploads.get(key)
-        bound = max(self.settings.models.decode_batch, len(uploads))
-        if gathering is not None and len(gathering.images) + len(uploads) > bound:
+        size = sum(len(image) for image in uploads)
+        if gathering is not None and gathering.size + size > self.settings.server.shm_slot_bytes:
             self._send_uploads(key)
             gathering = None
         if gathering is None:
@@ -351,6 +354,7 @@ class Gatherer:
             self._uploads[key] = gathering
             self._flush_soon()
         gathering.images.extend(uploads)
+        gathering.size += size
         gathering.counts.append(len(uploads))
         index, classified = await gathering.callers.wait()
         return classified, index

@@ -71,7 +71,7 @@ class DataPlane:
         front = settings.server
         self.gatherer = Gatherer(settings, client, front.frames_in_flight if across else 0)
         self.row_maker = (
-            RowMaker(settings) if front.decode_uploads_in_front_ends and across else None
+            RowMaker(settings) if settings.uploads.decode_in_front_ends and across else None
         )
         """Makes uploads rows here where the engine would decode them on its CPU."""
 

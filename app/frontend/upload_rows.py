@@ -5,8 +5,8 @@ contract (``Contract.row_preprocess``). A front end then decodes, resizes and cr
 uploads with Pillow (``app.image_pixels``, the engine's own CPU path: the same rows) in
 threads of its own (``RowMaker``), which Pillow leaves as it decodes and resizes, and hands
 the engine UINT8 rows that it only stacks, batches and runs: N front ends decode in N
-processes at once, beside the engine's inference, not in its process. ``server.
-decode_uploads_in_front_ends`` turns it off. Pillow is loaded at the first upload, not with
+processes at once, beside the engine's inference, not in its process. ``uploads.
+decode_in_front_ends`` turns it off. Pillow is loaded at the first upload, not with
 the front end.
 """
 

@@ -278,7 +278,7 @@ def gpu_server(
 ) -> Iterator[Server]:
     """The default service (its JPEG decoders in processes of their own)."""
     server = serve_on_gpu(
-        efficientnet_dir, tmp_path_factory, {"STOKER_MODELS__IMAGE_DECODE": "auto"}
+        efficientnet_dir, tmp_path_factory, {"STOKER_UPLOADS__IMAGE_DECODE": "auto"}
     )
     yield server
     stop_server(server)
@@ -290,7 +290,7 @@ def gpu_server_decode_threads(
 ) -> Iterator[Server]:
     """The same service with its JPEG decoder in a thread of the engine."""
     server = serve_on_gpu(
-        efficientnet_dir, tmp_path_factory, {"STOKER_MODELS__DECODE_PROCESSES": "0"}
+        efficientnet_dir, tmp_path_factory, {"STOKER_UPLOADS__DECODE_PROCESSES": "0"}
     )
     yield server
     stop_server(server)
@@ -328,7 +328,7 @@ def test_jpeg_uploads_are_decoded_on_the_gpu_and_answer_espresso(
     assert "torch backend" in log
     assert (
         "JPEG uploads decoded on the GPU by torchvision "
-        "(2 decode processes, 2 batches in flight each)" in log
+        "(2 decode processes, 1 batch in flight each)" in log
     )
     assert "pixels normalised on the device" in log
     uploads_answer_espresso_all_on_the_gpu(gpu_server, coffee_jpeg, 48)

@@ -303,12 +303,12 @@ def test_uploads_are_made_rows_in_the_front_ends_on_a_cpu_machine(
 def test_with_front_end_decoding_off_the_engine_decodes_the_files(
     tmp_path: Path, efficientnet_dir: Path, front_ends: Server, coffee_jpeg: bytes
 ) -> None:
-    """``server.decode_uploads_in_front_ends`` false: the files cross and the engine decodes
+    """``uploads.decode_in_front_ends`` false: the files cross and the engine decodes
     them, to the answer the rows a front end makes get (the front_ends fixture's)."""
     repo = tmp_path / "repository"
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
     configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})
-    env = front_end_env(STOKER_SERVER__DECODE_UPLOADS_IN_FRONT_ENDS="false")
+    env = front_end_env(STOKER_UPLOADS__DECODE_IN_FRONT_ENDS="false")
     server = start_server(repo, tmp_path / "server.log", env)
     jpeg = {"Content-Type": "image/jpeg"}
     try:

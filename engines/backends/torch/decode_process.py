@@ -4,14 +4,14 @@ A ``TorchImageDecoder`` holds its process's GIL from one launch to the next: abo
 CPU an image, 5.5k images/s alone on an H200 and 2.2k inside the engine process, whose event
 loop and runner threads want the same GIL (BENCHMARKS.md, runs 26 and 27). A
 ``DecodeProcess`` runs one decoder in a spawned child instead. Per batch only the JPEG bytes
-cross (a pipe); the child decodes, resizes and crops as the in-process decoder does and
-writes the rows into a buffer the parent allocated and shared with it at start (CUDA IPC on
-a GPU, shared memory on the CPU, which is how it is tested); it answers which images it
-decoded, and the parent copies the rows out of the buffer on the device (one copy, ~10 us
-for 64 rows on an H200), which frees the buffer for the next batch. Nothing decoded goes
-through the host.
+cross (into a slot of a shared input area, a short message on a pipe); the child decodes,
+resizes and crops as the in-process decoder does and writes the rows into a buffer the
+parent allocated and shared with it at start (CUDA IPC on a GPU, shared memory on the CPU,
+which is how it is tested); it answers which images it decoded, and the parent copies the
+rows out of the buffer on the device (one copy, ~10 us for 64 rows on an H200), which frees
+the buffer for the next batch. Nothing decoded goes through the host.
 
-Each process takes ``slots`` batches at once (``models.decode_in_flight``), and decodes them
+Each process takes ``slots`` batches at once (``uploads.decode_in_flight``), and decodes them
 at once: a decoder, a stream and a thread a slot in the child. torchvision's nvJPEG calls
 take one lock in a process, so what overlaps is one batch's decode with another's resize,
 copies and Python; four decoder threads of one process still made 2.0x the photos of one on
@@ -57,9 +57,9 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 # One batch in the child; far above what a batch takes (milliseconds), so only a hung child.
 BATCH_TIMEOUT_S = 10.0
-# The shared input area: the JPEG bytes of one part of a batch (64 photos of 256 KB), taken
-# from /dev/shm at start (Docker's default /dev/shm is 64 MiB).
-INPUT_BYTES = 16 << 20
+# The shared input area of a slot, by default: the JPEG bytes of one batch (256 photos of
+# 128 KB, ``uploads.decode_batch_bytes``), taken from /dev/shm at start.
+SLOT_BYTES = 32 << 20
 # After a start that failed, batches go to the CPU for this long before the next try.
 RETRY_S = 30.0
 # A child's answer to a batch: ("ok", whether each image decoded, the batch's times) or
@@ -71,9 +71,12 @@ class DecodeProcess:
     """A batch decoder (``app.engine.images.BatchDecode``) whose work runs in a child process.
 
     Called by up to ``slots`` threads at once (``DecodeQueue`` threads), each batch in a
-    slot of its own; ``rows`` is the most images a slot of the shared buffer holds, a larger
-    batch goes through it in parts. ``decode_jpeg`` as for ``TorchImageDecoder`` (None:
-    torchvision's), a module-level function the child imports.
+    slot of its own: ``rows`` images in the shared rows buffer and ``slot_bytes`` of JPEG
+    bytes in the shared input area. The decode queue forms batches within those bounds, so a
+    batch crosses in one part; only a request larger than them (or a batch of a queue with
+    other bounds) goes through its slot in parts, and a photo larger than the input slot over
+    the pipe. ``decode_jpeg`` as for ``TorchImageDecoder`` (None: torchvision's), a
+    module-level function the child imports.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class DecodeProcess:
         decode_jpeg: JpegDecode | None = None,
         label: str = "jpeg",
         slots: int = 1,
+        slot_bytes: int = SLOT_BYTES,
     ) -> None:
         self.spec = spec
         self.device = torch.device(device)
@@ -91,6 +95,7 @@ class DecodeProcess:
         self.slots = max(1, slots)
         self._decode_jpeg = decode_jpeg
         self._rows = max(1, rows)
+        self._input_bytes = self.slots * max(1, slot_bytes)
         self._buffer = torch.zeros(
             (self.slots * self._rows, *spec.row_shape()), dtype=torch.uint8, device=self.device
         )
@@ -152,7 +157,7 @@ class DecodeProcess:
             return self._free.pop()
 
     def _slot_bytes(self) -> int:
-        return INPUT_BYTES // self.slots
+        return self._input_bytes // self.slots
 
     def _parts(self, jpegs: Sequence[bytes | None]) -> Iterator[Sequence[bytes | None]]:
         """The batch in parts of at most ``rows`` images whose bytes fit a slot of the input
@@ -240,10 +245,10 @@ class DecodeProcess:
             try:
                 # Taken now: a full /dev/shm is this error, not a SIGBUS at the first write.
                 if hasattr(os, "posix_fallocate"):
-                    os.posix_fallocate(fd, 0, INPUT_BYTES)
+                    os.posix_fallocate(fd, 0, self._input_bytes)
                 else:
-                    os.ftruncate(fd, INPUT_BYTES)
-                area = mmap.mmap(fd, INPUT_BYTES)
+                    os.ftruncate(fd, self._input_bytes)
+                area = mmap.mmap(fd, self._input_bytes)
             finally:
                 os.close(fd)
             process = context.Process(

@@ -5,7 +5,7 @@ image parsing (an H200's host, BENCHMARKS.md, run 26) and takes one lock a proce
 nvImageCodec parses and decodes a batch in C++ with the GIL released, and on a GPU with
 hardware JPEG engines (A100, H100, H200) hands the baseline JPEGs to them, leaving the SMs to
 the model. On the H200 it made fewer photos/s than torchvision in every form, alone and in
-the service (runs 45-46): ``models.jpeg_decoder`` offers it, torchvision stays the default.
+the service (runs 45-46): ``uploads.jpeg_decoder`` offers it, torchvision stays the default.
 
 ``hardware_share`` is nvImageCodec's load hint: the share of every batch offered to the
 hardware engines, the rest (and whatever they cannot take: progressive, unusual subsampling)

@@ -20,11 +20,13 @@ from app.settings import (
     ServerSettings,
     Settings,
     StoreSettings,
+    UploadSettings,
 )
 
 SECTIONS: tuple[type[BaseModel], ...] = (
     ServerSettings,
     ModelRepositorySettings,
+    UploadSettings,
     StoreSettings,
     LimitSettings,
     AuthSettings,
@@ -61,7 +63,11 @@ def test_defaults_keep_a_laptop_server_private_and_bounded() -> None:
     assert models.repository == Path("models")
     assert models.models == []
     assert models.default_model is None and models.backend is None
-    assert models.image_decode == "auto" and models.decode_batch == 64
+    uploads = settings.uploads
+    assert uploads.image_decode == "auto" and uploads.decode_in_front_ends is True
+    # GPU decode batches bounded by pixels, large under load, two in flight in all
+    assert (uploads.decode_batch_pixels, uploads.decode_batch_photos) == (48_000_000, 256)
+    assert (uploads.decode_processes, uploads.decode_in_flight) == (2, 1)
     assert models.prepare_missing is True and models.exit_on_error is False
     # Model control is off: the set is fixed at start, as before there was any.
     assert (models.control, models.startup, models.poll_s) == ("none", None, 5.0)
@@ -98,8 +104,8 @@ def test_the_store_defaults_to_the_users_cache(
         ("STOKER_MODELS__MODELS", '["tiny", "resnet50"]', "models.models", ["tiny", "resnet50"]),
         ("STOKER_MODELS__DEFAULT_MODEL", "tiny", "models.default_model", "tiny"),
         ("STOKER_MODELS__BACKEND", "onnxruntime", "models.backend", "onnxruntime"),
-        ("STOKER_MODELS__IMAGE_DECODE", "cpu", "models.image_decode", "cpu"),
-        ("STOKER_MODELS__DECODE_BATCH", "8", "models.decode_batch", 8),
+        ("STOKER_UPLOADS__IMAGE_DECODE", "cpu", "uploads.image_decode", "cpu"),
+        ("STOKER_UPLOADS__DECODE_BATCH_PIXELS", "8", "uploads.decode_batch_pixels", 8),
         ("STOKER_MODELS__PREPARE_MISSING", "false", "models.prepare_missing", False),
         ("STOKER_MODELS__EXIT_ON_ERROR", "1", "models.exit_on_error", True),
         ("STOKER_MODELS__CONTROL", "explicit", "models.control", "explicit"),
@@ -161,8 +167,8 @@ def test_arguments_win_over_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
         ("STOKER_SERVER__LOG_LEVEL", "chatty-verbose", "server.log_level"),
         ("STOKER_SERVER__KEEP_ALIVE_S", "-31337", "server.keep_alive_s"),
         ("STOKER_SERVER__DRAIN_TIMEOUT_S", "-7.25", "server.drain_timeout_s"),
-        ("STOKER_MODELS__IMAGE_DECODE", "tpu-decoder", "models.image_decode"),
-        ("STOKER_MODELS__DECODE_BATCH", "-31337", "models.decode_batch"),
+        ("STOKER_UPLOADS__IMAGE_DECODE", "tpu-decoder", "uploads.image_decode"),
+        ("STOKER_UPLOADS__DECODE_BATCH_PIXELS", "-31337", "uploads.decode_batch_pixels"),
         ("STOKER_MODELS__EXIT_ON_ERROR", "perhaps-so", "models.exit_on_error"),
         ("STOKER_LIMITS__MAX_BODY_BYTES", "-31337", "limits.max_body_bytes"),
         ("STOKER_LIMITS__MAX_IMAGE_ASPECT_RATIO", "0.25", "limits.max_image_aspect_ratio"),

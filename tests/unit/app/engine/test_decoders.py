@@ -24,7 +24,7 @@ def test_gpu_decoding_is_chosen_only_where_it_can_run() -> None:
     with_prep = entry(preprocess={})
 
     def decoders(mode: str, backend: str, processes: int = 0) -> object:
-        settings = Settings(models={"image_decode": mode, "decode_processes": processes})  # type: ignore[arg-type]
+        settings = Settings(uploads={"image_decode": mode, "decode_processes": processes})  # type: ignore[arg-type]
         return model_decoders.gpu_decoders(with_prep, backend, settings)
 
     assert decoders("auto", "onnxruntime") == []
@@ -72,7 +72,7 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
 
     monkeypatch.setattr(backends, "gpu_image_decode_available", lambda: True)
     monkeypatch.setattr(torch_images, "TorchImageDecoder", Threaded)
-    settings = Settings(models={"decode_processes": 2, "decode_workers": 3})  # type: ignore[arg-type]
+    settings = Settings(uploads={"decode_processes": 2, "decode_workers": 3, "decode_in_flight": 2})  # type: ignore[arg-type]
     with_prep = entry(preprocess={})
 
     monkeypatch.setattr(decode_process, "DecodeProcess", Refused)

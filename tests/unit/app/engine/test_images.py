@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.engine.images import Decoded, DecodeQueue
+from app.engine.images import BatchBounds, Decoded, DecodeQueue
 from app.engine.repository import ModelConfig, ModelEntry
 from app.errors import BadRequest, PayloadTooLarge
 from app.image_header import UPLOAD_FORMATS, read_header
@@ -22,6 +22,11 @@ from engines.spec import ModelSpec, TensorSpec
 from tests.conftest import jpeg_bytes
 
 IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
+
+
+def photos(count: int) -> BatchBounds:
+    """Batches bounded by their count alone (no spread: every free decoder takes a batch)."""
+    return BatchBounds(pixels=1 << 40, photos=count, bytes=1 << 40)
 
 
 SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
@@ -143,7 +148,7 @@ def test_concurrent_uploads_are_decoded_together_up_to_the_batch_limit() -> None
         durations.append(seconds)
 
     async def scenario() -> list[Decoded | None]:
-        queue = DecodeQueue(decoder, max_batch=8, on_batch=on_batch)
+        queue = DecodeQueue(decoder, photos(8), on_batch=on_batch)
         queue.start()
         try:
             requests: list[list[bytes | None]] = [[bytes([i]), bytes([i + 100])] for i in range(20)]
@@ -173,7 +178,7 @@ def test_a_request_larger_than_the_batch_limit_is_decoded_alone() -> None:
     decoder = RecordingDecoder(seconds=0.0)
 
     async def scenario() -> Decoded | None:
-        queue = DecodeQueue(decoder, max_batch=4)
+        queue = DecodeQueue(decoder, photos(4))
         queue.start()
         try:
             return await queue.decode([bytes([i]) for i in range(10)])
@@ -186,7 +191,7 @@ def test_a_request_larger_than_the_batch_limit_is_decoded_alone() -> None:
 
 def test_a_failing_decoder_hands_every_upload_back_to_the_cpu() -> None:
     async def scenario() -> Decoded | None:
-        queue = DecodeQueue(RecordingDecoder(fail=True), max_batch=4)
+        queue = DecodeQueue(RecordingDecoder(fail=True), photos(4))
         queue.start()
         try:
             return await queue.decode([b"a", b"b", b"c"])
@@ -200,7 +205,7 @@ def test_a_cancelled_request_is_skipped_and_others_still_answer() -> None:
     decoder = RecordingDecoder(seconds=0.1)
 
     async def scenario() -> Decoded | None:
-        queue = DecodeQueue(decoder, max_batch=64)
+        queue = DecodeQueue(decoder, photos(64))
         queue.start()
         try:
             first = asyncio.create_task(queue.decode([b"a"]))
@@ -239,7 +244,7 @@ def test_two_decoders_decode_two_batches_at_once() -> None:
         return ArrayRows(np.full((len(uploads), 2), 2, np.uint8)), [True] * len(uploads)
 
     async def scenario() -> list[Decoded | None]:
-        queue = DecodeQueue([first, second], max_batch=1)
+        queue = DecodeQueue([first, second], photos(1))
         queue.start()
         try:
             return list(await asyncio.gather(queue.decode([b"a"]), queue.decode([b"b"])))

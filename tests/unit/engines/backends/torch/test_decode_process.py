@@ -29,11 +29,11 @@ pytest.importorskip("torch", reason="the torch decoder needs torch (the referenc
 SPEC = ImagePreprocess(datatype="UINT8")
 
 
-def start(rows: int) -> Any:
+def start(rows: int, **options: Any) -> Any:
     from engines.backends.torch.decode_process import DecodeProcess
     from engines.backends.torch.images import pillow_decode_jpeg
 
-    return DecodeProcess(SPEC, "cpu", rows, pillow_decode_jpeg, label="test")
+    return DecodeProcess(SPEC, "cpu", rows, pillow_decode_jpeg, label="test", **options)
 
 
 @pytest.fixture(scope="module")
@@ -92,25 +92,41 @@ def test_the_childs_time_is_summed_by_part_and_images() -> None:
         decoder.close()
 
 
-def test_parts_fit_the_shared_input_and_a_larger_image_goes_over_the_pipe(
-    process: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With an input area smaller than the largest photo (as if it were a 20 MB upload),
+def test_a_batch_within_the_queues_bounds_crosses_in_one_part() -> None:
+    """A batch the decode queue forms (at most ``rows`` photos and a slot's bytes: the
+    served ``uploads.decode_batch_photos`` and ``decode_batch_bytes``) goes to the child
+    whole, one part and one answer, not cut again by the process."""
+    photos = sample_jpegs()
+    uploads: list[bytes | None] = [photos[i % len(photos)] for i in range(40)]
+    decoder = start(rows=64)
+    try:
+        rows, ok = decoder(uploads)
+        assert ok == [True] * 40 and (decoder.times.batches, decoder.times.images) == (1, 40)
+        want, _ = in_process(uploads)
+        assert np.abs(np.asarray(rows).astype(np.int16) - want).max() <= 1
+    finally:
+        decoder.close()
+
+
+def test_parts_fit_the_shared_input_and_a_larger_image_goes_over_the_pipe() -> None:
+    """With an input slot smaller than the largest photo (as if it were a 20 MB upload),
     batches split by bytes as well as rows, the photos over the limit cross the pipe
     alone, and every row is still the in-process decoder's."""
-    from engines.backends.torch import decode_process
-
     photos = sample_jpegs()
     sizes = sorted(len(photo) for photo in photos)
-    monkeypatch.setattr(decode_process, "INPUT_BYTES", (sizes[0] + sizes[-1]) // 2)
-    assert any(len(photo) > decode_process.INPUT_BYTES for photo in photos)
-    uploads: list[bytes | None] = [*photos, *reversed(photos)]
-    for _ in range(3):  # the same area reused part after part
-        rows, ok = process(uploads)
-        assert ok == [True] * len(uploads)
-        for data, row in zip(uploads, np.asarray(rows), strict=True):
-            alone, _ = in_process([data])
-            assert np.abs(row.astype(np.int16) - alone[0]).max() <= 1  # padded otherwise
+    slot_bytes = (sizes[0] + sizes[-1]) // 2
+    assert any(len(photo) > slot_bytes for photo in photos)
+    decoder = start(rows=4, slot_bytes=slot_bytes)
+    try:
+        uploads: list[bytes | None] = [*photos, *reversed(photos)]
+        for _ in range(3):  # the same area reused part after part
+            rows, ok = decoder(uploads)
+            assert ok == [True] * len(uploads)
+            for data, row in zip(uploads, np.asarray(rows), strict=True):
+                alone, _ = in_process([data])
+                assert np.abs(row.astype(np.int16) - alone[0]).max() <= 1  # padded otherwise
+    finally:
+        decoder.close()
 
 
 def test_the_rows_handed_back_are_not_the_next_batchs(process: Any) -> None:

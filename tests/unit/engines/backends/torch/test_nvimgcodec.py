@@ -65,8 +65,8 @@ def test_the_batched_decoder_gives_the_rows_it_gives_with_pillow() -> None:
 
 
 def test_the_setting_names_the_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
-    def chosen(**models: object) -> object:
-        return jpeg_decode(Settings(models=models))  # type: ignore[arg-type]
+    def chosen(**uploads: object) -> object:
+        return jpeg_decode(Settings(uploads=uploads))  # type: ignore[arg-type]
 
     assert chosen(jpeg_decoder="torchvision") is None  # torchvision's own, the default
     assert chosen() is None
