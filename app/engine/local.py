@@ -469,7 +469,10 @@ class LocalEngine:
         """Uploads through the model's handler and batcher (``app.engine.uploads``): per
         request, one answer per image. ``name`` None: the default model."""
         model = self._upload_model(uploads.name, uploads.version)
-        return await classify_uploads(model, uploads, self.settings.limits, self._measured)
+        work = classify_uploads(model, uploads, self.settings.limits, self._measured)
+        if tracing.tracer is not None and uploads.traceparents:
+            return await tracing.tracer.engine(uploads.traceparents, work)
+        return await work
 
     def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:
         if name is None:

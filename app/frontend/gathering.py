@@ -139,6 +139,7 @@ class UploadGathering:
     """The preprocessing that made each image a row in this front end (None: files)."""
     images: list[bytes] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)
     callers: Callers[Classified] = field(default_factory=Callers)
 
 
@@ -336,10 +337,12 @@ class Gatherer:
         k: int | None,
         client: str,
         row_preprocess: ImagePreprocess | None = None,
+        traceparent: str | None = None,
     ) -> tuple[Classified, int]:
         """Gather uploads with the others for the same model, ``k`` and client (and the same
         ``row_preprocess``: files, or rows made with it) into one engine call (up to
-        ``models.decode_batch`` images); the call's answer and this request's index in it."""
+        ``models.decode_batch`` images); the call's answer and this request's index in it.
+        ``traceparent``: its trace context, where it is traced."""
         key = (name, version, k, client, row_preprocess)
         gathering = self._uploads.get(key)
         bound = max(self.settings.models.decode_batch, len(uploads))
@@ -352,6 +355,7 @@ class Gatherer:
             self._flush_soon()
         gathering.images.extend(uploads)
         gathering.counts.append(len(uploads))
+        gathering.traceparents.append(traceparent)
         index, classified = await gathering.callers.wait()
         return classified, index
 
@@ -367,6 +371,7 @@ class Gatherer:
             gathering.client,
             tuple(gathering.counts),
             gathering.row_preprocess,
+            tuple(gathering.traceparents) if any(gathering.traceparents) else (),
         )
         self._sent(len(gathering.counts))
         call = partial(self.client.classify, uploads)

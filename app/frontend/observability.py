@@ -82,7 +82,9 @@ async def cuda_shared_memory(rest: str) -> Response:
 
 
 def is_inference(scope: Scope) -> bool:
-    return bool(scope["method"] == "POST" and scope["path"].endswith("/infer"))
+    """An inference request: V2's ``/infer``, the uploads' ``/infer`` and ``/classify``."""
+    path = scope["path"]
+    return bool(scope["method"] == "POST" and path.endswith(("/infer", "/classify")))
 
 
 class TraceRequests:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from bench.launch import free_port
-from tests.conftest import TINY_CONFIG, tiny_onnx
+from tests.conftest import TINY_CONFIG, configure, tiny_onnx
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 WAIT_S = 60.0
@@ -161,13 +162,19 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Traced]:
+def traced(
+    tmp_path_factory: pytest.TempPathFactory, receiver: Receiver, efficientnet_dir: Path
+) -> Iterator[Traced]:
     repo = tmp_path_factory.mktemp("traced") / "repository"
     for name in ("tiny", "other"):
         (repo / name).mkdir(parents=True)
         onnx.save(tiny_onnx(), str(repo / name / "model.onnx"))
         (repo / name / "config.yaml").write_text(TINY_CONFIG)
+    # The image classifier for uploads, FP32 alone (no calibration at the start).
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})
     env = {
+        "STOKER_MODELS__DEFAULT_MODEL": "efficientnet_lite0",
         "STOKER_SERVER__FRONT_ENDS": "2",
         "STOKER_SERVER__GRPC_PORT": str(free_port()),
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
@@ -240,6 +247,77 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
     for resource in (front, back):
         assert resource["service.name"] == "stoker-under-test"
         assert resource["deployment.environment"] == "test"
+
+
+def test_an_upload_is_one_trace_across_the_front_end_and_the_engine(
+    traced: Traced, receiver: Receiver, coffee_jpeg: bytes
+) -> None:
+    """``POST /infer`` with a photo: the front end makes its row (``make rows``, as a CPU
+    engine would decode it), the engine stacks (``decode``), queues and runs it."""
+    header, trace_id, client_span = a_traceparent()
+    files = {"image": ("coffee.jpg", coffee_jpeg, "image/jpeg")}
+    answer = httpx.post(
+        f"{traced.server.url}/infer", files=files, headers={"traceparent": header}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    order = ("receive", "decode", "make rows", "engine call", "encode and write")
+    wanted = {"POST /infer", *order, "engine", "queue", "batch", "run"}
+
+    def complete(spans: list[Received]) -> bool:
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        return wanted <= set(names) and names.count("decode") == 2
+
+    found = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    root = next(s for s in found if s.name == "POST /infer")
+    assert root.parent_id == client_span and root.attributes["http.response.status_code"] == 200
+    front = {s.name: s for s in found if s.resource["stoker.process"] == "front-end"}
+    back = {s.name: s for s in found if s.resource["stoker.process"] == "engine"}
+    assert (
+        set(front) == {"POST /infer", *order}
+        and root.resource["process.pid"] != (back["engine"].resource["process.pid"])
+    )
+    # The front end's stages, in order, each inside the request's span.
+    stages = [front[s] for s in order]
+    for stage in stages:
+        assert stage.parent_id == root.span_id
+    for before, after in itertools.pairwise(stages):
+        assert before.end_ns <= after.start_ns
+    assert root.start_ns <= stages[0].start_ns and stages[-1].end_ns <= root.end_ns
+    # The engine continues the crossing: its decode, then the queue, the batch and its run.
+    engine, decode, queue = back["engine"], back["decode"], back["queue"]
+    batch, run = back["batch"], back["run"]
+    assert engine.parent_id == front["engine call"].span_id
+    assert {decode.parent_id, queue.parent_id, batch.parent_id} == {engine.span_id}
+    assert run.parent_id == batch.span_id
+    assert front["engine call"].start_ns <= engine.start_ns <= decode.start_ns
+    assert decode.end_ns <= queue.start_ns <= queue.end_ns <= batch.start_ns
+    assert run.end_ns <= engine.end_ns <= front["engine call"].end_ns
+    assert engine.span_id in batch.links and batch.span_id in engine.links
+    assert batch.attributes["batch.size"] == 1 and batch.attributes["batch.requests"] == 1
+
+
+def test_an_upload_to_a_models_classify_joins_the_trace_too(
+    traced: Traced, receiver: Receiver, coffee_jpeg: bytes
+) -> None:
+    header, trace_id, client_span = a_traceparent()
+    answer = httpx.post(
+        f"{traced.server.url}/v2/models/efficientnet_lite0/classify?k=2",
+        content=coffee_jpeg,
+        headers={"traceparent": header, "Content-Type": "image/jpeg"},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    name = "POST /v2/models/efficientnet_lite0/classify"
+
+    def complete(spans: list[Received]) -> bool:
+        return {name, "engine call", "engine", "batch"} <= {
+            s.name for s in spans if s.trace_id == trace_id
+        }
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    assert spans[name].parent_id == client_span
+    assert spans[name].attributes["model"] == "efficientnet_lite0"
+    assert spans["engine"].parent_id == spans["engine call"].span_id
 
 
 def roots(spans: list[Received], model: str) -> list[Received]:
