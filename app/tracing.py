@@ -17,17 +17,23 @@ Off (the default), ``tracer`` is None: no SDK is imported, no exporter thread ru
 hook on the request path is one None check. On, per traced request:
 
 - front end: the request's span (continuing the client's W3C ``traceparent`` and
-  ``tracestate`` from HTTP headers or gRPC metadata, a new root where none came), and under
-  it ``receive`` (the body read), ``decode`` (parse and validate against the contract),
-  ``engine call`` (gathered and across to the engine and back), ``encode and write``;
+  ``tracestate`` from HTTP headers or gRPC metadata, a new root where none came; each
+  request of a gRPC stream its own, under the stream's context), and under it ``receive``
+  (the body read), ``decode`` (parse and validate against the contract; an upload's header
+  screened), ``make rows`` (an upload decoded, resized and cropped here, where the front end
+  makes its rows), ``engine call`` (gathered and across to the engine and back),
+  ``encode and write``;
 - engine: ``engine`` (the request's stay in the engine, a child of ``engine call``: its
-  context crosses on the wire as ``RunItem.traceparent``), under it ``queue`` (its wait in
-  the batcher), and the batch it ran in: ``batch`` (rows, requests; linked from every
-  request's ``engine`` span and linking to each) with ``run`` (the runner's run, its compute
-  input / infer / output times as attributes).
+  context crosses on the wire as ``RunItem.traceparent``, ``Infer.traceparent`` or
+  ``Classify.traceparents``), under it an upload's ``decode`` (its images decoded, or the
+  rows a front end made stacked), ``queue`` (its wait in the batcher), and the batch it ran
+  in: ``batch`` (rows, requests; linked from every request's ``engine`` span and linking to
+  each) with ``run`` (the runner's run, its compute input / infer / output times as
+  attributes).
 
-Each span costs the request tens of microseconds in Python's SDK (made, then encoded by the
-exporter's thread): nine per traced request, so sample accordingly under load.
+A span is a slotted record made and ended on the request path in about a microsecond, not
+the SDK's span object (tens of microseconds each): ``app.otlp`` encodes and sends them from
+its own thread.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
@@ -139,6 +144,15 @@ def shutdown() -> None:
         tracer = None
 
 
+def carried(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """A gRPC call's ``traceparent`` and ``tracestate``, from its invocation metadata."""
+    return {
+        key: value if isinstance(value, str) else value.decode("latin-1")
+        for key, value in metadata or ()
+        if key in CARRIED
+    }
+
+
 def traceparent_of(span: Span) -> str:
     return f"00-{span.trace_id:032x}-{span.span_id:016x}-01"
 
@@ -149,16 +163,19 @@ def parent_of(carrier: Mapping[str, str]) -> tuple[int, int, bool, str] | None:
     header = carrier.get("traceparent")
     if header is None:
         return None
-    match = TRACEPARENT.match(header.strip().lower())
-    if match is None:
+    header = header.strip()
+    version = header[:2]
+    # version-trace-parent-flags; a later version may add fields after a dash, 00 none.
+    if len(header) < 55 or version == "ff" or (len(header) > 55 and version == "00"):
         return None
-    version, trace_hex, span_hex, flags = match.groups()
-    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
-    if version == "ff" or not trace_id or not span_id:
+    if header[2] != "-" or header[35] != "-" or header[52] != "-" or header[55:56] not in "-":
         return None
-    if version == "00" and len(header.strip()) != 55:
+    if not HEX.issuperset(header[:2] + header[3:35] + header[36:52] + header[53:55]):
         return None
-    return trace_id, span_id, bool(int(flags, 16) & 1), carrier.get("tracestate", "")
+    trace_id, span_id = int(header[3:35], 16), int(header[36:52], 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(int(header[53:55], 16) & 1), carrier.get("tracestate", "")
 
 
 class Span:
@@ -229,8 +246,7 @@ class Incoming:
     carrier: dict[str, str]
     """Its ``traceparent`` and ``tracestate``, where it came with them."""
     started_ns: int = field(default_factory=time.time_ns)
-    received_ns: int | None = None
-    """When its body was read whole."""
+    """When it arrived: its ``receive`` lasts until the data plane takes it (its body read)."""
     trace: RequestTrace | None = None
 
     def finish(self, error: str | None = None) -> None:
@@ -347,8 +363,7 @@ class Tracing:
         root.server = True
         if model:
             root.attributes = {"model": model}
-        received = incoming.received_ns or time.time_ns()
-        root.child("receive", incoming.started_ns).end(received)
+        root.child("receive", incoming.started_ns).end()
         traced = RequestTrace(root)
         traced.stage("decode")
         incoming.trace = traced
@@ -406,7 +421,8 @@ class Tracing:
 
 
 BATCH_LINK = {"stoker.link": "batch"}
-TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:-.*)?$")
+CARRIED = frozenset({"traceparent", "tracestate"})
+HEX = frozenset("0123456789abcdef")
 
 
 async def spanned(request: int, name: str, work: Awaitable[T]) -> T:

@@ -196,6 +196,35 @@ def infer(client: httpx.Client, server: Server, model: str, headers: dict[str, s
     assert answer.status_code == 200, answer.text
 
 
+def rendered(spans: list[Received]) -> str:
+    """One trace as a tree, each span with its process, start and duration (README's
+    "Tracing" shows one so)."""
+    by_parent: dict[str, list[Received]] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        by_parent.setdefault(span.parent_id, []).append(span)
+    ids = {s.span_id for s in spans}
+    start = min(s.start_ns for s in spans)
+    lines: list[str] = []
+
+    def add(span: Received, depth: int) -> None:
+        process = f"{span.resource['stoker.process']} pid {span.resource['process.pid']}"
+        shown = {k: v for k, v in span.attributes.items() if k != "model"}
+        extra = " ".join(f"{k}={v}" for k, v in shown.items())
+        if span.links:
+            extra += " (linked)"
+        lines.append(
+            f"{'  ' * depth + span.name:<32} {process:<20} +{(span.start_ns - start) // 1000:<6} us"
+            f" {(span.end_ns - span.start_ns) // 1000:>6} us  {extra}".rstrip()
+        )
+        for child in by_parent.get(span.span_id, []):
+            add(child, depth + 1)
+
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        if span.parent_id not in ids:
+            add(span, 0)
+    return "\n".join(lines)
+
+
 def a_traceparent() -> tuple[str, str, str]:
     trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
     return f"00-{trace_id}-{span_id}-01", trace_id, span_id
@@ -268,6 +297,7 @@ def test_an_upload_is_one_trace_across_the_front_end_and_the_engine(
         return wanted <= set(names) and names.count("decode") == 2
 
     found = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    print(rendered(found))  # what README's "Tracing" shows (pytest -s)
     root = next(s for s in found if s.name == "POST /infer")
     assert root.parent_id == client_span and root.attributes["http.response.status_code"] == 200
     front = {s.name: s for s in found if s.resource["stoker.process"] == "front-end"}
@@ -457,6 +487,46 @@ def test_a_grpc_call_joins_the_trace_its_metadata_names(traced: Traced, receiver
 
     spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
     assert spans[name].parent_id == client_span
+
+
+def test_each_request_of_a_grpc_stream_is_its_own_span_of_the_streams_trace(
+    traced: Traced, receiver: Receiver
+) -> None:
+    """``ModelStreamInfer``: the stream's metadata names the trace; each request streamed
+    on it gets its own span under it, with its own stages and its own engine span."""
+    import queue
+
+    grpc = triton_grpc.InferenceServerClient(traced.grpc)
+    answers: queue.Queue[Any] = queue.Queue()
+    header, trace_id, client_span = a_traceparent()
+    grpc.start_stream(
+        lambda result, error: answers.put(error or result), headers={"traceparent": header}
+    )
+    try:
+        for i in range(3):
+            tensor = triton_grpc.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), i, np.float32))
+            grpc.async_stream_infer("tiny", [tensor], request_id=str(i))
+        got = [answers.get(timeout=WAIT_S) for _ in range(3)]
+    finally:
+        grpc.stop_stream()
+    assert all(isinstance(r, triton_grpc.InferResult) for r in got), got
+    name = "inference.GRPCInferenceService/ModelStreamInfer"
+
+    def complete(spans: list[Received]) -> bool:
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        return names.count(name) == 3 and names.count("engine") == 3 and names.count("run") >= 1
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    roots = [s for s in spans if s.name == name]
+    assert {r.parent_id for r in roots} == {client_span}
+    assert len({r.span_id for r in roots}) == 3
+    for root in roots:  # each request's own stages, its engine span under its crossing
+        stages = {s.name: s for s in spans if s.parent_id == root.span_id}
+        assert set(stages) == {"receive", "decode", "engine call", "encode and write"}
+        engines = [s for s in spans if s.parent_id == stages["engine call"].span_id]
+        assert [e.name for e in engines] == ["engine"]
+        assert engines[0].resource["stoker.process"] == "engine"
 
 
 def test_off_without_otel_variables(tmp_path: Path) -> None:
