@@ -46,6 +46,8 @@ class Sink:
         sink = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # kept alive, as collectors do
+
             def do_POST(self) -> None:
                 sink.received += len(self.rfile.read(int(self.headers["Content-Length"])))
                 self.send_response(200)
