@@ -212,9 +212,10 @@ def rendered(spans: list[Received]) -> str:
         extra = " ".join(f"{k}={v}" for k, v in shown.items())
         if span.links:
             extra += " (linked)"
+        at = f"+{(span.start_ns - start) // 1000} us"
+        took = f"{(span.end_ns - span.start_ns) // 1000} us"
         lines.append(
-            f"{'  ' * depth + span.name:<32} {process:<20} +{(span.start_ns - start) // 1000:<6} us"
-            f" {(span.end_ns - span.start_ns) // 1000:>6} us  {extra}".rstrip()
+            f"{'  ' * depth + span.name:<22} {process:<20} {at:<10} {took:>8}  {extra}".rstrip()
         )
         for child in by_parent.get(span.span_id, []):
             add(child, depth + 1)
