@@ -79,7 +79,10 @@ def _varint(number: int) -> bytes:
 
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field."""
-    return bytes((tag,)) + _varint(len(payload)) + payload
+    size = len(payload)
+    if size < 0x80:
+        return bytes((tag, size)) + payload
+    return bytes((tag,)) + _varint(size) + payload
 
 
 def _any_value(value: Any) -> bytes:
@@ -97,20 +100,21 @@ def _any_value(value: Any) -> bytes:
     return _field(0x0A, str(value).encode())
 
 
-_KEY_VALUES: dict[tuple[str, type, Any], bytes] = {}
+_ATTRIBUTES: dict[tuple[int, str, type, Any], bytes] = {}
 CACHED = (str, bool, int)
 
 
-def key_value(key: str, value: Any) -> bytes:
-    """A ``KeyValue`` (key 1, value 2); those of strings and integers cached: most repeat
-    (models, sizes). Keyed by type too: True and 1 are equal keys, not equal values."""
+def attribute(tag: int, key: str, value: Any) -> bytes:
+    """An attribute: a ``KeyValue`` (key 1, value 2) as the field ``tag`` of the message
+    holding it; those of strings and integers cached, as most repeat (models, sizes). Keyed
+    by type too: True and 1 are equal keys, not equal values."""
     if not isinstance(value, CACHED):
-        return _field(0x0A, key.encode()) + _field(0x12, _any_value(value))
-    cached = _KEY_VALUES.get((key, type(value), value))
+        return _field(tag, _field(0x0A, key.encode()) + _field(0x12, _any_value(value)))
+    cached = _ATTRIBUTES.get((tag, key, type(value), value))
     if cached is None:
-        cached = _field(0x0A, key.encode()) + _field(0x12, _any_value(value))
-        if len(_KEY_VALUES) < 4096:
-            _KEY_VALUES[(key, type(value), value)] = cached
+        cached = _field(tag, _field(0x0A, key.encode()) + _field(0x12, _any_value(value)))
+        if len(_ATTRIBUTES) < 4096:
+            _ATTRIBUTES[(tag, key, type(value), value)] = cached
     return cached
 
 
@@ -140,11 +144,11 @@ def encode_span(span: Record) -> bytes:
     parts.append(_PACK_TIMES(0x39, span.start_ns, 0x41, span.end_ns))
     if span.attributes:
         for key, value in span.attributes.items():
-            parts.append(_field(0x4A, key_value(key, value)))
+            parts.append(attribute(0x4A, key, value))
     for trace_id, span_id, attributes in span.links or ():
         link = b"\x0a\x10" + trace_id.to_bytes(16, "big") + b"\x12\x08" + span_id.to_bytes(8, "big")
         for key, value in (attributes or {}).items():
-            link += _field(0x22, key_value(key, value))
+            link += attribute(0x22, key, value)
         parts.append(_field(0x6A, link))
     if span.error is not None:  # Status: message (2), code (3) ERROR (2)
         parts.append(_field(0x7A, _field(0x12, span.error.encode()) + b"\x18\x02"))
@@ -161,19 +165,18 @@ class Exporter:
         environ: Mapping[str, str],
     ) -> None:
         # Resource (1) of its attributes (1), written once.
-        self._resource = _field(
-            0x0A, b"".join(_field(0x0A, key_value(k, v)) for k, v in resource.items())
-        )
+        self._resource = _field(0x0A, b"".join(attribute(0x0A, k, v) for k, v in resource.items()))
         self._send = send
         self._delay_s = _number(environ, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self._most = _number(environ, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)
         self._batch = min(_number(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512), self._most)
         self._ended: deque[Record] = deque()
         self._wake = threading.Event()
+        self._idle = threading.Event()
         self._stopping = False
         self.dropped = 0
-        self._thread = threading.Thread(target=self._run, name="OtelSpanExporter", daemon=True)
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="OtelSpanExporter", daemon=True)
+        self.thread.start()
 
     def ended(self, span: Record) -> None:
         """A span ended: kept for the next batch (on any thread; deque appends are atomic)."""
@@ -185,11 +188,17 @@ class Exporter:
         if len(ended) == self._batch:
             self._wake.set()
 
+    def flush(self, timeout_s: float = 30) -> bool:
+        """Send what is buffered now; whether it was sent within ``timeout_s``."""
+        self._idle.clear()
+        self._wake.set()
+        return self._idle.wait(timeout_s)
+
     def shutdown(self) -> None:
         """Send what is buffered, then stop the thread."""
         self._stopping = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        self.thread.join(timeout=30)
 
     def _run(self) -> None:
         while True:
@@ -197,6 +206,7 @@ class Exporter:
             self._wake.clear()
             while self._ended:
                 self._export(self._take())
+            self._idle.set()
             if self.dropped:
                 log.warning("%d spans dropped: past OTEL_BSP_MAX_QUEUE_SIZE", self.dropped)
                 self.dropped = 0

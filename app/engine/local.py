@@ -402,7 +402,7 @@ class LocalEngine:
             return answers
 
         measured = self._measured(model, work, len(parts), timed=False)
-        if tracing.tracer is not None:
+        if tracing.tracer is not None and any(part.traceparent for part in parts):
             measured = tracing.tracer.engine([part.traceparent for part in parts], measured)
         return Ran(model.name, model.version, await measured)
 
@@ -437,7 +437,7 @@ class LocalEngine:
             return Answer(model.name, model.version, headers, content)
 
         measured = self._measured(model, work)
-        if tracing.tracer is not None:
+        if tracing.tracer is not None and raw.traceparent:
             measured = tracing.tracer.engine([raw.traceparent], measured)
         return await measured
 
