@@ -6,9 +6,13 @@ alternating closed-loop rounds of binary V2 requests (``bench.loadgen``'s client
     python3 scripts/trace_cost.py --repository REPO --model tiny --concurrency 1,8 \\
         --seconds 3 --rounds 7 [--front-ends 2]
 
-Prints, per concurrency, the median req/s of each, the median of their per-round ratio
-(traced / off: the issue's bound is 0.95), and each one's server CPU per request (every
-thread of every process, from /proc). A benchmark, not a test: the machine is shared.
+Prints first what the spans of one traced request cost in this process (the hooks alone, CPU
+us on the request path and on the exporter's thread); then per step (closed loops of
+``--concurrency`` clients, open loops at ``--rate`` req/s) the median req/s of each server,
+the median of their per-round ratio (traced / off: the issue's bound is 0.95), and each
+one's server CPU per request (every thread of every process, from /proc) and the median
+ratio of those (off / traced: what req/s would be where the CPU is the limit). A benchmark,
+not a test: the machine is shared, so compare within one run.
 """
 
 from __future__ import annotations
@@ -80,11 +84,11 @@ def launch(args: argparse.Namespace, env: dict[str, str]) -> tuple[str, subproce
     return url, process
 
 
-def measured(workers: Workers, pid: int, concurrency: int, seconds: float) -> tuple[float, float]:
-    """One closed-loop step: req/s and the server's CPU per request (us)."""
+def measured(workers: Workers, pid: int, step: Step) -> tuple[float, float]:
+    """One step: req/s and the server's CPU per request (us)."""
     pids = descendants(pid)
     before = thread_times(pids)
-    result = workers.run(Step("closed", concurrency, 0.5, seconds))
+    result = workers.run(step)
     after = thread_times(pids)
     used = sum(t - before.get(k, ("", 0))[1] for k, (_, t) in after.items())
     return result.throughput, used * 1e6 / TICK / max(result.requests, 1)
@@ -156,6 +160,12 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--rate",
+        default="",
+        help="also open-loop (Poisson) steps at these req/s: the same requests to both, so "
+        "their CPU per request compares what tracing adds with the machine's noise in both",
+    )
     args = parser.parse_args()
     sink = Sink()
     path, export = span_path(sink)
@@ -182,21 +192,31 @@ def main() -> None:
         ):
             for workers in (a, b):
                 workers.run(Step("closed", 1, 0.0, 1.0))
-            for c in (int(v) for v in args.concurrency.split(",")):
+            steps = [
+                (f"c={c}", Step("closed", c, 0.0, 0.5, args.seconds))
+                for c in (int(v) for v in args.concurrency.split(",") if v)
+            ]
+            steps += [
+                (f"{r:g} req/s offered", Step("open", 0, r, 0.5, args.seconds))
+                for r in (float(v) for v in args.rate.split(",") if v)
+            ]
+            for label, step in steps:
                 rates: dict[str, list[float]] = {"off": [], "on": []}
                 cpu: dict[str, list[float]] = {"off": [], "on": []}
                 for _ in range(args.rounds):
                     for key, workers, process in (("off", a, off), ("on", b, on)):
-                        rate, used = measured(workers, process.pid, c, args.seconds)
+                        rate, used = measured(workers, process.pid, step)
                         rates[key].append(rate)
                         cpu[key].append(used)
                 ratios = [t / o for t, o in zip(rates["on"], rates["off"], strict=True)]
+                cpu_ratios = [o / t for t, o in zip(cpu["on"], cpu["off"], strict=True)]
                 print(
-                    f"c={c}: off {statistics.median(rates['off']):,.0f} req/s "
+                    f"{label}: off {statistics.median(rates['off']):,.0f} req/s "
                     f"({statistics.median(cpu['off']):,.0f} us CPU/request), 100% traced "
                     f"{statistics.median(rates['on']):,.0f} req/s "
-                    f"({statistics.median(cpu['on']):,.0f} us); median ratio "
-                    f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.2f}' for r in ratios)})",
+                    f"({statistics.median(cpu['on']):,.0f} us); median ratio of req/s "
+                    f"{statistics.median(ratios):.3f} ({', '.join(f'{r:.2f}' for r in ratios)}), "
+                    f"of CPU/request off/traced {statistics.median(cpu_ratios):.3f}",
                     flush=True,
                 )
         print(f"the receiver took {sink.received:,} bytes of spans")
