@@ -2,19 +2,20 @@
 by one thread of this process, in batches.
 
 Why not the SDK's span objects and ``BatchSpanProcessor``: each of its spans costs the event
-loop about 40 us to make and end, and its exporter's thread about 20 us more to encode, while
-holding the GIL; nine a request at 100% sampling took a third of a tiny model's batch-1
-req/s (BENCHMARKS.md, issue 45). Here a span is a slotted record (about 1 us) and the thread
-fills opentelemetry-proto's ``ExportTraceServiceRequest`` from the records directly (about
-2 us a span). The OpenTelemetry SDK still makes the resource (``OTEL_SERVICE_NAME``,
-``OTEL_RESOURCE_ATTRIBUTES``, ``telemetry.sdk.*``), and over ``grpc`` its OTLP exporter
-sends (its endpoint, headers, credentials, compression, retries from the
-``OTEL_EXPORTER_OTLP_*`` variables). Over ``http/protobuf`` the request is posted here, to
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces``
-(default ``http://localhost:4318``), with ``OTEL_EXPORTER_OTLP(_TRACES)_HEADERS``,
-``_TIMEOUT`` and ``_COMPRESSION`` (gzip), as the SDK's exporter reads them. The batches
-follow the SDK's variables: ``OTEL_BSP_SCHEDULE_DELAY`` (ms, 5000), ``OTEL_BSP_MAX_QUEUE_SIZE``
-(2048: spans past it are dropped and counted), ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` (512).
+loop about 40 us to make and end, and its exporter's thread about 20 us more to encode,
+while holding the GIL; nine a request at 100% sampling took half a tiny model's batch-1
+req/s at eight clients (BENCHMARKS.md, "Tracing at 100%"). Here a span is a slotted record
+(about 1 us) and the thread writes opentelemetry-proto's ``ExportTraceServiceRequest`` in
+protobuf's wire format from the records directly (about 2 us a span). The OpenTelemetry SDK
+still makes the resource (``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``,
+``telemetry.sdk.*``), and over ``grpc`` its OTLP exporter sends (its endpoint, headers,
+credentials, compression, retries from the ``OTEL_EXPORTER_OTLP_*`` variables). Over
+``http/protobuf`` the request is posted here, to ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
+``OTEL_EXPORTER_OTLP_ENDPOINT`` + ``/v1/traces`` (default ``http://localhost:4318``), with
+``OTEL_EXPORTER_OTLP(_TRACES)_HEADERS``, ``_TIMEOUT`` and ``_COMPRESSION`` (gzip), as the
+SDK's exporter reads them. The batches follow the SDK's variables:
+``OTEL_BSP_SCHEDULE_DELAY`` (ms, 5000), ``OTEL_BSP_MAX_QUEUE_SIZE`` (2048: spans past it are
+dropped and counted), ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` (512).
 """
 
 from __future__ import annotations
