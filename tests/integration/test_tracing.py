@@ -2,10 +2,12 @@
 with two front ends and gRPC, configured by ``OTEL_*`` alone, exporting over OTLP/HTTP to a
 receiver in this process that decodes opentelemetry-proto's ``ExportTraceServiceRequest``.
 
-A V2 request carrying a ``traceparent`` comes back as one trace, the client's, with spans
-from a front end and from the engine process, in order, the batch linked; the trace-setting
-APIs change the sampling over HTTP and gRPC (tritonclient), the log settings reach every
-process, and the extensions Stoker lacks answer a JSON error over HTTP.
+A V2 request and an image upload carrying a ``traceparent`` come back as one trace each, the
+client's, with spans from a front end and from the engine process, in order, the batch
+linked; each request of a gRPC stream is a span of its own under the stream's context; the
+spans go over OTLP/gRPC as well; the trace-setting APIs change the sampling over HTTP and
+gRPC (tritonclient), the log settings reach every process, and the extensions Stoker lacks
+answer a JSON error over HTTP.
 """
 
 from __future__ import annotations
@@ -528,6 +530,45 @@ def test_each_request_of_a_grpc_stream_is_its_own_span_of_the_streams_trace(
         engines = [s for s in spans if s.parent_id == stages["engine call"].span_id]
         assert [e.name for e in engines] == ["engine"]
         assert engines[0].resource["stoker.process"] == "engine"
+
+
+def test_spans_go_over_otlp_grpc_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``: the SDK's gRPC exporter sends the request
+    ``app.otlp`` wrote, to a real OTLP/gRPC receiver in this process."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from app import otlp
+    from app.tracing import Span
+
+    got: list[ExportTraceServiceRequest] = []
+    arrived = threading.Event()
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
+            got.append(request)
+            arrived.set()
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        variables = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+        exporter = otlp.Exporter({"service.name": "grpc-test"}, otlp.sender(variables), variables)
+        Span(exporter, "POST /infer", 7, 0, 1_000).end(2_000)
+        exporter.shutdown()
+        assert arrived.wait(WAIT_S)
+    finally:
+        server.stop(None)
+    (span,) = got[0].resource_spans[0].scope_spans[0].spans
+    assert span.name == "POST /infer" and int(span.trace_id.hex(), 16) == 7
+    assert span.end_time_unix_nano - span.start_time_unix_nano == 1_000
 
 
 def test_off_without_otel_variables(tmp_path: Path) -> None:
