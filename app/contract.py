@@ -314,6 +314,8 @@ class Uploads:
     row_preprocess: ImagePreprocess | None = None
     """Set where the front end made each image a model input row with this preprocessing
     (``Contract.row_preprocess``): the images are those rows (UINT8), not files."""
+    traceparents: tuple[str | None, ...] = ()
+    """Each request's trace context where any is traced (``app.tracing``; empty: none)."""
 
     def requests(self) -> list[Sequence[bytes | memoryview]]:
         """Each request's images."""

@@ -17,17 +17,23 @@ Off (the default), ``tracer`` is None: no SDK is imported, no exporter thread ru
 hook on the request path is one None check. On, per traced request:
 
 - front end: the request's span (continuing the client's W3C ``traceparent`` and
-  ``tracestate`` from HTTP headers or gRPC metadata, a new root where none came), and under
-  it ``receive`` (the body read), ``decode`` (parse and validate against the contract),
-  ``engine call`` (gathered and across to the engine and back), ``encode and write``;
+  ``tracestate`` from HTTP headers or gRPC metadata, a new root where none came; each
+  request of a gRPC stream its own, under the stream's context), and under it ``receive``
+  (the body read), ``decode`` (parse and validate against the contract; an upload's header
+  screened), ``make rows`` (an upload decoded, resized and cropped here, where the front end
+  makes its rows), ``engine call`` (gathered and across to the engine and back),
+  ``encode and write``;
 - engine: ``engine`` (the request's stay in the engine, a child of ``engine call``: its
-  context crosses on the wire as ``RunItem.traceparent``), under it ``queue`` (its wait in
-  the batcher), and the batch it ran in: ``batch`` (rows, requests; linked from every
-  request's ``engine`` span and linking to each) with ``run`` (the runner's run, its compute
-  input / infer / output times as attributes).
+  context crosses on the wire as ``RunItem.traceparent``, ``Infer.traceparent`` or
+  ``Classify.traceparents``), under it an upload's ``decode`` (its images decoded, or the
+  rows a front end made stacked), ``queue`` (its wait in the batcher), and the batch it ran
+  in: ``batch`` (rows, requests; linked from every request's ``engine`` span and linking to
+  each) with ``run`` (the runner's run, its compute input / infer / output times as
+  attributes).
 
-Each span costs the request tens of microseconds in Python's SDK (made, then encoded by the
-exporter's thread): nine per traced request, so sample accordingly under load.
+A span is a slotted record made and ended on the request path in about a microsecond, not
+the SDK's span object (tens of microseconds each): ``app.otlp`` encodes and sends them from
+its own thread.
 """
 
 from __future__ import annotations
@@ -37,17 +43,16 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from random import getrandbits
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from app import observed
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Span, Tracer
-
     from app.metrics import BatchTimes
+    from app.otlp import Exporter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -74,6 +79,10 @@ INCOMING: contextvars.ContextVar[Incoming | None] = contextvars.ContextVar(
 """The inference request this task serves, as its transport received it."""
 FRAME: contextvars.ContextVar[tuple[Span, ...]] = contextvars.ContextVar("stoker_frame", default=())
 """In the engine: the ``engine`` spans of the traced requests of the frame being queued."""
+REQUESTS: contextvars.ContextVar[tuple[Span | None, ...]] = contextvars.ContextVar(
+    "stoker_requests", default=()
+)
+"""In the engine: each request's ``engine`` span, by its place in the frame (None: untraced)."""
 
 PARENT_BASED = "parentbased_"
 
@@ -143,13 +152,101 @@ def shutdown() -> None:
     """Send what is buffered and stop the exporter (at the process's end)."""
     global tracer
     if tracer is not None:
-        tracer.provider.shutdown()
+        tracer.shutdown()
         tracer = None
 
 
+def carried(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str]:
+    """A gRPC call's ``traceparent`` and ``tracestate``, from its invocation metadata."""
+    return {
+        key: value if isinstance(value, str) else value.decode("latin-1")
+        for key, value in metadata or ()
+        if key in CARRIED
+    }
+
+
 def traceparent_of(span: Span) -> str:
-    context = span.get_span_context()
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+    return f"00-{span.trace_id:032x}-{span.span_id:016x}-01"
+
+
+def parent_of(carrier: Mapping[str, str]) -> tuple[int, int, bool, str] | None:
+    """W3C ``traceparent`` (and ``tracestate``): its trace id, parent span id, whether it
+    says sampled, and the trace state; None where it is absent or not valid."""
+    header = carrier.get("traceparent")
+    if header is None:
+        return None
+    header = header.strip()
+    version = header[:2]
+    # version-trace-parent-flags; a later version may add fields after a dash, 00 none.
+    if len(header) < 55 or version == "ff" or (len(header) > 55 and version == "00"):
+        return None
+    if header[2] != "-" or header[35] != "-" or header[52] != "-" or header[55:56] not in "-":
+        return None
+    if not HEX.issuperset(header[:2] + header[3:35] + header[36:52] + header[53:55]):
+        return None
+    trace_id, span_id = int(header[3:35], 16), int(header[36:52], 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id, bool(int(header[53:55], 16) & 1), carrier.get("tracestate", "")
+
+
+class Span:
+    """One span: what ``app.otlp`` sends of it once it ends (``end``)."""
+
+    __slots__ = (
+        "_owner",
+        "attributes",
+        "end_ns",
+        "error",
+        "links",
+        "name",
+        "parent_id",
+        "server",
+        "span_id",
+        "start_ns",
+        "trace_id",
+        "trace_state",
+    )
+
+    def __init__(
+        self,
+        owner: Exporter,
+        name: str,
+        trace_id: int,
+        parent_id: int,
+        start_ns: int,
+        trace_state: str = "",
+        attributes: dict[str, Any] | None = None,
+    ) -> None:
+        self._owner = owner
+        self.name = name
+        self.trace_id = trace_id
+        self.span_id = getrandbits(64) or 1
+        self.parent_id = parent_id
+        self.start_ns = start_ns
+        self.end_ns = 0
+        self.server = False
+        self.trace_state = trace_state
+        self.attributes = attributes
+        self.links: list[tuple[int, int, dict[str, Any] | None]] | None = None
+        self.error: str | None = None
+
+    def child(self, name: str, start_ns: int) -> Span:
+        return Span(self._owner, name, self.trace_id, self.span_id, start_ns, self.trace_state)
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.attributes is None:
+            self.attributes = {}
+        self.attributes[key] = value
+
+    def link(self, other: Span, attributes: dict[str, Any] | None = None) -> None:
+        if self.links is None:
+            self.links = []
+        self.links.append((other.trace_id, other.span_id, attributes))
+
+    def end(self, end_ns: int | None = None) -> None:
+        self.end_ns = time.time_ns() if end_ns is None else end_ns
+        self._owner.ended(self)
 
 
 @dataclass(eq=False)
@@ -161,8 +258,7 @@ class Incoming:
     carrier: dict[str, str]
     """Its ``traceparent`` and ``tracestate``, where it came with them."""
     started_ns: int = field(default_factory=time.time_ns)
-    received_ns: int | None = None
-    """When its body was read whole."""
+    """When it arrived: its ``receive`` lasts until the data plane takes it (its body read)."""
     trace: RequestTrace | None = None
 
     def finish(self, error: str | None = None) -> None:
@@ -174,20 +270,18 @@ class Incoming:
 class RequestTrace:
     """One traced request in a front end: its span and the stage running now."""
 
-    def __init__(self, owner: Tracing, root: Span) -> None:
-        self._owner = owner
+    __slots__ = ("_stage", "root")
+
+    def __init__(self, root: Span) -> None:
         self.root = root
         self._stage: Span | None = None
 
     def stage(self, name: str) -> None:
         """The stage ``name`` starts now (the one before it ends)."""
-        from opentelemetry import trace
-
         now = time.time_ns()
         if self._stage is not None:
             self._stage.end(now)
-        context = trace.set_span_in_context(self.root)
-        self._stage = self._owner.tracer.start_span(name, context, start_time=now)
+        self._stage = self.root.child(name, now)
 
     @property
     def traceparent(self) -> str:
@@ -195,58 +289,50 @@ class RequestTrace:
         return traceparent_of(self._stage if self._stage is not None else self.root)
 
     def finish(self, error: str | None) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
         now = time.time_ns()
         if self._stage is not None:
             self._stage.end(now)
             self._stage = None
         if error is not None:
-            self.root.set_status(Status(StatusCode.ERROR, error))
+            self.root.error = error
         self.root.end(now)
 
 
 class BatchTrace:
     """The spans of one batch in the engine: ``batch`` and its ``run``."""
 
-    def __init__(self, owner: Tracing, batch: Span, run: Span) -> None:
-        self._owner = owner
+    __slots__ = ("batch", "run")
+
+    def __init__(self, batch: Span, run: Span) -> None:
         self.batch = batch
         self.run = run
 
     def ran(self, times: BatchTimes) -> None:
         """The batch ran: ``run`` says how long its compute phases took, as the runner timed
-        them (attributes, not spans of their own: each span costs the request path tens of
-        microseconds)."""
+        them (attributes, not spans of their own: a span a request is what tracing costs)."""
         end = time.time_ns()
-        for name, seconds in (
-            ("compute_input_us", times.compute_input),
-            ("compute_infer_us", times.compute_infer),
-            ("compute_output_us", times.compute_output),
-        ):
-            self.run.set_attribute(name, round(seconds * 1e6, 1))
+        self.run.attributes = {
+            "compute_input_us": round(times.compute_input * 1e6, 1),
+            "compute_infer_us": round(times.compute_infer * 1e6, 1),
+            "compute_output_us": round(times.compute_output * 1e6, 1),
+        }
         self.run.end(end)
         self.batch.end(end)
 
     def failed(self, error: BaseException) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
         for span in (self.run, self.batch):
-            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+            span.error = f"{type(error).__name__}: {error}"
             span.end()
 
 
 class Tracing:
-    """The tracer provider of this process, its exporter, and the spans Stoker makes."""
+    """This process's exporter (``app.otlp``) and the spans Stoker makes."""
 
     def __init__(self, process: str, parent_based: bool, environ: Mapping[str, str]) -> None:
-        from opentelemetry.propagate import extract
         from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
-        self._extract = extract
+        from app import otlp
+
         self.parent_based = parent_based
         attributes: dict[str, Any] = {
             "process.pid": os.getpid(),
@@ -255,53 +341,42 @@ class Tracing:
         }
         if not environ.get("OTEL_SERVICE_NAME"):
             attributes["service.name"] = "stoker"
-        # Sampling is decided here (``app.observed``), before any span: the SDK keeps all.
-        self.provider: TracerProvider = TracerProvider(
-            sampler=ALWAYS_ON, resource=Resource.create(attributes)
-        )
-        exporter = environ.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower() or "otlp"
-        for name in (n.strip() for n in exporter.split(",")):
-            if name == "console":
-                from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+        self.resource: Mapping[str, Any] = Resource.create(attributes).attributes
+        self.exporter = otlp.Exporter(self.resource, otlp.sender(environ), environ)
 
-                self.provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
-            elif name == "otlp":
-                self.provider.add_span_processor(BatchSpanProcessor(otlp_exporter(environ)))
-            else:
-                log.warning("OTEL_TRACES_EXPORTER=%s is not one Stoker has", name[:40])
-        self.tracer: Tracer = self.provider.get_tracer("stoker")
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def span(self, name: str, parent: tuple[int, int, bool, str] | None, start_ns: int) -> Span:
+        """A span of its own trace (a new root where ``parent`` is None)."""
+        if parent is None:
+            return Span(self.exporter, name, getrandbits(128) or 1, 0, start_ns)
+        trace_id, parent_id, _, state = parent
+        return Span(self.exporter, name, trace_id, parent_id, start_ns, state)
 
     # -- the front end
 
     def request(self, model: str) -> RequestTrace | None:
         """The trace of the request this task serves, where it is sampled: its span (from
         when it arrived) and ``receive`` begun and ended, ``decode`` begun."""
-        from opentelemetry import trace
-
         incoming = INCOMING.get()
         if incoming is None:
             return None
-        parent = self._extract(incoming.carrier) if incoming.carrier else None
+        parent = parent_of(incoming.carrier) if incoming.carrier else None
         followed = (
             self.parent_based
             and parent is not None
-            and trace.get_current_span(parent).get_span_context().trace_flags.sampled
+            and parent[2]
             and observed.STATE.trace_settings(model)["trace_level"] != ["OFF"]
         )
         if not followed and not observed.STATE.sampled(model):
             return None
-        root = self.tracer.start_span(
-            incoming.name,
-            parent,
-            kind=trace.SpanKind.SERVER,
-            attributes={"model": model},
-            start_time=incoming.started_ns,
-        )
-        context = trace.set_span_in_context(root)
-        received = incoming.received_ns or time.time_ns()
-        receive = self.tracer.start_span("receive", context, start_time=incoming.started_ns)
-        receive.end(received)
-        traced = RequestTrace(self, root)
+        root = self.span(incoming.name, parent, incoming.started_ns)
+        root.server = True
+        if model:
+            root.attributes = {"model": model}
+        root.child("receive", incoming.started_ns).end()
+        traced = RequestTrace(root)
         traced.stage("decode")
         incoming.trace = traced
         return traced
@@ -310,33 +385,36 @@ class Tracing:
 
     async def engine(self, traceparents: Sequence[str | None], work: Awaitable[T]) -> T:
         """Run ``work`` (requests through the engine, of these trace contexts) with an
-        ``engine`` span for each one traced, in ``FRAME`` for the batcher to queue."""
-        from opentelemetry import trace
-
-        spans = tuple(
-            self.tracer.start_span("engine", self._extract({"traceparent": traceparent}))
+        ``engine`` span for each one traced: in ``FRAME`` for the batcher to queue, and in
+        ``REQUESTS`` by request (None where one is not traced)."""
+        now = time.time_ns()
+        each = tuple(
+            None
+            if (parent := parent_of({"traceparent": traceparent}) if traceparent else None) is None
+            else self.span("engine", parent, now)
             for traceparent in traceparents
-            if traceparent
         )
+        spans = tuple(span for span in each if span is not None)
         if not spans:
             return await work
-        token = FRAME.set(spans)
+        token, by_request = FRAME.set(spans), REQUESTS.set(each)
+        failed = None
         try:
             return await work
         except BaseException as error:
-            for span in spans:
-                span.set_status(trace.Status(trace.StatusCode.ERROR, type(error).__name__))
+            failed = type(error).__name__
             raise
         finally:
             FRAME.reset(token)
+            REQUESTS.reset(by_request)
+            end = time.time_ns()
             for span in spans:
-                span.end()
+                span.error = failed
+                span.end(end)
 
     def batch(self, requests: Sequence[Queued], rows: int) -> BatchTrace | None:
         """A batch starts: the ``queue`` span of each traced request in it (ending now),
         and its ``batch`` and ``run`` spans; None where none of its requests is traced."""
-        from opentelemetry import trace
-
         traced = [span for pending in requests for span in pending.traced]
         if not traced:
             return None
@@ -344,39 +422,44 @@ class Tracing:
         for pending in requests:
             start = now - int((clock - pending.enqueued) * 1e9)
             for span in pending.traced:
-                context = trace.set_span_in_context(span)
-                self.tracer.start_span("queue", context, start_time=start).end(now)
-        links = [trace.Link(span.get_span_context()) for span in traced]
+                span.child("queue", start).end(now)
         attributes = {"batch.size": rows, "batch.requests": sum(p.requests for p in requests)}
-        batch = self.tracer.start_span(
-            "batch",
-            trace.set_span_in_context(traced[0]),
-            attributes=attributes,
-            links=links,
-            start_time=now,
-        )
+        batch = traced[0].child("batch", now)
+        batch.attributes = attributes
+        batch.links = [(span.trace_id, span.span_id, None) for span in traced]
         for span in traced:
-            span.add_link(batch.get_span_context(), {"stoker.link": "batch"})
-        run = self.tracer.start_span("run", trace.set_span_in_context(batch), start_time=now)
-        return BatchTrace(self, batch, run)
+            span.link(batch, BATCH_LINK)
+        return BatchTrace(batch, batch.child("run", now))
 
 
-def otlp_exporter(environ: Mapping[str, str]) -> Any:
-    """The OTLP span exporter ``OTEL_EXPORTER_OTLP(_TRACES)_PROTOCOL`` names; it reads its
-    endpoint, headers and timeout from the ``OTEL_EXPORTER_OTLP_*`` variables itself."""
-    protocol = (
-        environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        or "http/protobuf"
-    ).strip()
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+BATCH_LINK = {"stoker.link": "batch"}
+CARRIED = frozenset({"traceparent", "tracestate"})
+HEX = frozenset("0123456789abcdef")
 
-        return OTLPSpanExporter()
-    if protocol != "http/protobuf":
-        log.warning("OTEL_EXPORTER_OTLP_PROTOCOL=%s: http/protobuf instead", protocol[:40])
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-        OTLPSpanExporter as HttpExporter,
-    )
 
-    return HttpExporter()
+async def spanned(request: int, name: str, work: Awaitable[T]) -> T:
+    """``work`` as the span ``name`` under the ``engine`` span of request ``request`` of
+    the frame (``REQUESTS``), where that one is traced."""
+    spans = REQUESTS.get()
+    span = spans[request] if request < len(spans) else None
+    if span is None:
+        return await work
+    stage = span.child(name, time.time_ns())
+    try:
+        return await work
+    except BaseException as error:
+        stage.error = type(error).__name__
+        raise
+    finally:
+        stage.end()
+
+
+async def framed(requests: Iterable[int], work: Awaitable[T]) -> T:
+    """``work`` (a batcher entry of these requests of the frame, ``REQUESTS``) queued with
+    their ``engine`` spans alone in ``FRAME``."""
+    spans = REQUESTS.get()
+    token = FRAME.set(tuple(s for i in requests if i < len(spans) and (s := spans[i])))
+    try:
+        return await work
+    finally:
+        FRAME.reset(token)

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """Raised whenever a message changes shape: front ends and engines of one release agree."""
 
 
@@ -222,6 +222,8 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     row_preprocess: dict[str, Any] | None = None
     """Set where the front end made each image an input row itself: the preprocessing it
     used (``ImagePreprocess`` as JSON), each image then a UINT8 row."""
+    traceparents: tuple[str | None, ...] = ()
+    """Each request's trace context where any is traced (as ``RunItem.traceparent``)."""
 
 
 class Control(_Message, frozen=True, tag=Op.CONTROL.value):

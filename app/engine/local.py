@@ -402,7 +402,7 @@ class LocalEngine:
             return answers
 
         measured = self._measured(model, work, len(parts), timed=False)
-        if tracing.tracer is not None:
+        if tracing.tracer is not None and any(part.traceparent for part in parts):
             measured = tracing.tracer.engine([part.traceparent for part in parts], measured)
         return Ran(model.name, model.version, await measured)
 
@@ -437,7 +437,7 @@ class LocalEngine:
             return Answer(model.name, model.version, headers, content)
 
         measured = self._measured(model, work)
-        if tracing.tracer is not None:
+        if tracing.tracer is not None and raw.traceparent:
             measured = tracing.tracer.engine([raw.traceparent], measured)
         return await measured
 
@@ -469,7 +469,10 @@ class LocalEngine:
         """Uploads through the model's handler and batcher (``app.engine.uploads``): per
         request, one answer per image. ``name`` None: the default model."""
         model = self._upload_model(uploads.name, uploads.version)
-        return await run_uploads(model, uploads, self.settings.limits, self._measured)
+        work = run_uploads(model, uploads, self.settings.limits, self._measured)
+        if tracing.tracer is not None and uploads.traceparents:
+            return await tracing.tracer.engine(uploads.traceparents, work)
+        return await work
 
     def _upload_model(self, name: str | None, version: str | None) -> LoadedModel:
         if name is None:

@@ -337,7 +337,16 @@ class EngineServer:
         made = call.row_preprocess
         rows = None if made is None else ImagePreprocess(**made)
         classified = await self.engine.classify(
-            Uploads(call.name, call.version, uploads, call.k, call.client, call.counts, rows)
+            Uploads(
+                call.name,
+                call.version,
+                uploads,
+                call.k,
+                call.client,
+                call.counts,
+                rows,
+                call.traceparents,
+            )
         )
         answers = [
             {"error": a.message, "status": a.status, "reason": a.reason}

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from app import tracing
 from app.contract import Classified, Uploads, batch_key
 from app.engine.batch import Tensors, time_left
 from app.engine.handlers import check_uploads
@@ -86,7 +87,13 @@ async def run_uploads(
         model.batcher.admit(len(live))
         decoding = list(live)
         decoded = await asyncio.gather(
-            *(decode(requests[i]) for i in decoding), return_exceptions=True
+            *(
+                decode(requests[i])
+                if tracing.tracer is None
+                else tracing.spanned(i, "decode", decode(requests[i]))
+                for i in decoding
+            ),
+            return_exceptions=True,
         )
         blocks: list[tuple[int, dict[str, Any]]] = []
         for i, inputs in zip(decoding, decoded, strict=True):
@@ -100,7 +107,7 @@ async def run_uploads(
             return
         timeout = time_left(model.timeout_s(None), arrived)
         outputs, counts = await through_batcher(
-            model, [b for _, b in blocks], timeout, uploads.client
+            model, [b for _, b in blocks], timeout, uploads.client, [i for i, _ in blocks]
         )
         encoded = handler.encode(outputs, top)  # every request's rows in one call
         at = 0
@@ -120,30 +127,37 @@ async def through_batcher(
     blocks: list[dict[str, Any]],
     timeout_s: float | None,
     client: str,
+    of: list[int] | None = None,
 ) -> tuple[Tensors, list[int]]:
     """Each request's rows through the batcher, as few entries as the max batch allows
     (consecutive requests of one batch key together; one larger than it in slices); the
-    outputs of all of them, in order, and each request's count of rows."""
+    outputs of all of them, in order, and each request's count of rows. ``of``: each
+    block's request in the frame, whose trace its entry's wait joins (``app.tracing``)."""
     model = model.current()  # a reload may have switched while the images decoded
     step = model.spec.max_batch_size or 1
     counts = [len(next(iter(block.values()))) for block in blocks]
     entries: list[tuple[list[dict[str, Any]], int, Any]] = []  # blocks, rows, key
-    for block, rows in zip(blocks, counts, strict=True):
+    owners: list[list[int]] = []  # each entry's requests (``of``)
+    for block, rows, owner in zip(blocks, counts, of or range(len(blocks)), strict=True):
         key = batch_key(model.spec, block)
         if rows > step:
             for i in range(0, rows, step):
                 piece = {n: value[i : i + step] for n, value in block.items()}
                 entries.append(([piece], min(step, rows - i), key))
+                owners.append([owner])
         elif entries and entries[-1][2] == key and entries[-1][1] + rows <= step:
             entries[-1][0].append(block)
             entries[-1] = (entries[-1][0], entries[-1][1] + rows, key)
+            owners[-1].append(owner)
         else:
             entries.append(([block], rows, key))
-    results = await asyncio.gather(
-        *(
-            model.batcher.infer(entry, rows, key, timeout_s, 0, client, len(entry))
-            for entry, rows, key in entries
-        )
-    )
+            owners.append([owner])
+    queued = [
+        model.batcher.infer(entry, rows, key, timeout_s, 0, client, len(entry))
+        for entry, rows, key in entries
+    ]
+    if tracing.tracer is not None and tracing.REQUESTS.get():
+        queued = [tracing.framed(o, q) for o, q in zip(owners, queued, strict=True)]
+    results = await asyncio.gather(*queued)
     names = [t.name for t in model.spec.outputs]
     return {n: np.concatenate([r[n] for r in results]) for n in names}, counts

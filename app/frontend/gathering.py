@@ -141,6 +141,7 @@ class UploadGathering:
     size: int = 0
     """The bytes of ``images``."""
     counts: list[int] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)
     callers: Callers[Classified] = field(default_factory=Callers)
 
 
@@ -338,11 +339,13 @@ class Gatherer:
         k: int | None,
         client: str,
         row_preprocess: ImagePreprocess | None = None,
+        traceparent: str | None = None,
     ) -> tuple[Classified, int]:
         """Gather uploads with the others for the same model, ``k`` and client (and the same
         ``row_preprocess``: files, or rows made with it) into one engine call, as many bytes
         as one crossing takes (``server.shm_slot_bytes``): the engine's decode queue and
-        batcher bound the batches; the call's answer and this request's index in it."""
+        batcher bound the batches; the call's answer and this request's index in it.
+        ``traceparent``: its trace context, where it is traced."""
         key = (name, version, k, client, row_preprocess)
         gathering = self._uploads.get(key)
         size = sum(len(image) for image in uploads)
@@ -356,6 +359,7 @@ class Gatherer:
         gathering.images.extend(uploads)
         gathering.size += size
         gathering.counts.append(len(uploads))
+        gathering.traceparents.append(traceparent)
         index, classified = await gathering.callers.wait()
         return classified, index
 
@@ -371,6 +375,7 @@ class Gatherer:
             gathering.client,
             tuple(gathering.counts),
             gathering.row_preprocess,
+            tuple(gathering.traceparents) if any(gathering.traceparents) else (),
         )
         self._sent(len(gathering.counts))
         call = partial(self.client.classify, uploads)

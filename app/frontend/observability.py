@@ -14,7 +14,6 @@ installed only where tracing is on.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -82,13 +81,15 @@ async def cuda_shared_memory(rest: str) -> Response:
 
 
 def is_inference(scope: Scope) -> bool:
-    return bool(scope["method"] == "POST" and scope["path"].endswith("/infer"))
+    """An inference request: V2's ``/infer``, the uploads' ``/infer`` and ``/classify``."""
+    path = scope["path"]
+    return bool(scope["method"] == "POST" and path.endswith(("/infer", "/classify")))
 
 
 class TraceRequests:
-    """Each HTTP inference request, for ``app.tracing``: when it arrived, its
-    ``traceparent``/``tracestate``, when its body was read; where the data plane traced it,
-    its status and its end (an error status for a 5xx answer)."""
+    """Each HTTP inference request, for ``app.tracing``: when it arrived and its
+    ``traceparent``/``tracestate``; where the data plane traced it, its status and its end
+    (an error status for a 5xx answer)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -105,12 +106,6 @@ class TraceRequests:
         incoming = tracing.Incoming(f"POST {scope['path']}", carrier)
         status = 500
 
-        async def received() -> Message:
-            message = await receive()
-            if message["type"] == "http.request" and not message.get("more_body", False):
-                incoming.received_ns = time.time_ns()
-            return message
-
         async def sent(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
@@ -121,7 +116,7 @@ class TraceRequests:
 
         token = tracing.INCOMING.set(incoming)
         try:
-            await self.app(scope, received, sent)
+            await self.app(scope, receive, sent)
         finally:
             tracing.INCOMING.reset(token)
             incoming.finish(f"HTTP {status}" if status >= 500 else None)

@@ -126,6 +126,7 @@ def classify_call(uploads: Uploads, slot: Slot | None) -> tuple[wire.Classify, b
         place,
         uploads.counts,
         row_preprocess,
+        uploads.traceparents,
     )
     return call, payload
 

@@ -324,6 +324,7 @@ class DataPlane:
         the same model, ``k`` and client go to the engine as one call, whose handler reads
         them (only it knows what an upload must be), or, where the engine publishes the
         model's preprocessing (it would decode on its CPU), as the rows made here of them."""
+        trace = None if tracing.tracer is None else tracing.tracer.request(name or "")
         with self.drain_state.in_flight():
             if self.drain_state.refuses(began):
                 raise draining()
@@ -338,9 +339,18 @@ class DataPlane:
             maker, made = self.row_maker, False
             contract = None if maker is None else await self.client.contract(name, version)
             if maker is not None and contract is not None and contract.row_preprocess is not None:
-                classified, index, made = await self._as_rows(maker, contract, uploads, k, client)
+                classified, index, made = await self._as_rows(
+                    maker, contract, uploads, k, client, trace
+                )
             else:
-                classified, index = await self.gatherer.classify(name, version, uploads, k, client)
+                if trace is not None:
+                    trace.stage("engine call")
+                traceparent = None if trace is None else trace.traceparent
+                classified, index = await self.gatherer.classify(
+                    name, version, uploads, k, client, traceparent=traceparent
+                )
+            if trace is not None:
+                trace.stage("encode and write")
             answer = classified.answers[index]
             if isinstance(answer, StokerError):
                 raise answer
@@ -356,6 +366,7 @@ class DataPlane:
         uploads: Sequence[bytes],
         k: int | None,
         client: str,
+        trace: tracing.RequestTrace | None = None,
     ) -> tuple[Classified, int, bool]:
         """The uploads made rows with the contract's preprocessing, gathered into an engine
         call: its answer, this request's index in it, and whether rows went (not files).
@@ -367,14 +378,28 @@ class DataPlane:
         while True:
             model, version, prep = contract.model, contract.version, contract.row_preprocess
             if prep is None:  # the engine decodes this model's uploads itself now
-                return *await self.gatherer.classify(model, version, uploads, k, client), False
+                if trace is not None:
+                    trace.stage("engine call")
+                traceparent = None if trace is None else trace.traceparent
+                gathered = self.gatherer.classify(
+                    model, version, uploads, k, client, traceparent=traceparent
+                )
+                return *await gathered, False
+            if trace is not None:
+                trace.stage("make rows")
             try:
                 rows = await maker.rows(uploads, prep)
             except StokerError as error:  # not an image, or too large
                 self._count(contract, error, started)
                 raise
+            if trace is not None:
+                trace.stage("engine call")
+            traceparent = None if trace is None else trace.traceparent
             try:
-                return *await self.gatherer.classify(model, version, rows, k, client, prep), True
+                gathered = self.gatherer.classify(
+                    model, version, rows, k, client, prep, traceparent
+                )
+                return *await gathered, True
             except StokerError as error:
                 if error.reason != Reloaded.reason or reloaded:
                     raise

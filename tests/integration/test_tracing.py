@@ -2,10 +2,12 @@
 with two front ends and gRPC, configured by ``OTEL_*`` alone, exporting over OTLP/HTTP to a
 receiver in this process that decodes opentelemetry-proto's ``ExportTraceServiceRequest``.
 
-A V2 request carrying a ``traceparent`` comes back as one trace, the client's, with spans
-from a front end and from the engine process, in order, the batch linked; the trace-setting
-APIs change the sampling over HTTP and gRPC (tritonclient), the log settings reach every
-process, and the extensions Stoker lacks answer a JSON error over HTTP.
+A V2 request and an image upload carrying a ``traceparent`` come back as one trace each, the
+client's, with spans from a front end and from the engine process, in order, the batch
+linked; each request of a gRPC stream is a span of its own under the stream's context; the
+spans go over OTLP/gRPC as well; the trace-setting APIs change the sampling over HTTP and
+gRPC (tritonclient), the log settings reach every process, and the extensions Stoker lacks
+answer a JSON error over HTTP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +37,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from bench.launch import free_port
-from tests.conftest import TINY_CONFIG, tiny_onnx
+from tests.conftest import TINY_CONFIG, configure, tiny_onnx
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 WAIT_S = 60.0
@@ -161,13 +164,19 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[Traced]:
+def traced(
+    tmp_path_factory: pytest.TempPathFactory, receiver: Receiver, efficientnet_dir: Path
+) -> Iterator[Traced]:
     repo = tmp_path_factory.mktemp("traced") / "repository"
     for name in ("tiny", "other"):
         (repo / name).mkdir(parents=True)
         onnx.save(tiny_onnx(), str(repo / name / "model.onnx"))
         (repo / name / "config.yaml").write_text(TINY_CONFIG)
+    # The image classifier for uploads, FP32 alone (no calibration at the start).
+    shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
+    configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})
     env = {
+        "STOKER_MODELS__DEFAULT_MODEL": "efficientnet_lite0",
         "STOKER_SERVER__FRONT_ENDS": "2",
         "STOKER_SERVER__GRPC_PORT": str(free_port()),
         "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
@@ -187,6 +196,36 @@ def infer(client: httpx.Client, server: Server, model: str, headers: dict[str, s
     body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1] * 4}]}
     answer = client.post(f"{server.url}/v2/models/{model}/infer", json=body, headers=headers)
     assert answer.status_code == 200, answer.text
+
+
+def rendered(spans: list[Received]) -> str:
+    """One trace as a tree, each span with its process, start and duration (README's
+    "Tracing" shows one so)."""
+    by_parent: dict[str, list[Received]] = {}
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        by_parent.setdefault(span.parent_id, []).append(span)
+    ids = {s.span_id for s in spans}
+    start = min(s.start_ns for s in spans)
+    lines: list[str] = []
+
+    def add(span: Received, depth: int) -> None:
+        process = f"{span.resource['stoker.process']} pid {span.resource['process.pid']}"
+        shown = {k: v for k, v in span.attributes.items() if k != "model"}
+        extra = " ".join(f"{k}={v}" for k, v in shown.items())
+        if span.links:
+            extra += " (linked)"
+        at = f"+{(span.start_ns - start) // 1000} us"
+        took = f"{(span.end_ns - span.start_ns) // 1000} us"
+        lines.append(
+            f"{'  ' * depth + span.name:<22} {process:<20} {at:<10} {took:>8}  {extra}".rstrip()
+        )
+        for child in by_parent.get(span.span_id, []):
+            add(child, depth + 1)
+
+    for span in sorted(spans, key=lambda s: s.start_ns):
+        if span.parent_id not in ids:
+            add(span, 0)
+    return "\n".join(lines)
 
 
 def a_traceparent() -> tuple[str, str, str]:
@@ -240,6 +279,78 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
     for resource in (front, back):
         assert resource["service.name"] == "stoker-under-test"
         assert resource["deployment.environment"] == "test"
+
+
+def test_an_upload_is_one_trace_across_the_front_end_and_the_engine(
+    traced: Traced, receiver: Receiver, coffee_jpeg: bytes
+) -> None:
+    """``POST /infer`` with a photo: the front end makes its row (``make rows``, as a CPU
+    engine would decode it), the engine stacks (``decode``), queues and runs it."""
+    header, trace_id, client_span = a_traceparent()
+    files = {"image": ("coffee.jpg", coffee_jpeg, "image/jpeg")}
+    answer = httpx.post(
+        f"{traced.server.url}/infer", files=files, headers={"traceparent": header}, timeout=60
+    )
+    assert answer.status_code == 200, answer.text
+    order = ("receive", "decode", "make rows", "engine call", "encode and write")
+    wanted = {"POST /infer", *order, "engine", "queue", "batch", "run"}
+
+    def complete(spans: list[Received]) -> bool:
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        return wanted <= set(names) and names.count("decode") == 2
+
+    found = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    print(rendered(found))  # what README's "Tracing" shows (pytest -s)
+    root = next(s for s in found if s.name == "POST /infer")
+    assert root.parent_id == client_span and root.attributes["http.response.status_code"] == 200
+    front = {s.name: s for s in found if s.resource["stoker.process"] == "front-end"}
+    back = {s.name: s for s in found if s.resource["stoker.process"] == "engine"}
+    assert (
+        set(front) == {"POST /infer", *order}
+        and root.resource["process.pid"] != (back["engine"].resource["process.pid"])
+    )
+    # The front end's stages, in order, each inside the request's span.
+    stages = [front[s] for s in order]
+    for stage in stages:
+        assert stage.parent_id == root.span_id
+    for before, after in itertools.pairwise(stages):
+        assert before.end_ns <= after.start_ns
+    assert root.start_ns <= stages[0].start_ns and stages[-1].end_ns <= root.end_ns
+    # The engine continues the crossing: its decode, then the queue, the batch and its run.
+    engine, decode, queue = back["engine"], back["decode"], back["queue"]
+    batch, run = back["batch"], back["run"]
+    assert engine.parent_id == front["engine call"].span_id
+    assert {decode.parent_id, queue.parent_id, batch.parent_id} == {engine.span_id}
+    assert run.parent_id == batch.span_id
+    assert front["engine call"].start_ns <= engine.start_ns <= decode.start_ns
+    assert decode.end_ns <= queue.start_ns <= queue.end_ns <= batch.start_ns
+    assert run.end_ns <= engine.end_ns <= front["engine call"].end_ns
+    assert engine.span_id in batch.links and batch.span_id in engine.links
+    assert batch.attributes["batch.size"] == 1 and batch.attributes["batch.requests"] == 1
+
+
+def test_an_upload_to_a_models_classify_joins_the_trace_too(
+    traced: Traced, receiver: Receiver, coffee_jpeg: bytes
+) -> None:
+    header, trace_id, client_span = a_traceparent()
+    answer = httpx.post(
+        f"{traced.server.url}/v2/models/efficientnet_lite0/classify?k=2",
+        content=coffee_jpeg,
+        headers={"traceparent": header, "Content-Type": "image/jpeg"},
+        timeout=60,
+    )
+    assert answer.status_code == 200, answer.text
+    name = "POST /v2/models/efficientnet_lite0/classify"
+
+    def complete(spans: list[Received]) -> bool:
+        return {name, "engine call", "engine", "batch"} <= {
+            s.name for s in spans if s.trace_id == trace_id
+        }
+
+    spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
+    assert spans[name].parent_id == client_span
+    assert spans[name].attributes["model"] == "efficientnet_lite0"
+    assert spans["engine"].parent_id == spans["engine call"].span_id
 
 
 def roots(spans: list[Received], model: str) -> list[Received]:
@@ -379,6 +490,85 @@ def test_a_grpc_call_joins_the_trace_its_metadata_names(traced: Traced, receiver
 
     spans = {s.name: s for s in receiver.wait_for(complete) if s.trace_id == trace_id}
     assert spans[name].parent_id == client_span
+
+
+def test_each_request_of_a_grpc_stream_is_its_own_span_of_the_streams_trace(
+    traced: Traced, receiver: Receiver
+) -> None:
+    """``ModelStreamInfer``: the stream's metadata names the trace; each request streamed
+    on it gets its own span under it, with its own stages and its own engine span."""
+    import queue
+
+    grpc = triton_grpc.InferenceServerClient(traced.grpc)
+    answers: queue.Queue[Any] = queue.Queue()
+    header, trace_id, client_span = a_traceparent()
+    grpc.start_stream(
+        lambda result, error: answers.put(error or result), headers={"traceparent": header}
+    )
+    try:
+        for i in range(3):
+            tensor = triton_grpc.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), i, np.float32))
+            grpc.async_stream_infer("tiny", [tensor], request_id=str(i))
+        got = [answers.get(timeout=WAIT_S) for _ in range(3)]
+    finally:
+        grpc.stop_stream()
+    assert all(isinstance(r, triton_grpc.InferResult) for r in got), got
+    name = "inference.GRPCInferenceService/ModelStreamInfer"
+
+    def complete(spans: list[Received]) -> bool:
+        names = [s.name for s in spans if s.trace_id == trace_id]
+        return names.count(name) == 3 and names.count("engine") == 3 and names.count("run") >= 1
+
+    spans = [s for s in receiver.wait_for(complete) if s.trace_id == trace_id]
+    roots = [s for s in spans if s.name == name]
+    assert {r.parent_id for r in roots} == {client_span}
+    assert len({r.span_id for r in roots}) == 3
+    for root in roots:  # each request's own stages, its engine span under its crossing
+        stages = {s.name: s for s in spans if s.parent_id == root.span_id}
+        assert set(stages) == {"receive", "decode", "engine call", "encode and write"}
+        engines = [s for s in spans if s.parent_id == stages["engine call"].span_id]
+        assert [e.name for e in engines] == ["engine"]
+        assert engines[0].resource["stoker.process"] == "engine"
+
+
+def test_spans_go_over_otlp_grpc_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OTEL_EXPORTER_OTLP_PROTOCOL=grpc``: the SDK's gRPC exporter sends the request
+    ``app.otlp`` wrote, to a real OTLP/gRPC receiver in this process."""
+    from concurrent import futures
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+
+    from app import otlp
+    from app.tracing import Span
+
+    got: list[ExportTraceServiceRequest] = []
+    arrived = threading.Event()
+
+    class Traces(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request: Any, context: Any) -> ExportTraceServiceResponse:
+            got.append(request)
+            arrived.set()
+            return ExportTraceServiceResponse()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Traces(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_INSECURE", "true")
+        variables = {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_BSP_SCHEDULE_DELAY": "60000"}
+        exporter = otlp.Exporter({"service.name": "grpc-test"}, otlp.sender(variables), variables)
+        Span(exporter, "POST /infer", 7, 0, 1_000).end(2_000)
+        exporter.shutdown()
+        assert arrived.wait(WAIT_S)
+    finally:
+        server.stop(None)
+    (span,) = got[0].resource_spans[0].scope_spans[0].spans
+    assert span.name == "POST /infer" and int(span.trace_id.hex(), 16) == 7
+    assert span.end_time_unix_nano - span.start_time_unix_nano == 1_000
 
 
 def test_off_without_otel_variables(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from app import __version__
+from app import __version__, tracing
 from app.contract import THREADED_DECODE_BYTES
 from app.errors import PayloadTooLarge, StokerError
 from app.frontend.control_parameters import (
@@ -58,6 +58,8 @@ CODES = {
     504: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
 SERVICE = "inference.GRPCInferenceService"
+STREAMED = f"{SERVICE}/ModelStreamInfer"
+"""The span name of each request of a stream (``app.tracing``)."""
 # How often a health Watch looks at readiness again: readiness is the engines' state (in
 # another process, with several front ends), which no event announces.
 WATCH_INTERVAL_S = 1.0
@@ -303,16 +305,25 @@ class InferenceService:
         running: set[asyncio.Task[None]] = set()
         held = self.limits.message_bytes
         address = peer_host(context)
+        # Each request its own trace, of the context the stream's metadata names.
+        carrier = None if tracing.tracer is None else tracing.carried(context.invocation_metadata())
 
         async def one(data: bytes, began: float) -> None:
             refusal = held.take(address, len(data))
             kept = 0 if refusal is not None else len(data)
+            incoming = None
+            if carrier is not None:  # this task's own: each request its own span
+                incoming = tracing.Incoming(STREAMED, carrier)
+                tracing.INCOMING.set(incoming)
             try:
                 answer = await self._stream_answer(data, refusal, context, began)
             except BaseException:
                 if kept:
                     held.give(address, kept)
                 raise
+            finally:
+                if incoming is not None:
+                    incoming.finish()
             answers.put_nowait((answer, kept))
 
         async def read() -> None:

@@ -1,4 +1,5 @@
-"""Each gRPC ``ModelInfer`` call, for ``app.tracing``: installed only where tracing is on.
+"""Each gRPC ``ModelInfer`` call, for ``app.tracing``: installed only where tracing is on
+(``ModelStreamInfer`` traces each of its requests itself: ``InferenceService``).
 
 The call's ``traceparent`` and ``tracestate`` metadata are what the data plane's trace of it
 continues; its end (an error status where it failed) ends the trace. Its ``receive`` runs
@@ -22,7 +23,6 @@ if TYPE_CHECKING:
     Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 TRACED = f"/{SERVICE}/ModelInfer"
-CARRIED = frozenset({"traceparent", "tracestate"})
 
 
 class TraceCalls(grpc.aio.ServerInterceptor):
@@ -34,11 +34,7 @@ class TraceCalls(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method != TRACED or handler.response_streaming:
             return handler
-        carrier = {
-            key: value if isinstance(value, str) else value.decode("latin-1")
-            for key, value in details.invocation_metadata or ()
-            if key in CARRIED
-        }
+        carrier = tracing.carried(details.invocation_metadata)
         # The limits take a unary call as a stream of one request (``limits.limited``).
         streamed = handler.request_streaming
         behaviour: Any = handler.stream_unary if streamed else handler.unary_unary

@@ -149,7 +149,7 @@ def test_tracing_is_off_unless_an_exporter_or_endpoint_is_named() -> None:
         tracing.configure("server", "info", {"OTEL_TRACES_EXPORTER": "console"})
         assert tracing.tracer is not None
         assert observed.STATE.trace["trace_level"] == ["TIMESTAMPS"]
-        resource = tracing.tracer.provider.resource.attributes
+        resource = tracing.tracer.resource
         assert resource["stoker.process"] == "server" and resource["service.name"] == "stoker"
         # Sampled off at the start, tracing can still be turned on at run time.
         off = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": "always_off"}
