@@ -160,6 +160,23 @@ def test_a_second_decoder_waits_for_a_share_of_a_batch_while_one_decodes() -> No
     assert all(answer is not None and answer[1] == [True] for answer in answers)
 
 
+def classifier(queue: DecodeQueue) -> ImageClassifier:
+    """The image classifier of a model whose uploads decode through ``queue``."""
+    return ImageClassifier(
+        HandlerContext(
+            name="m",
+            spec=SPEC,
+            preprocess=PREP,
+            postprocess="softmax",
+            labels=None,
+            limits=LimitSettings(),
+            metrics=ModelMetrics(f"decode-batches-{next(_names)}", "fp32"),
+            normalised_by_engine=False,
+            decoder=queue,
+        )
+    )
+
+
 def test_a_lone_photo_is_decoded_at_once_through_the_classifier() -> None:
     """The served bounds (``UploadSettings``' defaults, a spread among them): a lone photo's
     batch starts as soon as it is handed over, with no company to wait for; its row is the
@@ -174,19 +191,7 @@ def test_a_lone_photo_is_decoded_at_once_through_the_classifier() -> None:
             on_batch=lambda images, waited, seconds: waits.extend(waited),
         )
         queue.start()
-        handler = ImageClassifier(
-            HandlerContext(
-                name="m",
-                spec=SPEC,
-                preprocess=PREP,
-                postprocess="softmax",
-                labels=None,
-                limits=LimitSettings(),
-                metrics=ModelMetrics(f"decode-batches-{next(_names)}", "fp32"),
-                normalised_by_engine=False,
-                decoder=queue,
-            )
-        )
+        handler = classifier(queue)
         try:
             return await handler.decode([photo])
         finally:
@@ -194,7 +199,7 @@ def test_a_lone_photo_is_decoded_at_once_through_the_classifier() -> None:
 
     inputs = asyncio.run(scenario())
     np.testing.assert_array_equal(np.asarray(inputs["input"]), in_process([photo]))
-    assert len(waits) == 1 and waits[0] < 1.0  # started at once (generous: a loaded CI)
+    assert len(waits) == 1 and waits[0] < 5.0  # no company waited for (generous: a loaded CI)
 
 
 def test_under_load_batches_grow_and_the_answers_are_each_requests_own() -> None:
@@ -207,19 +212,7 @@ def test_under_load_batches_grow_and_the_answers_are_each_requests_own() -> None
     async def scenario() -> list[dict[str, Any]]:
         queue = DecodeQueue(gated, BatchBounds.of(UploadSettings()))
         queue.start()
-        handler = ImageClassifier(
-            HandlerContext(
-                name="m",
-                spec=SPEC,
-                preprocess=PREP,
-                postprocess="softmax",
-                labels=None,
-                limits=LimitSettings(),
-                metrics=ModelMetrics(f"decode-batches-{next(_names)}", "fp32"),
-                normalised_by_engine=False,
-                decoder=queue,
-            )
-        )
+        handler = classifier(queue)
         try:
             first = asyncio.create_task(handler.decode([photos[0]]))
             await asyncio.to_thread(gated.started.wait, WAIT_S)
