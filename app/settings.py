@@ -94,8 +94,9 @@ class ServerSettings(BaseModel):
     authenticate, apply the limits and read bodies, and one engine process runs the models;
     bodies cross in shared memory (``/dev/shm``: give containers ``shm_slots x
     shm_slot_bytes`` per front end). One event loop takes in about 2 GB/s of bodies (a
-    2-core EPYC) and 1,000 requests/s: a GPU wants 2 to 4. ``auto`` (the default): 4 per visible GPU (the
-    number measured best on an H200), at most half the cores; 1 where no GPU is visible.
+    2-core EPYC) and 1,000 requests/s: a GPU wants 2 to 4. ``auto`` (the default): 4 per
+    visible GPU (the number measured best on an H200), at most half the cores; 1 where no
+    GPU is visible.
     What ``auto`` chose, and why, is logged at start."""
 
     @field_validator("front_ends", mode="before")
