@@ -136,7 +136,8 @@ async def read_body(
         if reader is not None:  # copied once, by the protocol (app.frontend.body_sink)
             filled = await reader(into[:length])
             if filled != length:
-                raise BadRequest("request body is shorter than its Content-Length")
+                longer = "longer" if filled > length else "shorter"
+                raise BadRequest(f"request body is {longer} than its Content-Length")
             return into[:length]
         buffer: bytearray | memoryview = into
     else:
