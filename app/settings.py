@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.protocol import MAX_JSON_DEPTH
@@ -493,6 +493,19 @@ def read_key_file(path: Path) -> list[str]:
     return keys
 
 
+MOVED = {
+    ("models", "image_decode"): "uploads.image_decode",
+    ("models", "jpeg_decoder"): "uploads.jpeg_decoder",
+    ("models", "jpeg_hardware_share"): "uploads.jpeg_hardware_share",
+    ("models", "decode_batch"): "uploads.decode_batch_photos",
+    ("models", "decode_workers"): "uploads.decode_workers",
+    ("models", "decode_processes"): "uploads.decode_processes",
+    ("models", "decode_in_flight"): "uploads.decode_in_flight",
+    ("server", "decode_uploads_in_front_ends"): "uploads.decode_in_front_ends",
+}
+"""The upload settings that moved into ``uploads`` (issue 43), by their old section and name."""
+
+
 class Settings(BaseSettings):
     """Stoker's configuration: built once at startup, logged, passed down."""
 
@@ -517,6 +530,18 @@ class Settings(BaseSettings):
     """Who may call the server."""
     store: StoreSettings = Field(default_factory=StoreSettings)
     """The engine store."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        """A setting of an earlier release that moved is refused naming where it went."""
+        if isinstance(data, dict):
+            for (section, name), place in MOVED.items():
+                old = data.get(section)
+                if isinstance(old, dict) and name in old:
+                    variable = "STOKER_" + place.upper().replace(".", "__")
+                    raise ValueError(f"{section}.{name} is now {place} ({variable})")
+        return data
 
     def loggable(self) -> dict[str, Any]:
         """Settings for the startup log: every field named like a secret (the API keys and

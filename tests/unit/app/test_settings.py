@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_settings import SettingsError
 
 from app.settings import (
+    MOVED,
     AuthSettings,
     LimitSettings,
     ModelRepositorySettings,
@@ -280,3 +281,17 @@ def test_front_ends_auto_counts_the_visible_gpus(
     assert Settings().server.front_ends == 2
     with pytest.raises(ValidationError):
         Settings(server={"front_ends": "many"})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("old", "new"), sorted(MOVED.items()))
+def test_a_moved_setting_is_refused_naming_where_it_went(
+    old: tuple[str, str], new: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    section, name = old
+    monkeypatch.setenv(f"STOKER_{section.upper()}__{name.upper()}", "1")
+    with pytest.raises(ValidationError) as invalid:
+        Settings()
+    variable = "STOKER_" + new.upper().replace(".", "__")
+    assert f"{section}.{name} is now {new} ({variable})" in str(invalid.value)
+    section_name, field_name = new.split(".")  # and it is there
+    assert field_name in Settings.model_fields[section_name].annotation.model_fields  # type: ignore[union-attr]
