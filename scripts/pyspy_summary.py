@@ -62,7 +62,7 @@ def main() -> None:
     for process in sorted(threads, key=lambda p: -sum(threads[p].values())):
         total = sum(threads[process].values())
         print(f"## {process}: {total} busy samples")
-        for thread, n in threads[process].most_common(6):
+        for thread, n in threads[process].most_common(args.top):
             print(f"   {n:7d} {100 * n / total:5.1f}%  {thread}")
         print("   self:")
         for name, n in own[process].most_common(args.top):
