@@ -44,7 +44,6 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from random import getrandbits
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -190,6 +189,18 @@ def parent_of(carrier: Mapping[str, str]) -> tuple[int, int, bool, str] | None:
     return trace_id, span_id, bool(int(header[53:55], 16) & 1), carrier.get("tracestate", "")
 
 
+def ours(traceparent: str) -> tuple[int, int, bool, str] | None:
+    """A ``traceparent`` of ``traceparent_of`` (the front end's, to the engine): read by
+    slicing, as it is well formed; anything else through ``parent_of``."""
+    if len(traceparent) == 55 and traceparent.startswith("00-") and traceparent[-3:] == "-01":
+        try:
+            trace_id, span_id = int(traceparent[3:35], 16), int(traceparent[36:52], 16)
+        except ValueError:
+            return None
+        return (trace_id, span_id, True, "") if trace_id and span_id else None
+    return parent_of({"traceparent": traceparent})
+
+
 class Span:
     """One span: what ``app.otlp`` sends of it once it ends (``end``)."""
 
@@ -249,17 +260,19 @@ class Span:
         self._owner.ended(self)
 
 
-@dataclass(eq=False)
 class Incoming:
     """An inference request as its transport received it: what the data plane's trace of
-    it starts from, and what the transport ends it with."""
+    it starts from, and what the transport ends it with. ``carrier``: its ``traceparent``
+    and ``tracestate``, where it came with them; ``started_ns``: when it arrived (its
+    ``receive`` lasts until the data plane takes it, its body read)."""
 
-    name: str
-    carrier: dict[str, str]
-    """Its ``traceparent`` and ``tracestate``, where it came with them."""
-    started_ns: int = field(default_factory=time.time_ns)
-    """When it arrived: its ``receive`` lasts until the data plane takes it (its body read)."""
-    trace: RequestTrace | None = None
+    __slots__ = ("carrier", "name", "started_ns", "trace")
+
+    def __init__(self, name: str, carrier: dict[str, str]) -> None:
+        self.name = name
+        self.carrier = carrier
+        self.started_ns = time.time_ns()
+        self.trace: RequestTrace | None = None
 
     def finish(self, error: str | None = None) -> None:
         if self.trace is not None:
@@ -390,7 +403,7 @@ class Tracing:
         now = time.time_ns()
         each = tuple(
             None
-            if (parent := parent_of({"traceparent": traceparent}) if traceparent else None) is None
+            if (parent := ours(traceparent) if traceparent else None) is None
             else self.span("engine", parent, now)
             for traceparent in traceparents
         )

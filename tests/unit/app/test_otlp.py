@@ -17,7 +17,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from app import otlp
 from app.otlp import tls_context
-from app.tracing import Span, parent_of, traceparent_of
+from app.tracing import Span, ours, parent_of, traceparent_of
 
 
 def value_of(any_value: Any) -> Any:
@@ -140,6 +140,14 @@ def test_a_traceparent_is_read_as_w3c_says() -> None:
         "garbage",
     ):
         assert parent_of({"traceparent": refused}) is None, refused
+
+
+def test_the_engine_reads_its_front_ends_traceparent_as_parent_of_does() -> None:
+    trace, span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    for carried in (f"00-{trace}-{span}-01", f"00-{trace}-{span}-00", f"01-{trace}-{span}-01-x"):
+        assert ours(carried) == parent_of({"traceparent": carried}), carried
+    for refused in (f"00-{'0' * 32}-{span}-01", f"00-{trace}-{'0' * 16}-01", "garbage"):
+        assert ours(refused) is None, refused
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
