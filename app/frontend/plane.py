@@ -22,11 +22,9 @@ from typing import Any
 
 from app import tracing
 from app.contract import (
-    ENGINE_REGIONS,
     Answer,
     Classified,
     Contract,
-    ForwardToEngine,
     Part,
     Raw,
     Slot,
@@ -54,6 +52,24 @@ DOOR_WAIT_S = 0.001
 DOOR_MAX_S = 1.0
 """The longest a drain's door stays open: connections whose reading is paused (a body
 waiting for the application) stay readable, and a flood must not hold it open."""
+
+
+class ForwardToEngine(Exception):
+    """A request only the engine can decode: it names shared-memory regions."""
+
+
+class EngineRegions:
+    """Stands for the engine's registered shared-memory regions while a front end decodes:
+    a request that names one goes to the engine as it came (``ForwardToEngine``)."""
+
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
+        raise ForwardToEngine
+
+    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        raise ForwardToEngine
+
+
+ENGINE_REGIONS = EngineRegions()
 
 
 class DataPlane:
