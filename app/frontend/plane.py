@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
@@ -209,16 +209,19 @@ class DataPlane:
         region's registration...) called with ``args``, on the engines it spreads to."""
         return await self.client.control(method, *args)
 
-    async def check_control(self, name: str) -> None:
+    async def check_control(
+        self, name: str, index: Callable[[], Awaitable[list[dict[str, str]]]]
+    ) -> None:
         """Raise what a load or unload of ``name`` gets whatever its body says, before the
         body is read: model control off or in poll mode (400), without API keys unless
-        allowed (403), a drain (503), no model of that name in the repository (404)."""
+        allowed (403), a drain (503), no model of that name in the repository (404: not in
+        what ``index``, the caller's repository index, lists)."""
         refused = control_refusal(self.settings.models, self._keyed)
         if refused is not None:
             raise refused
         if self.draining:
             raise draining()
-        if all(entry.get("name") != name for entry in await self.control("repository_index")):
+        if all(entry.get("name") != name for entry in await index()):
             raise NotFound(f"no model '{client_text(name)}' in the repository")
 
     def body_buffer(
