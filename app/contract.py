@@ -219,24 +219,6 @@ def elementwise(header: memoryview) -> bool:
     return b"BYTES" in data or b"BOOL" in data or b"\\u" in data
 
 
-class ForwardToEngine(Exception):
-    """A request only the engine can decode: it names shared-memory regions."""
-
-
-class EngineRegions:
-    """Stands for the engine's registered shared-memory regions while a front end decodes:
-    a request that names one goes to the engine as it came (``ForwardToEngine``)."""
-
-    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
-        raise ForwardToEngine
-
-    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
-        raise ForwardToEngine
-
-
-ENGINE_REGIONS = EngineRegions()
-
-
 @dataclass
 class Slot:
     """A lent piece of a front end's shared-memory arena a request body is read into: at

@@ -258,10 +258,13 @@ class Done(_Reply, frozen=True, tag="done"):
 
 class Rule(msgspec.Struct, frozen=True, array_like=True):
     """How a control method's calls spread over several engines; ``undo``: the method that
-    undoes one (``Spread.ALL_OR_NONE``), called with the first argument."""
+    undoes one (``Spread.ALL_OR_NONE``), called with the first argument; ``restore``: the
+    method that gives an engine one entry of the list this one reports, called with the
+    entry's values (a front end copies that state to an engine that came back without it)."""
 
     spread: Spread
     undo: str | None = None
+    restore: str | None = None
 
 
 class Welcome(_Reply, frozen=True, tag="welcome"):

@@ -59,11 +59,13 @@ spread over several engines: the one table a control call is dispatched by, here
 engine process, and that a front end learns at ``Hello``."""
 
 
-def operation(spread: wire.Spread, undo: str | None = None) -> Callable[[Method], Method]:
+def operation(
+    spread: wire.Spread, undo: str | None = None, restore: str | None = None
+) -> Callable[[Method], Method]:
     """Mark an engine method as a control operation, called by name (``CONTROL``)."""
 
     def mark(method: Method) -> Method:
-        CONTROL[method.__name__] = wire.Rule(spread, undo)
+        CONTROL[method.__name__] = wire.Rule(spread, undo, restore)
         return method
 
     return mark
@@ -291,7 +293,7 @@ class LocalEngine:
     async def shm_unregister(self, name: str | None = None) -> None:
         self.regions.unregister(name)
 
-    @operation(wire.Spread.ANY)
+    @operation(wire.Spread.ANY, restore="shm_register")
     async def shm_status(self, name: str | None = None) -> list[dict[str, object]]:
         return self.regions.status(name)
 

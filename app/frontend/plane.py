@@ -15,18 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any
 
 from app import tracing
 from app.contract import (
-    ENGINE_REGIONS,
     Answer,
     Classified,
     Contract,
-    ForwardToEngine,
     Part,
     Raw,
     Slot,
@@ -54,6 +52,24 @@ DOOR_WAIT_S = 0.001
 DOOR_MAX_S = 1.0
 """The longest a drain's door stays open: connections whose reading is paused (a body
 waiting for the application) stay readable, and a flood must not hold it open."""
+
+
+class ForwardToEngine(Exception):
+    """A request only the engine can decode: it names shared-memory regions."""
+
+
+class EngineRegions:
+    """Stands for the engine's registered shared-memory regions while a front end decodes:
+    a request that names one goes to the engine as it came (``ForwardToEngine``)."""
+
+    def view(self, name: str, offset: int, size: int, what: str) -> memoryview:
+        raise ForwardToEngine
+
+    def write(self, name: str, offset: int, data: bytes | memoryview, what: str) -> None:
+        raise ForwardToEngine
+
+
+ENGINE_REGIONS = EngineRegions()
 
 
 class DataPlane:
@@ -193,16 +209,19 @@ class DataPlane:
         region's registration...) called with ``args``, on the engines it spreads to."""
         return await self.client.control(method, *args)
 
-    async def check_control(self, name: str) -> None:
+    async def check_control(
+        self, name: str, index: Callable[[], Awaitable[list[dict[str, str]]]]
+    ) -> None:
         """Raise what a load or unload of ``name`` gets whatever its body says, before the
         body is read: model control off or in poll mode (400), without API keys unless
-        allowed (403), a drain (503), no model of that name in the repository (404)."""
+        allowed (403), a drain (503), no model of that name in the repository (404: not in
+        what ``index``, the caller's repository index, lists)."""
         refused = control_refusal(self.settings.models, self._keyed)
         if refused is not None:
             raise refused
         if self.draining:
             raise draining()
-        if all(entry.get("name") != name for entry in await self.control("repository_index")):
+        if all(entry.get("name") != name for entry in await index()):
             raise NotFound(f"no model '{client_text(name)}' in the repository")
 
     def body_buffer(

@@ -171,24 +171,27 @@ class RemoteEngine:
             if link.connected:  # not gone again already (its reader would not call us back)
                 link.reconnecting = False
                 log.info("the engine process%s is back", link.named)
-                await self._copy_regions(link)
+                await self._restore(link)
                 return
 
-    async def _copy_regions(self, link: EngineLink) -> None:
-        """The system shared-memory regions clients registered, as another engine holds
-        them, registered with an engine that came back without them (every front end does
-        this; a region another one registered first is refused, which is fine)."""
+    async def _restore(self, link: EngineLink) -> None:
+        """What another engine reports for each control method with a ``restore`` rule (the
+        system shared-memory regions clients registered), given to an engine that came back
+        without it (every front end does this; an entry another one gave first is refused,
+        which is fine)."""
         other = next((o for o in self._links if o is not link and o.ready), None)
         if other is None:
             return
-        try:
-            status = await other.call(wire.Control("shm_status", (None,)), wire.Value)
-        except StokerError:
-            return
-        for region in status.value:
-            place = (region["name"], region["key"], region["offset"], region["byte_size"])
-            with contextlib.suppress(StokerError):
-                await link.call(wire.Control("shm_register", place), wire.Value)
+        for method, rule in self._rules.items():
+            if rule.restore is None:
+                continue
+            try:
+                state = await other.call(wire.Control(method, ()), wire.Value)
+            except StokerError:
+                continue
+            for entry in state.value:
+                with contextlib.suppress(StokerError):
+                    await link.call(wire.Control(rule.restore, tuple(entry.values())), wire.Value)
 
     # -- choosing an engine
 

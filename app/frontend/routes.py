@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
+from functools import partial
 from typing import Any, TypeVar
 
 import orjson
@@ -249,7 +250,8 @@ async def control_body(request: Request) -> bytes:
 @router.post("/v2/repository/models/{name}/load")
 async def load_model(request: Request, name: str) -> Response:
     plane = plane_of(request)
-    await plane.check_control(name)  # mode, drain, unknown model: before the body is read
+    # mode, drain, unknown model: before the body is read
+    await plane.check_control(name, partial(plane.control, "repository_index"))
     parameters = control_parameters(await control_body(request), LOAD_PARAMETERS)
     await plane.control("load", name, config_override(parameters))
     return json_response({})
@@ -258,7 +260,7 @@ async def load_model(request: Request, name: str) -> Response:
 @router.post("/v2/repository/models/{name}/unload")
 async def unload_model(request: Request, name: str) -> Response:
     plane = plane_of(request)
-    await plane.check_control(name)
+    await plane.check_control(name, partial(plane.control, "repository_index"))
     # unload_dependents is accepted as Triton's clients send it; no model depends on another.
     control_parameters(await control_body(request), UNLOAD_PARAMETERS)
     await plane.control("unload", name)

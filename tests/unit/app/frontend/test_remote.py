@@ -20,13 +20,13 @@ import pytest
 import yaml
 
 from app import wire
-from app.contract import ENGINE_REGIONS, Contract, ForwardToEngine, Part, decode_infer
+from app.contract import Contract, Part, decode_infer
 from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
 from app.errors import BadRequest, NotImplementedHere, Unavailable
 from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
 from app.frontend.links import EngineLink
-from app.frontend.plane import DataPlane
+from app.frontend.plane import ENGINE_REGIONS, DataPlane, ForwardToEngine
 from app.frontend.remote import RemoteEngine
 from app.protocol import RequestedOutput
 from app.settings import Settings
