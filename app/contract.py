@@ -213,10 +213,17 @@ async def decode_infer_async(
 def elementwise(header: memoryview) -> bool:
     """Whether a V2 body's JSON may name a datatype whose binary data is decoded element by
     element (BYTES strings, BOOL), work in proportion to its bytes; every other datatype
-    becomes a view of the body. A byte search, not a parse (an escaped letter could spell
-    either name, so any ``\\u`` escape counts too): a false alarm costs a thread."""
+    becomes a view of the body; or names a shared-memory region, read out of its file. A
+    byte search, not a parse (an escaped letter could spell either name, so any ``\\u``
+    escape counts too): a false alarm costs a thread."""
     data = bytes(header)
-    return b"BYTES" in data or b"BOOL" in data or b"\\u" in data
+    return any(name in data for name in ELEMENTWISE)
+
+
+ELEMENTWISE = (b"BYTES", b"BOOL", b"\\u", b"shared_memory_region")
+"""What in a V2 body's JSON makes its decoding work in proportion to its bytes: the two
+element-wise datatypes, an escape that could spell one, and a system shared-memory region
+(the engine reads a region's bytes out of its file)."""
 
 
 @dataclass

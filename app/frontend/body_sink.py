@@ -32,10 +32,12 @@ BODY_INTO = "stoker.body_into"
 ReadInto = Callable[[memoryview], Awaitable[int]]
 
 
-SCRATCH = memoryview(bytearray(256 * 1024))
-"""Where a front end's connections read what no waiting body takes (requests' heads, small
-bodies): one buffer for the process, since each read goes to the parser, which copies what
-it keeps, before the next read begins (``asyncio.BufferedProtocol``, as uvloop calls it)."""
+SCRATCH_BYTES = 256 * 1024
+"""The buffer a server's connections read what no waiting body takes into (requests' heads,
+small bodies): one a server (``http_limits.guarded``), since its loop hands each read to
+the parser, which copies what it keeps, before the next read begins
+(``asyncio.BufferedProtocol``, as uvloop calls it); two servers' loops on two threads of a
+process read at once, so they do not share one."""
 
 
 class BodySink:
@@ -109,6 +111,7 @@ class BodyReader:
         finally:
             if protocol.sink is sink:
                 protocol.sink = None
+            sink.buffer = memoryview(b"")  # the slot is not held past the read (its count is)
         if cycle.disconnected:
             raise ClientDisconnect()
         return sink.filled

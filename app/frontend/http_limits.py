@@ -41,7 +41,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.frontend.body_sink import BODY_INTO, SCRATCH, BodyReader, BodySink
+from app.frontend.body_sink import BODY_INTO, SCRATCH_BYTES, BodyReader, BodySink
 from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused
@@ -143,6 +143,8 @@ class Admitted:
 class GuardedHttpTools(HttpToolsProtocol):
     limits: LimitSettings = LimitSettings()
     admitted: Admitted = Admitted()
+    scratch = memoryview(bytearray(SCRATCH_BYTES))
+    """Where reads land that no waiting body takes: one buffer a server (``guarded``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -228,6 +230,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             self.admitted.release(self._address, self.limits)
             self._address = None
         self.admitted.over.pop(self, None)
+        self.sink = self._direct = None  # no slot held by a closed connection
         super().connection_lost(exc)
 
     def _check_size(self, received: int) -> None:
@@ -245,12 +248,12 @@ class GuardedHttpTools(HttpToolsProtocol):
                 self._direct = sink
                 return room
         self._direct = None
-        return SCRATCH
+        return self.scratch
 
     def buffer_updated(self, nbytes: int) -> None:
         sink, self._direct = self._direct, None
         if sink is None:
-            self.data_received(SCRATCH[:nbytes])  # type: ignore[arg-type]
+            self.data_received(self.scratch[:nbytes])  # type: ignore[arg-type]
             return
         sink.in_place = True  # httptools hands these bytes over as a chunk: counted only
         try:
@@ -389,8 +392,11 @@ def guarded(limits: LimitSettings, saturation: Saturation | None = None) -> Any:
     ``GuardedHttpTools``: uvicorn's hint names ``asyncio.Protocol``, it takes any protocol
     class); a full connection cap is noted in ``saturation``."""
     admitted = Admitted(saturation)
+    scratch = memoryview(bytearray(SCRATCH_BYTES))
     protocol = type(
-        "GuardedHttpTools", (GuardedHttpTools,), {"limits": limits, "admitted": admitted}
+        "GuardedHttpTools",
+        (GuardedHttpTools,),
+        {"limits": limits, "admitted": admitted, "scratch": scratch},
     )
 
     class GuardedReads(Reads):

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from app.contract import Contract, Decoded, decode_infer
+from app.contract import Contract, Decoded, decode_infer, elementwise
 from app.errors import PayloadTooLarge
 from app.json_bounds import LargeDecodes, check_json_size, nested_lists
 from engines.spec import ModelSpec, TensorSpec
@@ -111,3 +111,23 @@ def test_large_decodes_run_one_at_a_time_with_the_collector_paused() -> None:
     assert all(isinstance(r, ValueError) for r in results)
     assert most == 1 and collecting == [False] * 6
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize(
+    ("header", "threaded"),
+    [
+        (b'{"inputs":[{"name":"x","datatype":"UINT8","shape":[32,3,224,224]}]}', False),
+        (b'{"inputs":[{"name":"x","datatype":"FP16","parameters":{"binary_data_size":8}}]}', False),
+        (b'{"inputs":[{"name":"s","datatype":"BYTES","shape":[4]}]}', True),
+        (b'{"inputs":[{"name":"b","datatype":"BOOL","shape":[4]}]}', True),
+        (b'{"inputs":[{"name":"s","datatype":"\\u0042YTES","shape":[4]}]}', True),
+        (b'{"inputs":[{"name":"x","parameters":{"shared_memory_region":"r"}}]}', True),
+    ],
+)
+def test_a_binary_body_is_decoded_on_the_loop_only_when_its_tensors_are_views(
+    header: bytes, threaded: bool
+) -> None:
+    """``elementwise``: a large binary body whose JSON names only fixed-size datatypes is
+    decoded where it is (views of the body); BYTES, BOOL, an escape that could spell them,
+    and a shared-memory region (read out of its file) go to a thread."""
+    assert elementwise(memoryview(header)) is threaded

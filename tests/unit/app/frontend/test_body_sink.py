@@ -39,12 +39,19 @@ def sink_app(seen: Seen) -> Any:
         if scope["type"] != "http":
             return
         length = int(dict(scope["headers"])[b"content-length"])
-        buffer = memoryview(bytearray(length))
+        backing = bytearray(length)
+        buffer = memoryview(backing)
         read = scope["extensions"][BODY_INTO]
         status = 200
         try:
-            filled = await read(buffer)
+            filled = await read(buffer[:length])  # a slice, as read_body hands a slot
             answer = {"filled": filled, "sha256": hashlib.sha256(buffer[:filled]).hexdigest()}
+            buffer.release()
+            try:  # nothing of the server still holds the buffer (a slot goes back whole)
+                backing.append(0)
+                answer["held"] = False
+            except BufferError:
+                answer["held"] = True
         except ClientDisconnect:
             seen.disconnected.set()
             return
@@ -116,7 +123,11 @@ def test_a_body_in_many_pieces_arrives_whole(served: tuple[int, Seen]) -> None:
         for at in range(0, len(body), 40_000):
             sock.sendall(body[at : at + 40_000])
         (answer,) = answers(sock, 1)
-    assert answer == {"filled": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    assert answer == {
+        "filled": len(body),
+        "sha256": hashlib.sha256(body).hexdigest(),
+        "held": False,
+    }
 
 
 def test_a_client_that_expects_100_continue_gets_it_before_sending(
@@ -130,7 +141,11 @@ def test_a_client_that_expects_100_continue_gets_it_before_sending(
         assert sock.recv(64).startswith(b"HTTP/1.1 100 Continue")
         sock.sendall(body)
         (answer,) = answers(sock, 1)
-    assert answer == {"filled": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    assert answer == {
+        "filled": len(body),
+        "sha256": hashlib.sha256(body).hexdigest(),
+        "held": False,
+    }
 
 
 def test_pipelined_bodies_stay_apart(served: tuple[int, Seen]) -> None:
@@ -140,8 +155,8 @@ def test_pipelined_bodies_stay_apart(served: tuple[int, Seen]) -> None:
         sock.sendall(head(len(first)) + first + head(len(second)) + second)
         got = answers(sock, 2)
     assert got == [
-        {"filled": len(first), "sha256": hashlib.sha256(first).hexdigest()},
-        {"filled": len(second), "sha256": hashlib.sha256(second).hexdigest()},
+        {"filled": len(first), "sha256": hashlib.sha256(first).hexdigest(), "held": False},
+        {"filled": len(second), "sha256": hashlib.sha256(second).hexdigest(), "held": False},
     ]
 
 
