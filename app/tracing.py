@@ -376,13 +376,12 @@ class Tracing:
         if incoming is None:
             return None
         parent = parent_of(incoming.carrier) if incoming.carrier else None
-        followed = (
-            self.parent_based
-            and parent is not None
-            and parent[2]
-            and observed.STATE.trace_settings(model)["trace_level"] != ["OFF"]
-        )
-        if not followed and not observed.STATE.sampled(model):
+        if self.parent_based and parent is not None:
+            # A parent's decision holds either way (W3C's sampled flag): a caller that did
+            # not sample its trace does not get one from us.
+            if not parent[2] or observed.STATE.trace_settings(model)["trace_level"] == ["OFF"]:
+                return None
+        elif not observed.STATE.sampled(model):
             return None
         root = self.span(incoming.name, parent, incoming.started_ns)
         root.server = True

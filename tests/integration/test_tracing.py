@@ -281,6 +281,23 @@ def test_a_request_is_one_trace_across_the_front_end_and_the_engine(
         assert resource["deployment.environment"] == "test"
 
 
+def test_a_caller_that_did_not_sample_its_trace_gets_no_spans(
+    traced: Traced, receiver: Receiver
+) -> None:
+    """The default sampler is parent-based: a ``traceparent`` whose sampled flag is off
+    (``-00``) is that caller's decision, and neither process records its request. Counted
+    once a later sampled request over the same connection (so the same front end) has
+    arrived, as ``traced_count`` does."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    header, sentinel, _ = a_traceparent()
+    with httpx.Client(timeout=30) as client:
+        infer(client, traced.server, "tiny", {"traceparent": f"00-{trace_id}-{span_id}-00"})
+        infer(client, traced.server, "other", {"traceparent": header})
+    wanted = {"POST /v2/models/other/infer", "engine", "run"}
+    spans = receiver.wait_for(lambda got: wanted <= {s.name for s in got if s.trace_id == sentinel})
+    assert [s.name for s in spans if s.trace_id == trace_id] == []
+
+
 def test_an_upload_is_one_trace_across_the_front_end_and_the_engine(
     traced: Traced, receiver: Receiver, coffee_jpeg: bytes
 ) -> None:
