@@ -63,7 +63,7 @@ for pair in ${TREES:-start=.}; do
         t1=$(date +%s.%N)
         echo "$label $i ($start store): ready in $(python3 -c "print(f'{$t1 - $t0:.1f}')") s"
         grep -E "engine store|compil|loaded and warmed|ready:|Traceback|Error" "$log" | cut -c1-400 | tail -8
-        python3 "$root/.gpu/start/scripts/gpu_start_check.py" answer 8124 \
+        python3 "$(dirname "$0")/gpu_start_check.py" answer 8124 \
             "$work/answers_${label}_$i.json" 2>&1 | tail -2
         kill -TERM $pid 2>/dev/null
         wait $pid
@@ -71,10 +71,10 @@ for pair in ${TREES:-start=.}; do
     done
     du -sh "$store" | sed "s/^/store: /"
 done
-python3 "$root/.gpu/start/scripts/gpu_start_check.py" compare "$work" 2>&1 | tail -12
+python3 "$(dirname "$0")/gpu_start_check.py" compare "$work" 2>&1 | tail -12
 if [[ ${CHECK:-1} == 1 ]]; then
     echo "== replay: the compiled package against the uncompiled graph ($first's store)"
-    (cd "$root/.gpu/start" && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" timeout 150 \
+    (cd "$(dirname "$0")/.." && PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" timeout 150 \
         python3 scripts/gpu_start_check.py replay "/tmp/stoker-store-$first") 2>&1 | tail -12
 fi
 echo "total $(( $(date +%s) - began )) s"

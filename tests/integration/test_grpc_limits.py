@@ -588,21 +588,28 @@ def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
     limits.max_control_body_bytes are RESOURCE_EXHAUSTED, whatever the server would say of
     them; one under it gets its own answer (model control is off here)."""
     asyncio.run(served_once(limited.address))  # once earlier tests' connections are gone
+    # A connection past this address's share may still be closed while the server sweeps
+    # what earlier tests left: each call waits for a served connection (generous bound).
+    ready: dict[str, Any] = {"wait_for_ready": True, "timeout": 60}
     channel = grpc.insecure_channel(limited.address)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     Parameter = service_pb2.ModelRepositoryParameter
     config = Parameter(string_param='{"max_batch_size": 4, "padding": "' + "x" * 2048 + '"}')
     for call in (
         lambda: stub.RepositoryModelLoad(
-            service_pb2.RepositoryModelLoadRequest(model_name="tiny", parameters={"config": config})
+            service_pb2.RepositoryModelLoadRequest(
+                model_name="tiny", parameters={"config": config}
+            ),
+            **ready,
         ),
         lambda: stub.RepositoryModelUnload(
-            service_pb2.RepositoryModelUnloadRequest(model_name="t" * 2048)
+            service_pb2.RepositoryModelUnloadRequest(model_name="t" * 2048), **ready
         ),
         lambda: stub.SystemSharedMemoryRegister(
             service_pb2.SystemSharedMemoryRegisterRequest(
                 name="r" * 2048, key="/k", offset=0, byte_size=8
-            )
+            ),
+            **ready,
         ),
     ):
         with pytest.raises(grpc.RpcError) as refused:
@@ -610,7 +617,7 @@ def test_control_messages_past_their_limit_are_refused_before_they_are_parsed(
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "limits.max_control_body_bytes (1024)" in str(refused.value.details())
     with pytest.raises(grpc.RpcError) as small:
-        stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="tiny"))
+        stub.RepositoryModelLoad(service_pb2.RepositoryModelLoadRequest(model_name="tiny"), **ready)
     assert small.value.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
     channel.close()
 
