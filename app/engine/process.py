@@ -4,9 +4,11 @@ control socket.
 Front ends (``app.frontend.remote``) connect over a Unix socket (``app.channel``), say which
 shared-memory arena they lend bodies in (answered with the engine's control table), and send
 one frame per call. A front end decodes and validates a request itself; what arrives here is
-the decoded ``Run`` (tensors as references into the front end's arena), dispatched by type to
-the same ``LocalEngine`` methods that one process calls, and the outputs go back into the
-same slot, encoded by the front end; a ``Control`` call is dispatched by its method's name. The
+mostly the decoded ``Run`` (tensors as references into the front end's arena), dispatched by
+type to the same ``LocalEngine`` methods that one process calls, and the outputs go back into
+the same slot, encoded by the front end. A body that names shared-memory regions arrives raw
+(``Infer``) and is decoded and encoded here, where the regions are mapped; uploads arrive as
+``Classify``; a ``Control`` call is dispatched by its method's name. The
 engine is the one source of metrics, readiness and liveness.
 
 SIGTERM drains: readiness turns false at once; the requests the front ends accepted before
@@ -188,8 +190,10 @@ class EngineServer:
                 task = asyncio.create_task(self._answer(connection, number, call, payload))
                 connection.tasks[number] = task
                 task.add_done_callback(partial(finished, connection, number))
-        except ChannelClosed:
-            pass
+        except ChannelClosed as gone:
+            # A front end that exits hangs up so too; a frame that is not a Stoker peer's
+            # ends its link here, and either is said once.
+            log.info("a front end's link closed: %s", gone)
         finally:
             self.connections.discard(connection)
             if not self.connections:

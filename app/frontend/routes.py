@@ -1,7 +1,8 @@
 """HTTP routes: parse, call one data-plane method, serialise.
 
-KServe V2 / Open Inference Protocol with Triton's binary tensor, classification and
-statistics extensions; ``POST /infer`` for image uploads; ``GET /metrics``.
+KServe V2 / Open Inference Protocol with Triton's binary tensor, classification,
+statistics, model repository and system shared-memory extensions; ``POST /infer`` for image
+uploads; ``GET /metrics``. (The trace and logging extensions are in ``observability``.)
 """
 
 from __future__ import annotations
