@@ -53,7 +53,8 @@ cat "$OUT/env.txt"
 has() { [[ ",$SECTIONS," == *",$1,"* ]]; }
 
 gpu_tests() {  # $1: the log's name
-    timeout "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q --timeout 120 \
+    # SIGINT at the limit: pytest stops and still prints what failed so far, with tracebacks.
+    timeout -s INT -k 30 "${TESTS_LIMIT:-150}" python3 -m pytest -p no:cacheprovider -q -rfE --timeout 120 \
         ${TESTS:-tests/gpu tests/unit/engines/devices/test_cuda.py tests/unit/app/engine/test_images.py tests/unit/app/engine/test_models.py} \
         >"$OUT/$1" 2>&1
     echo "pytest exit $?" >>"$OUT/$1"
