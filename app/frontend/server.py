@@ -32,6 +32,7 @@ from app.frontend.body_sink import BODY_INTO, BodyReader
 from app.frontend.browser import BrowserGuard, HostPolicy
 from app.frontend.http_limits import Saturation
 from app.frontend.plane import DataPlane
+from app.frontend.refusal import refuse
 from app.frontend.routes import infer_response, json_response, router
 from app.metrics import http_refused
 from app.settings import Settings
@@ -109,12 +110,13 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                await json_response({"error": "invalid Content-Length"}, 400)(scope, receive, send)
+                http_refused(400, "content_length")
+                await refuse(send, 400, "invalid Content-Length")
                 return
             if int(declared) > self.max_bytes:
                 message = f"request body of {int(declared)} bytes exceeds {self.max_bytes}"
                 http_refused(413, "body_bytes")
-                await json_response({"error": message}, 413)(scope, receive, send)
+                await refuse(send, 413, message)
                 return
         size = int(declared) if declared is not None else 0
         client = scope.get("client")
@@ -122,7 +124,7 @@ class BodyLimit:
         full = self._full(size, address)
         if full is not None:
             http_refused(503, "inflight_bytes")
-            await json_response({"error": full}, 503)(scope, receive, send)
+            await refuse(send, 503, full)
             return
         reserved = size
         self._reserve(address, reserved)
