@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.cli import main
+from bench.cli import main
 from tests.unit.bench.test_accuracy_report import labelled_photos, report_repository
 
 
@@ -17,7 +17,9 @@ def test_gpu_rows_measure_each_precision_as_served(
 ) -> None:
     """Uncompiled (``gpu.compile: none`` in the config, which the rows follow), to stay
     inside the GPU run's two minutes a test: compiling three precisions at two batch sizes
-    takes about as long again; the compiled engine has its own tests."""
+    takes about as long again; the compiled engine has its own tests. Through
+    ``python -m bench accuracy``'s entry (the same report as ``stoker accuracy``): the GPU
+    machine runs a source checkout, where no installed entry point names the tool."""
     repo = report_repository(tmp_path, efficientnet_dir)
     config_path = repo / "efficientnet_lite0" / "config.yaml"
     config = yaml.safe_load(config_path.read_text())
