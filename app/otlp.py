@@ -332,14 +332,21 @@ def grpc_sender(environ: Mapping[str, str]) -> Callable[[bytes], None]:
 
 
 def console_sender() -> Callable[[bytes], None]:
-    """Each request as OTLP's JSON on standard output (``OTEL_TRACES_EXPORTER=console``)."""
+    """Each request as OTLP's JSON on standard output, one line an export
+    (``OTEL_TRACES_EXPORTER=console``): the front ends and the engine share the server's
+    output, so a line is one process's export whole, and ``scripts/span_budget.py`` (or
+    ``jq``) reads a log of them."""
+    import sys
+
     from google.protobuf.json_format import MessageToJson
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
         ExportTraceServiceRequest,
     )
 
     def send(request: bytes) -> None:
-        print(MessageToJson(ExportTraceServiceRequest.FromString(request)), flush=True)
+        line = MessageToJson(ExportTraceServiceRequest.FromString(request), indent=None)
+        sys.stdout.write(line + "\n")  # one write: whole beside the other processes' lines
+        sys.stdout.flush()
 
     return send
 

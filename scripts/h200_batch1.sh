@@ -1,51 +1,68 @@
 #!/usr/bin/env bash
-# Issue 42, item 4: what bounds batch 1 at c=256 on the served default (ResNet-50 FP16 from
-# scripts/gpu_repo.py, gpu.compile default, 4 runners, decode processes). One server start a
-# front-end count in FRONT_ENDS_LIST (the first fills the engine store, the others load it);
-# against each, batch 1 over HTTP at c=256 with the cores of every process on the machine
-# (scripts/cpu_shares.py, over the middle of the run: the front ends, the engine, the
-# clients); against the first, also gRPC at the same load and the client with twice the
-# processes (is the client the bound?), and py-spy over the server's processes (PYSPY=1). A
-# table last.
+# Issue 42, items 1 and 4: where a request's time goes on the served default (ResNet-50 FP16
+# from scripts/gpu_repo.py, gpu.compile default, 4 runners, decode processes), batch 1 at
+# c=256 and 32 rows at c=32. One server start a front-end count in FRONT_ENDS_LIST (the first
+# fills the engine store, the others load it; 1: one process), each tracing TRACE_RATIO of
+# its requests to its output (OTEL_TRACES_EXPORTER=console), and scripts/span_budget.py
+# splitting each run's traced requests by stage. Against each: batch 1 over HTTP at c=256,
+# with the cores of every process beside (scripts/cpu_shares.py: the front ends, the
+# engine, the clients), and 32 rows at c=32; against the first also gRPC at batch 1 and
+# the client with 8 and 16 processes (is the client the bound?); py-spy over the server's
+# processes with PYSPY=1. Tables last; the logs, JSON and spans in $OUT/batch1.tar.gz.
 #
-#   FRONT_ENDS_LIST="4 8 2" bash scripts/h200_batch1.sh     (carry .whl)
+#   FRONT_ENDS_LIST="4 1" bash scripts/h200_batch1.sh     (carry .whl)
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
-mkdir -p "$OUT"
+work=/tmp/stoker-batch1
+mkdir -p "$OUT" "$work"
 source "$(dirname "$0")/h200_wheels.sh"
 root=$PWD
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
-python3 -V >"$OUT/env.txt"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/env.txt"
-python3 -c "import torch; print('torch', torch.__version__)" >>"$OUT/env.txt"
-git -C "$root" log --oneline -1 >>"$OUT/env.txt" 2>/dev/null
-cat "$OUT/env.txt"
+{
+    date -u
+    python3 -V
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+    python3 -c "import torch; print('torch', torch.__version__)"
+    git -C "$root" log --oneline -1 2>/dev/null
+} >"$work/env.txt"
+cat "$work/env.txt"
 port=8126
 url=http://127.0.0.1:$port
 repo=/tmp/stoker-repo-b1
+warmup=1.5
+duration=${DURATION:-6}
 export STOKER_STORE__PATH=/tmp/stoker-store-b1
-python3 scripts/gpu_repo.py "$repo" --compile default >"$OUT/repo.log" 2>&1
+python3 scripts/gpu_repo.py "$repo" --compile default >"$work/repo.log" 2>&1
 
-run() {  # name, then bench's arguments: batch 1 at c=256, the cores of every process beside
+descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
+
+run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherwise)
     local name=$1
     shift
     timeout 60 python3 -m bench --url "$url" --backend torch --model resnet50 \
         --repository "$repo" --model-version fp16 --uint8 --payload v2-binary --rows 1 \
-        --concurrency 256 --duration "${DURATION:-6}" --warmup 1.5 \
-        --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1 &
+        --concurrency 256 --duration "$duration" --warmup "$warmup" \
+        --json "$work/$name.json" "$@" >"$work/$name.log" 2>&1 &
     local client=$!
     sleep 3
-    pgrep -f -- "-m bench --url" >"$OUT/$name.clients.txt"
-    python3 scripts/cpu_shares.py --seconds 3 --min-cores 0.1 >"$OUT/$name.cores.txt" 2>&1
+    { echo $client; descendants $client; } >"$work/$name.clients.txt"
+    python3 scripts/cpu_shares.py --seconds 3 --min-cores 0.02 >"$work/$name.cores.txt" 2>&1
     wait $client
     echo "$name exit $?"
+    # The traced requests of the measured seconds: those before the client's report.
+    python3 -c "import time; t = time.time() - 0.5; print(f'$name={t - $duration:.3f},{t:.3f}')" \
+        >>"$work/windows_$server_name.txt"
 }
 
 first=1
-for fe in ${FRONT_ENDS_LIST:-4 8 2}; do
+for fe in ${FRONT_ENDS_LIST:-4 1}; do
+    server_name=fe$fe
     t0=$(date +%s.%N)
-    STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$repo" \
-        --model resnet50 --port $port --front-ends "$fe" >"$OUT/server_fe$fe.log" 2>&1 &
+    STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+        OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
+        STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$repo" \
+        --model resnet50 --port $port --front-ends "$fe" \
+        >"$work/spans_$server_name.log" 2>"$work/server_$server_name.log" &
     server=$!
     for _ in $(seq 1 1500); do
         curl -sf "$url/v2/health/ready" >/dev/null && break
@@ -55,44 +72,66 @@ for fe in ${FRONT_ENDS_LIST:-4 8 2}; do
     echo "front ends $fe: ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
     if [ "${PYSPY:-0}" = 1 ] && [ $first = 1 ] && command -v py-spy >/dev/null; then
         (sleep 2.5 && py-spy record --pid $server --subprocesses --threads --nonblocking \
-            --rate 97 --duration 3 --format raw -o "$OUT/pyspy_b1.txt" >"$OUT/pyspy.log" 2>&1) &
+            --rate 97 --duration 3 --format raw -o "$work/pyspy_b1.txt" >"$work/pyspy.log" 2>&1) &
         spy=$!
-        run "http_fe$fe"
+        run "http_$server_name"
         wait $spy
     else
-        run "http_fe$fe"
+        run "http_$server_name"
     fi
+    run "rows32_$server_name" --rows 32 --concurrency 32
     if [ $first = 1 ]; then
-        run "grpc_fe$fe" --protocol grpc
-        run "http_fe${fe}_clients8" --workers 8
+        run "grpc_$server_name" --protocol grpc
+        run "http_${server_name}_clients8" --workers 8
+        run "http_${server_name}_clients16" --workers 16
     fi
-    curl -s "$url/metrics" | grep -E "^stoker_inference_batch_size_(sum|count)" >"$OUT/metrics_fe$fe.txt"
+    curl -s "$url/metrics" | grep -E "^stoker_inference_batch_size_(sum|count)" \
+        >"$work/metrics_$server_name.txt"
+    sleep 1.5  # the last spans exported (OTEL_BSP_SCHEDULE_DELAY)
     kill -TERM $server 2>/dev/null
     wait $server
     first=0
 done
-[ -f "$OUT/pyspy_b1.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_b1.txt" --top 50 \
-    >"$OUT/pyspy_summary.txt" 2>&1
-python3 - "$OUT" <<'PY'
+[ -f "$work/pyspy_b1.txt" ] && python3 scripts/pyspy_summary.py "$work/pyspy_b1.txt" --top 50 \
+    >"$work/pyspy_summary.txt" 2>&1
+for windows in "$work"/windows_*.txt; do
+    name=$(basename "$windows" .txt)
+    name=${name#windows_}
+    args=()
+    while read -r line; do args+=(--window "$line"); done <"$windows"
+    python3 scripts/span_budget.py "$work/spans_$name.log" "${args[@]}" >"$work/budget_$name.txt" 2>&1
+done
+python3 - "$work" >"$work/table.txt" <<'PY'
 import json, re, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| run | req/s | p50 ms | p99 ms | client processes' cores | server's busiest processes (cores) |")
-print("| --- | ---: | ---: | ---: | ---: | --- |")
+role = {}  # pid: what it is, from the servers' logs
+for log in out.glob("server_*.log"):
+    for what, pid in re.findall(r"app\.processes: (.+?) started \(pid (\d+)\)", log.read_text()):
+        role[pid] = what.replace(" process", "")
+print("| run | req/s | img/s | p50 ms | p99 ms | client processes' cores | server's busiest processes (cores) | server: mean batch, queue ms, infer ms, request ms |")
+print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
 for path in sorted(out.glob("*.json")):
-    steps = [s for t in json.loads(path.read_text())["targets"] if t["name"] == "target" for s in t["steps"]]
+    steps = [s for t in json.loads(path.read_text())["targets"] if t["name"].startswith("target") for s in t["steps"]]
     cores = (out / f"{path.stem}.cores.txt").read_text() if (out / f"{path.stem}.cores.txt").exists() else ""
     pids = set((out / f"{path.stem}.clients.txt").read_text().split()) if (out / f"{path.stem}.clients.txt").exists() else set()
     rows = [r.split("|") for r in cores.splitlines() if r.startswith("| ") and "cores" not in r and "---" not in r]
     mine = [r for r in rows if r[2].strip() in pids or r[3].strip() in pids]
     client = sum(float(r[1]) for r in mine)
     server = [r for r in rows if r not in mine]
-    busiest = ", ".join(f"{r[1].strip()} {r[5].strip()[-40:]}" for r in server[:6])
+    busiest = ", ".join(f"{r[1].strip()} {role.get(r[2].strip(), 'server' if '--port' in r[5] else r[5].strip()[-30:])}" for r in server[:7])
     for s in steps:
-        lat = s["latency_ms"]
-        print(f"| {path.stem} | {s['rows_per_s']:,.0f} | {lat.get('p50', 0):.1f} | {lat['p99']:.1f} | {client:.2f} | {busiest} |")
-for m in sorted(out.glob("metrics_fe*.txt")):
+        lat, srv = s["latency_ms"], s.get("server") or {}
+        numbers = ", ".join(f"{srv[k]:.1f}" if isinstance(srv.get(k), (int, float)) else "-"
+                            for k in ("mean_batch_size", "queue_ms", "compute_infer_ms", "request_ms"))
+        print(f"| {path.stem} | {s['throughput']:,.0f} | {s['rows_per_s']:,.0f} | {lat.get('p50', 0):.1f} | {lat['p99']:.1f} | {client:.2f} | {busiest} | {numbers} |")
+for m in sorted(out.glob("metrics_*.txt")):
     v = dict(line.rsplit(" ", 1) for line in m.read_text().splitlines() if " " in line)
     s = sum(float(x) for k, x in v.items() if "_sum" in k); c = sum(float(x) for k, x in v.items() if "_count" in k)
     print(f"{m.stem}: mean model batch {s / max(c, 1):.1f} rows")
 PY
+grep -h -E "front-end.*(frame|a frame)|sent .* frame" "$work"/server_*.log | tail -8
+tar -czf "$OUT/batch1.tar.gz" -C "$work" .
+cp "$work/table.txt" "$OUT/"
+cat "$work"/budget_*.txt
+cat "$work/table.txt"
