@@ -11,6 +11,10 @@
 # processes with PYSPY=1. Tables last; the logs, JSON and spans in $OUT/batch1.tar.gz.
 #
 #   FRONT_ENDS_LIST="4 1" bash scripts/h200_batch1.sh     (carry .whl)
+#
+# An entry of FRONT_ENDS_LIST may name server.frames_in_flight too: "4f0" is 4 front ends, no
+# limit on frames in flight. WORKERS: the client's processes (bench --workers, default 1);
+# EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs.
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 work=/tmp/stoker-batch1
@@ -41,10 +45,10 @@ run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherw
     shift
     timeout 60 python3 -m bench --url "$url" --backend torch --model resnet50 \
         --repository "$repo" --model-version fp16 --uint8 --payload v2-binary --rows 1 \
-        --concurrency 256 --duration "$duration" --warmup "$warmup" \
+        --concurrency 256 --duration "$duration" --warmup "$warmup" --workers "${WORKERS:-1}" \
         --json "$work/$name.json" "$@" >"$work/$name.log" 2>&1 &
     local client=$!
-    sleep 3
+    sleep 4
     { echo $client; descendants $client; } >"$work/$name.clients.txt"
     python3 scripts/cpu_shares.py --seconds 3 --min-cores 0.02 >"$work/$name.cores.txt" 2>&1
     wait $client
@@ -55,10 +59,12 @@ run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherw
 }
 
 first=1
-for fe in ${FRONT_ENDS_LIST:-4 1}; do
-    server_name=fe$fe
+for entry in ${FRONT_ENDS_LIST:-4 1}; do
+    fe=${entry%%f*}
+    frames=$([[ $entry == *f* ]] && echo "${entry#*f}" || echo 4)
+    server_name=fe$entry
     t0=$(date +%s.%N)
-    STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+    STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
         OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
         STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$repo" \
         --model resnet50 --port $port --front-ends "$fe" \
@@ -80,7 +86,7 @@ for fe in ${FRONT_ENDS_LIST:-4 1}; do
         run "http_$server_name"
     fi
     run "rows32_$server_name" --rows 32 --concurrency 32
-    if [ $first = 1 ]; then
+    if [ $first = 1 ] && [ "${EXTRAS:-1}" = 1 ]; then
         run "grpc_$server_name" --protocol grpc
         run "http_${server_name}_clients8" --workers 8
         run "http_${server_name}_clients16" --workers 16
