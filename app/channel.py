@@ -50,7 +50,9 @@ class Sender:
 
     A batch's answers are set in one turn; sent one by one, each would be a system call of
     its own (the engine spent more on them than on batching). Order is kept, and a frame
-    still goes out in the same turn it was queued, so nothing waits for a timer."""
+    goes out at the latest in the next turn, so nothing waits for a timer; ``flush`` writes
+    what is queued now, where a turn is a round trip's cost (a front end's loop under load
+    turns in milliseconds)."""
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
@@ -70,16 +72,19 @@ class Sender:
             self._parts.append(payload)
         if not self._scheduled:
             self._scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            asyncio.get_running_loop().call_soon(self._scheduled_flush)
 
-    def _flush(self) -> None:
+    def _scheduled_flush(self) -> None:
         self._scheduled = False
+        self.flush()
+
+    def flush(self) -> None:
         parts, self._parts = self._parts, []
         if parts and not self.writer.is_closing():
             self.writer.write(parts[0] if len(parts) == 1 else b"".join(parts))
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self.writer.close()
 
 

@@ -11,6 +11,12 @@
 # tree's server for 8 s of a 32-row c=32 load (pyspy_summary.txt). A table last.
 #
 #   BASE=a833e8c bash scripts/h200_hotpath.sh     (carry .whl and .gpu)
+#
+# TREES names every tree and its folder, the last verified one first and this tree (".")
+# last, e.g. TREES="base=.gpu/a833e8c before=.gpu/before this=." (default: base, this); the
+# trees named in SHARED_STORE share one engine store (trees of the same engine code: the
+# second loads what the first built). The table has a column of each and this tree's
+# ratio to each.
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -37,15 +43,16 @@ bench() {  # name, limit, arguments: this tree's bench, against the server at $u
     echo "$name exit $?"
 }
 
-for tree in base this; do
-    dir=$root
+for entry in ${TREES:-base=.gpu/$base this=.}; do
+    tree=${entry%%=*}
+    dir=$root/${entry#*=}
     extra=()
-    if [ "$tree" = base ]; then
-        dir=$root/.gpu/$base
+    if [ "$tree" != this ]; then
         extra=(--front-ends 4)
     fi
     repo=/tmp/stoker-repo-$tree
     export STOKER_STORE__PATH=/tmp/stoker-store-$tree
+    [[ " ${SHARED_STORE:-} " == *" $tree "* ]] && export STOKER_STORE__PATH=/tmp/stoker-store-shared
     (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" python3 scripts/gpu_repo.py "$repo" \
         --compile default >"$OUT/repo_$tree.log" 2>&1)
     t0=$(date +%s.%N)
@@ -90,18 +97,21 @@ for tree in base this; do
 done
 [ -f "$OUT/pyspy_rows32.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_rows32.txt" \
     --top 40 >"$OUT/pyspy_summary.txt" 2>&1
-python3 - "$OUT" "$base" <<'PY'
+python3 - "$OUT" ${TREES:-base=.gpu/$base this=.} <<'PY'
 import json, sys
 from pathlib import Path
-out, base = Path(sys.argv[1]), sys.argv[2]
+out = Path(sys.argv[1])
+others = [entry.split("=")[0] for entry in sys.argv[2:] if entry.split("=")[0] != "this"]
 rates: dict[tuple[str, str, int], tuple[float, float]] = {}
 for path in sorted(out.glob("*.json")):
     for target in json.loads(path.read_text())["targets"]:
         for step in target["steps"]:
             key = (path.stem, target["name"], step["concurrency"])
             rates[key] = (step["rows_per_s"], step["latency_ms"]["p99"])
-print(f"| load | c | {base} img/s | this img/s | this / {base} | pool img/s | this / pool | p99 ms {base} / this |")
-print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+heads = [f"{o} img/s" for o in others] + ["this img/s"] + [f"this / {o}" for o in others]
+heads += ["pool img/s", "this / pool", "p99 ms " + " / ".join(others + ["this"])]
+print("| load | c | " + " | ".join(heads) + " |")
+print("| --- | ---: |" + " ---: |" * len(heads))
 def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
     for (s, t, cc), v in rates.items():
         if s == stem and cc == c and (t == name or name == "*"):
@@ -110,12 +120,14 @@ def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
 for stem, label in (("u8_rows32", "UINT8 32 rows"), ("u8_rows1", "UINT8 1 row")):
     cs = sorted({c for (s, _, c) in rates if s == f"this_{stem}"})
     for c in cs:
-        b, t = one(f"base_{stem}", c, "target"), one(f"this_{stem}", c, "target")
+        got = {o: one(f"{o}_{stem}", c, "target") for o in others}
+        t = one(f"this_{stem}", c, "target")
         p = one(f"pool_{stem}", c, "in-process")
-        cells = [f"{b[0]:,.0f}" if b else "-", f"{t[0]:,.0f}" if t else "-",
-                 f"{t[0] / b[0]:.2f}" if b and t else "-", f"{p[0]:,.0f}" if p else "-",
-                 f"{t[0] / p[0]:.2f}" if p and t else "-",
-                 f"{b[1]:.0f} / {t[1]:.0f}" if b and t else "-"]
+        cells = [f"{got[o][0]:,.0f}" if got[o] else "-" for o in others]
+        cells.append(f"{t[0]:,.0f}" if t else "-")
+        cells += [f"{t[0] / got[o][0]:.2f}" if got[o] and t else "-" for o in others]
+        cells += [f"{p[0]:,.0f}" if p else "-", f"{t[0] / p[0]:.2f}" if p and t else "-"]
+        cells.append(" / ".join(f"{v[1]:.0f}" if v else "-" for v in [*got.values(), t]))
         print(f"| {label} | {c} | " + " | ".join(cells) + " |")
 for (s, t, c), (r, p99) in sorted(rates.items()):
     if "grpc" in s or t == "naive" or s.endswith("spied"):

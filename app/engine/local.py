@@ -45,7 +45,7 @@ from app.engine.registry import Registry
 from app.engine.shared_memory import SharedRegions
 from app.engine.uploads import run_uploads
 from app.engine.watch import watch
-from app.errors import NotImplementedHere, Reloaded, StokerError
+from app.errors import NotImplementedHere, Reloaded, StokerError, Unavailable
 from app.protocol import RequestedOutput, classify, encode_response
 from app.settings import Settings
 
@@ -363,6 +363,25 @@ class LocalEngine:
             raise
         model.metrics.request_succeeded(time.perf_counter() - started, count(), timed)
         return result
+
+    def submit(
+        self, frame: Frame, deliver: Callable[[Ran | Exception], None]
+    ) -> Callable[[], object]:
+        """``run`` in a task of its own, which hands ``deliver`` the answer or the error; what
+        it returns cancels it (every caller went away)."""
+
+        async def answer() -> None:
+            try:
+                ran = await self.run(frame)
+            except asyncio.CancelledError:
+                deliver(Unavailable("the engine is stopping"))  # nobody left, or a stop
+                raise
+            except Exception as error:
+                deliver(error)
+                return
+            deliver(ran)
+
+        return self._keep(asyncio.create_task(answer())).cancel
 
     async def run(self, frame: Frame) -> Ran:
         """Requests the data plane decoded, validated and gathered: their tensors go through

@@ -10,6 +10,7 @@ above decodes, validates, gathers and encodes; an engine client runs what reache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
@@ -34,7 +35,12 @@ class EngineClient(Protocol):
         self, declared: int | None, client: str = ""
     ) -> AbstractAsyncContextManager[Slot | None]: ...
     def arena_full_since(self) -> float | None: ...
-    async def run(self, frame: Frame) -> Ran: ...
+    def submit(
+        self, frame: Frame, deliver: Callable[[Ran | Exception], None]
+    ) -> Callable[[], object]:
+        """Run ``frame``: ``deliver`` gets its answer or error once; what it returns tells
+        the engine nobody waits for it any more."""
+
     async def infer_raw(self, raw: Raw) -> Answer: ...
     async def classify(self, uploads: Uploads) -> Classified: ...
     def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None: ...

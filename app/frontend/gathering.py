@@ -43,7 +43,8 @@ class Callers(Generic[T]):
     answers: list[asyncio.Future[T]] = field(default_factory=list)
     waiting: int = 0
     """Those whose callers still wait: when none does, the engine may drop the call."""
-    task: asyncio.Task[None] | None = None
+    stop: Callable[[], object] | None = None
+    """What drops the call once it is made (``send``, or ``EngineClient.submit``)."""
 
     async def wait(self) -> tuple[int, T]:
         """Join them: this request's index among them, and the call's answer."""
@@ -55,13 +56,14 @@ class Callers(Generic[T]):
             return index, await mine
         except asyncio.CancelledError:
             self.waiting -= 1
-            if self.waiting == 0 and self.task is not None:
-                self.task.cancel()  # every request of it went away
+            if self.waiting == 0 and self.stop is not None:
+                self.stop()  # every request of it went away
             raise
 
     def send(self, call: Callable[[], Awaitable[T]]) -> None:
-        """Make the call, and hand its answer, or its error, to each request still waiting."""
-        self.task = asyncio.create_task(self._deliver(call))
+        """Make the call in a task, and hand its answer, or its error, to each request
+        still waiting."""
+        self.stop = asyncio.create_task(self._deliver(call)).cancel
 
     async def _deliver(self, call: Callable[[], Awaitable[T]]) -> None:
         try:
@@ -71,13 +73,19 @@ class Callers(Generic[T]):
                 mine.cancel()
             raise
         except Exception as error:
-            for mine in self.answers:
-                if not mine.done():
-                    mine.set_exception(error)
+            self.deliver(error)
             return
+        self.deliver(answer)
+
+    def deliver(self, outcome: T | Exception) -> None:
+        """The call's answer, or its error, to each request still waiting (a caller that
+        left cancelled its own): their tasks go on in the next turn."""
         for mine in self.answers:
-            if not mine.done():  # a caller that left cancelled its own
-                mine.set_result(answer)
+            if not mine.done():
+                if isinstance(outcome, Exception):
+                    mine.set_exception(outcome)
+                else:
+                    mine.set_result(outcome)
 
 
 DEADLINE_STEP = math.log(1.01)
@@ -312,24 +320,28 @@ class Gatherer:
             contract.serial,
         )
         self._sent(len(gathering.parts))
-        gathering.callers.send(partial(self._run, key, frame))
-
-    async def _run(self, key: tuple[Any, ...], frame: Frame) -> Ran:
-        """The engine client's run of ``frame``, counted in flight while it runs (from here:
-        a call cancelled before it starts never ran this, and counts nothing); once it is
-        answered (or fails), the frame held back for its key, if any, goes at the end of
-        this turn."""
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        callers = gathering.callers
+        answered = partial(self._answered, key, callers)
         try:
-            return await self.client.run(frame)
-        finally:
-            left = self._in_flight[key] - 1
-            if left:
-                self._in_flight[key] = left
-            else:
-                del self._in_flight[key]
-            if key in self._gatherings:
-                self._flush_soon()
+            # Sent in this turn, answered in the turn its reply is read: no task between.
+            callers.stop = self.client.submit(frame, answered)
+        except Exception as error:  # no engine to take it: nothing was sent
+            answered(error)
+
+    def _answered(
+        self, key: tuple[Any, ...], callers: Callers[Ran], outcome: Ran | Exception
+    ) -> None:
+        """A frame's answer (or error) to its requests. It was counted in flight from its
+        sending; the frame held back for its key, if any, goes at the end of this turn."""
+        left = self._in_flight[key] - 1
+        if left:
+            self._in_flight[key] = left
+        else:
+            del self._in_flight[key]
+        if key in self._gatherings:
+            self._flush_soon()
+        callers.deliver(outcome)
 
     async def classify(
         self,

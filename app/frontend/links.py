@@ -5,8 +5,9 @@ frame goes to (``choose``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -16,6 +17,7 @@ from app.channel import Sender, receive
 from app.errors import StokerError, Unavailable
 from app.metrics import CountedSeries
 
+log = logging.getLogger(__name__)
 R = TypeVar("R", bound=wire.Reply)
 
 
@@ -32,6 +34,8 @@ class RemoteError(StokerError):
 
 
 Reply = asyncio.Future[tuple[wire.Reply, bytes]]
+Then = Callable[[tuple[wire.Reply, bytes] | Exception], None]
+"""What takes a call's reply (or the error that ends it) in the turn the reply is read."""
 Epoch = tuple[int, ...]
 """Each engine's generation (``wire.EngineState.generation``), in the order of the links."""
 
@@ -47,6 +51,8 @@ class EngineLink:
     state: wire.EngineState = wire.GONE
     writer: Sender | None = None
     waiting: dict[int, Reply] = field(default_factory=dict)
+    then: dict[int, Then] = field(default_factory=dict)
+    """Calls answered by a callback instead of a future (``request``'s ``then``)."""
     ids: int = 0
     in_flight: int = 0
     """Requests this front end sent it that are not answered yet (a frame counts its
@@ -77,16 +83,24 @@ class EngineLink:
             while True:
                 header, payload = await receive(reader)
                 answer = wire.decode_answer(header)
+                then = self.then.pop(answer.id, None)
+                if then is not None:
+                    handed(then, (answer.reply, payload))
+                    continue
                 future = self.waiting.pop(answer.id, None)
                 if future is not None and not future.done():
                     future.set_result((answer.reply, payload))
         finally:
             self.state = wire.GONE
             self.close()  # no request is sent into a channel nobody reads
+            gone = Unavailable(f"the engine process{self.named} is gone")
             for future in self.waiting.values():
                 if not future.done():
-                    future.set_exception(Unavailable(f"the engine process{self.named} is gone"))
+                    future.set_exception(gone)
             self.waiting.clear()
+            thens, self.then = list(self.then.values()), {}
+            for then in thens:
+                handed(then, gone)
 
     def close(self) -> None:
         if self.writer is not None:
@@ -135,15 +149,19 @@ class EngineLink:
 
         future.add_done_callback(answered)
 
-    def request(self, call: wire.Call, payload: bytes = b"") -> int:
-        """Send one call; its answer resolves a new future in ``waiting``. What cannot be
-        sent raises, and then nothing waits for an answer."""
+    def request(self, call: wire.Call, payload: bytes = b"", then: Then | None = None) -> int:
+        """Send one call; its answer resolves a new future in ``waiting``, or is handed to
+        ``then`` in the turn it is read (no task wakes up first: a turn less for a frame's
+        answer). What cannot be sent raises, and then nothing waits for an answer."""
         writer = self.writer
         if writer is None or not self.connected:
             raise Unavailable(f"the engine process{self.named} is not connected")
         self.ids += 1
         writer.send(wire.encode_call(self.ids, call), payload)
-        self.waiting[self.ids] = asyncio.get_running_loop().create_future()
+        if then is None:
+            self.waiting[self.ids] = asyncio.get_running_loop().create_future()
+        else:
+            self.then[self.ids] = then
         return self.ids
 
     async def call(self, call: wire.Call, expected: type[R], payload: bytes = b"") -> R:
@@ -169,6 +187,14 @@ class EngineLink:
     @property
     def named(self) -> str:
         return f" for GPU {self.label}" if self.label else ""
+
+
+def handed(then: Then, outcome: tuple[wire.Reply, bytes] | Exception) -> None:
+    """``then(outcome)``; what it raises is a bug of its own, logged, and the link reads on."""
+    try:
+        then(outcome)
+    except Exception as error:
+        log.error("a reply's handler failed: %r", error, exc_info=error)
 
 
 def answered(reply: wire.Reply, expected: type[R]) -> R:

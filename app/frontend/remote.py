@@ -21,6 +21,8 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,39 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 600.0
 RECONNECT_S = 0.5
+
+
+@dataclass(eq=False)
+class Pieces:
+    """The answers to a frame's pieces (``split_frame``), delivered as one ``Ran`` once
+    the last is in, or as the first error."""
+
+    deliver: Callable[[Ran | Exception], None]
+    label: str
+    left: int
+    ran: dict[int, Ran] = field(default_factory=dict)
+    error: Exception | None = None
+
+    def add(self, index: int, outcome: Ran | Exception) -> None:
+        if isinstance(outcome, Exception):
+            self.error = self.error or outcome
+        else:
+            self.ran[index] = outcome
+        self.left -= 1
+        if self.left:
+            return
+        if self.error is not None:
+            self.deliver(self.error)
+            return
+        ran = [self.ran[i] for i in sorted(self.ran)]
+        outputs = [one for each in ran for one in each.outputs]
+        self.deliver(Ran(ran[0].model, ran[0].version, outputs, self.label))
+
+
+def cancel_all(link: EngineLink, numbers: Sequence[int]) -> None:
+    """Tell the engine it may drop these calls: nobody waits for them any more."""
+    for number in numbers:
+        link.cancel(number)
 
 
 class RemoteEngine:
@@ -405,14 +440,8 @@ class RemoteEngine:
             slot.engine_holds = True  # the engine may read them until the answer arrives
 
         def released(answer: Reply) -> None:
-            for slot in slots:
-                slot.engine_holds = False
-                if slot.abandoned:
-                    self.arena.give_back(slot)
-            if not answer.cancelled() and answer.exception() is None:
-                reply = answer.result()[0]
-                if isinstance(reply, wire.Failure) and reply.reason == Reloaded.reason:
-                    self._contracts.clear()  # decoded again, against the new contract
+            done = not answer.cancelled() and answer.exception() is None
+            self._released(slots, answer.result()[0] if done else None)
 
         future.add_done_callback(released)
         try:
@@ -421,27 +450,70 @@ class RemoteEngine:
             link.cancel(number)
             raise
 
-    async def run(self, frame: Frame) -> Ran:
+    def _released(self, slots: Sequence[Slot], reply: wire.Reply | None) -> None:
+        """The engine's last word on a call: its slots are this front end's again (given
+        back where their request already went away); a reload's refusal drops the cached
+        contracts (the data plane decodes against the new one)."""
+        for slot in slots:
+            slot.engine_holds = False
+            if slot.abandoned:
+                self.arena.give_back(slot)
+        if isinstance(reply, wire.Failure) and reply.reason == Reloaded.reason:
+            self._contracts.clear()
+
+    def submit(
+        self, frame: Frame, deliver: Callable[[Ran | Exception], None]
+    ) -> Callable[[], object]:
         """A frame of decoded requests, to the ready engine with the least work ahead that
         takes its largest request; split into frames of at most that engine's max batch (a
         GPU with less memory may have shrunk it). Each request's tensors stay where its body
         put them in its slot, or travel in the payload; its outputs come back the same way
-        (``app.frontend.packing``)."""
-        link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
-        frames = split_frame(frame, link.max_batch(frame.model, frame.version))
-        if len(frames) == 1:  # the common case, without a task of its own (a turn less)
-            return await self._run_frame(link, frame)
-        answers = await asyncio.gather(*(self._run_frame(link, piece) for piece in frames))
-        outputs = [one for answer in answers for one in answer.outputs]
-        return Ran(answers[0].model, answers[0].version, outputs, link.label)
+        (``app.frontend.packing``).
 
-    async def _run_frame(self, link: EngineLink, frame: Frame) -> Ran:
-        call, payload = run_call(frame)
-        number = link.request(call, payload)
-        slots = [part.slot for part in frame.parts if part.slot is not None]
-        reply, data = await self._held(link, number, slots, len(frame.parts))
-        ran = answered(reply, wire.RanReply)
-        return Ran(ran.model, ran.version, ran_outputs(frame.parts, ran, data), link.label)
+        No task runs it: its bytes are written in this turn, and ``deliver`` gets the
+        answer (or the error) in the turn the engine's last reply to it is read. Under load
+        a front end's loop turns in milliseconds, and a task, a flush and a future's
+        callbacks were one turn each. Returns what tells the engine it may drop the frame
+        (every caller went away); its slots stay lent until the engine's last word."""
+        link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
+        pieces = split_frame(frame, link.max_batch(frame.model, frame.version))
+        answers = Pieces(deliver, link.label, len(pieces))
+        numbers = []
+        for index, piece in enumerate(pieces):
+            call, payload = run_call(piece)
+            slots = [part.slot for part in piece.parts if part.slot is not None]
+            then = partial(self._piece_answered, link, answers, index, piece, slots)
+            numbers.append(link.request(call, payload, then))
+            link.in_flight += len(piece.parts)
+            for slot in slots:
+                slot.engine_holds = True  # the engine may read them until the answer arrives
+        if link.writer is not None:
+            link.writer.flush()
+        return partial(cancel_all, link, numbers)
+
+    def _piece_answered(
+        self,
+        link: EngineLink,
+        answers: Pieces,
+        index: int,
+        piece: Frame,
+        slots: Sequence[Slot],
+        outcome: tuple[wire.Reply, bytes] | Exception,
+    ) -> None:
+        link.in_flight -= len(piece.parts)
+        if isinstance(outcome, Exception):
+            self._released(slots, None)
+            answers.add(index, outcome)
+            return
+        reply, data = outcome
+        self._released(slots, reply)
+        try:
+            ran = answered(reply, wire.RanReply)
+            outputs = ran_outputs(piece.parts, ran, data)
+        except Exception as error:
+            answers.add(index, error)
+            return
+        answers.add(index, Ran(ran.model, ran.version, outputs, link.label))
 
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names

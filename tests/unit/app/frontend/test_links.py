@@ -3,11 +3,16 @@ of a load or unload every engine was asked for."""
 
 from __future__ import annotations
 
+import asyncio
+import struct
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from app.errors import NotFound
+from app import wire
+from app.channel import ChannelClosed
+from app.errors import NotFound, Unavailable
 from app.frontend.links import EngineLink, RemoteError, every_engine, merged_index
 
 
@@ -42,3 +47,51 @@ def test_a_call_to_every_engine_is_done_refused_alike_or_said_to_disagree() -> N
     assert some.value.status == 500
     with pytest.raises(ConnectionError):
         every_engine("load of 'm'", two, [None, ConnectionError("gone")])
+
+
+class Recorded:
+    """A link's writer that keeps what is sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, header: bytes, payload: bytes = b"") -> None:
+        self.sent.append(header)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_reply_goes_to_its_handler_as_it_is_read_and_a_closed_link_fails_the_rest() -> None:
+    """A call sent with ``then`` is answered by calling it in the step that reads its reply
+    (with the reply and its payload); the calls still open when the channel ends get the
+    engine's absence (503), once each, and a handler that raises does not stop the reading."""
+    got: dict[str, Any] = {}
+
+    def keep(name: str) -> Any:
+        return lambda outcome: got.setdefault(name, outcome)
+
+    def broken(_: Any) -> None:
+        raise RuntimeError("a bug in a handler")
+
+    async def main() -> None:
+        link = EngineLink("", Path("/tmp/none.sock"))
+        link.writer = Recorded()  # type: ignore[assignment]
+        bad = link.request(wire.Cancel(1), then=broken)
+        answered = link.request(wire.Cancel(2), then=keep("answered"))
+        link.request(wire.Cancel(3), then=keep("open"))
+        reader = asyncio.StreamReader()
+        for number, data in ((bad, b""), (answered, b"rows")):
+            header = wire.encode_answer(number, wire.CANCELLED)
+            reader.feed_data(struct.pack("!II", len(header), len(data)) + header + data)
+        reader.feed_eof()
+        with pytest.raises(ChannelClosed):  # the end of the stream: the engine went away
+            await link.read_replies(reader)
+        assert link.then == {} and link.waiting == {}
+
+    asyncio.run(main())
+    assert got["answered"] == (wire.CANCELLED, b"rows")
+    assert isinstance(got["open"], Unavailable) and got["open"].status == 503

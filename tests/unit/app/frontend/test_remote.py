@@ -428,6 +428,84 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
             np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
 
 
+def test_a_frame_leaves_in_its_sending_turn_and_its_requests_go_on_the_turn_after_its_reply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front end's loop under load turns in milliseconds, so each turn between a request
+    and the engine is latency. Three requests of one turn, gathered, reach the socket in
+    the turn their frame is sent (not after a task and a flush of their own), and resume
+    in the turn after the front end reads the engine's reply (not after a shield's and a
+    task's callbacks); each gets its own rows (the tiny model, a real engine server)."""
+    settings = tiny_repository(tmp_path, 64)
+    control = tmp_path / "engine.sock"
+    written_while_sending: list[bool] = []
+    turns_after_reply: list[int] = []
+    since_reply = [0]
+    decode_answer = wire.decode_answer
+
+    def count_turns() -> None:  # one a turn of the loop, from the reply's turn on
+        since_reply[0] += 1
+        if since_reply[0] < 10:
+            asyncio.get_running_loop().call_soon(count_turns)
+
+    def decoded(header: bytes) -> Any:
+        answer = decode_answer(header)
+        if isinstance(answer.reply, wire.RanReply):
+            since_reply[0] = 0
+            asyncio.get_running_loop().call_soon(count_turns)
+        return answer
+
+    monkeypatch.setattr(wire, "decode_answer", decoded)  # the front end's reading of a reply
+
+    async def main() -> list[np.ndarray]:
+        engine = LocalEngine(settings)
+        await engine.start()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        remote = RemoteEngine(settings, [("", control)])
+        front = DataPlane(settings, remote, across=True)
+        await front.start()
+        contract = await remote.contract("tiny", None)
+        link = remote._links[0]
+        assert link.writer is not None
+        writes: list[int] = []
+        transport_write = link.writer.writer.write
+
+        def write(data: Any) -> None:
+            writes.append(len(data))
+            transport_write(data)
+
+        link.writer.writer.write = write  # type: ignore[method-assign]
+        send_all = front.gatherer._send_all
+
+        def sending() -> None:
+            before = len(writes)
+            send_all()
+            written_while_sending.append(len(writes) > before)
+
+        front.gatherer._send_all = sending  # type: ignore[method-assign]
+
+        async def one(rows: int) -> np.ndarray:
+            x = np.full((rows, 4), float(rows), np.float32)
+            part = Part({"x": x}, rows, [RequestedOutput("y", True)])
+            _, outputs = await front.gatherer.run(contract, part, None, 0, "c")
+            turns_after_reply.append(since_reply[0])
+            return outputs[0][1]
+
+        try:
+            return list(await asyncio.gather(*(one(rows) for rows in (1, 2, 3))))
+        finally:
+            await front.stop()
+            server.close()
+            await engine.stop()
+
+    answers = asyncio.run(main())
+    assert written_while_sending == [True]  # one frame, on the socket as it was sent
+    assert turns_after_reply == [1, 1, 1]
+    for rows, y in zip((1, 2, 3), answers, strict=True):
+        x = np.full((rows, 4), float(rows), np.float32)
+        np.testing.assert_allclose(y, x @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
+
+
 def test_timeouts_within_a_percent_share_a_frame_under_the_shortest(tmp_path: Path) -> None:
     """gRPC deadlines reach the plane as what is left of them, a different figure for each
     call: requests of one turn whose timeouts fall in one class (classes a factor of 1.01
@@ -556,6 +634,9 @@ class Open:
     def is_closing(self) -> bool:
         return False
 
+    def flush(self) -> None:
+        pass
+
 
 def state(queued: int, *serving: tuple[str, str, int]) -> wire.EngineState:
     return wire.EngineState(True, True, queued, tuple(wire.Serving(*s) for s in serving))
@@ -668,7 +749,7 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
     sent: list[tuple[EngineLink, int]] = []
 
     def capture(link: EngineLink) -> Any:
-        def request(call: wire.Call, payload: bytes = b"") -> int:
+        def request(call: wire.Call, payload: bytes = b"", then: Any = None) -> int:
             assert isinstance(call, wire.Run)
             rows = [item.rows for item in call.items]
             sent.append((link, sum(rows)))
@@ -678,9 +759,9 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
                 ref = wire.TensorRef("y", "FP32", (n, 1), len(data), y.nbytes)
                 items.append(wire.ItemReply((ref,), False))
                 data += y.tobytes()
-            future = asyncio.get_running_loop().create_future()
-            future.set_result((wire.RanReply("m", "fp16", tuple(items)), data))
-            link.waiting[len(sent)] = future
+            reply = (wire.RanReply("m", "fp16", tuple(items)), data)
+            assert then is not None  # a frame's reply is handed over as it is read
+            asyncio.get_running_loop().call_soon(then, reply)  # as the link's reader would
             return len(sent)
 
         return request
