@@ -35,7 +35,7 @@ url=http://127.0.0.1:$port
 repo=/tmp/stoker-repo-b1
 warmup=1.5
 duration=${DURATION:-6}
-export STOKER_STORE__PATH=/tmp/stoker-store-b1
+export STOKER_STORE__PATH=${STORE:-/tmp/stoker-store-b1}
 python3 scripts/gpu_repo.py "$repo" --compile default >"$work/repo.log" 2>&1
 
 descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
