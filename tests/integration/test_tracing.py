@@ -665,3 +665,45 @@ def test_tritons_metric_names_move_with_stokers_through_the_front_ends(traced: T
     assert after[0] == after[1] and after[2] == after[3] and after[2] - before[2] == 3
     text = httpx.get(f"{traced.server.url}/metrics").text
     assert "_created" not in text
+
+
+def test_console_spans_are_one_export_a_line_and_give_each_requests_stages(
+    tmp_path: Path,
+) -> None:
+    """``OTEL_TRACES_EXPORTER=console`` with two front ends and the engine writing to one
+    output: every line of spans parses whole, and ``scripts/span_budget.py`` finds each
+    request's stages across the processes (the engine's spans joined to the front end's, the
+    run through the batch it linked), each within its request's span."""
+    from scripts.span_budget import STAGES, budgets, spans_of
+
+    repo = tmp_path / "repository"
+    (repo / "tiny").mkdir(parents=True)
+    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
+    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    env = {
+        "STOKER_SERVER__FRONT_ENDS": "2",
+        "STOKER_SERVER__GRPC_PORT": "0",
+        "OTEL_TRACES_EXPORTER": "console",
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_BSP_SCHEDULE_DELAY": "50",
+    }
+    server = start_server(repo, tmp_path / "server.log", env)
+    try:
+        with httpx.Client(timeout=30) as client:
+            for _ in range(12):
+                infer(client, server, "tiny", {})
+    finally:
+        assert stop_server(server) == 0  # the exporters flush as each process stops
+    lines = [
+        line for line in server.log.read_text().splitlines() if line.startswith('{"resourceSpans"')
+    ]
+    spans = list(spans_of(lines))  # a line cut by another process's would not parse
+    assert len(spans) >= 12 * 9 and {s.process for s in spans} == {"front-end", "engine"}
+    found, facts = budgets(spans, name="infer")
+    assert facts["requests"] == 12 and facts["batches"] >= 1
+    for stage in STAGES:
+        if "compute" not in stage:  # the ONNX Runtime runner times no compute parts
+            assert len(found[stage]) == 12, stage
+    request = found["request (front end, first byte to answer)"]
+    for stage in ("engine call", "  queue (batcher)", "  run (runner)"):
+        assert all(0 <= part <= whole for part, whole in zip(found[stage], request, strict=True))
