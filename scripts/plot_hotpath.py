@@ -46,7 +46,7 @@ def main(folder: Path, target: Path) -> None:
     bars = []
     for tree in [t for t in trees if t != "pool"]:
         for name in ("target", "naive"):
-            for c, r, p in steps(folder / f"{tree}_u8_rows1.json", name):
+            for _, r, p in steps(folder / f"{tree}_u8_rows1.json", name):
                 bars.append((f"{tree}" if name == "target" else "naive", r, p))
     one.bar([b[0] for b in bars], [b[1] for b in bars], color="tab:blue")
     for i, (_, r, p) in enumerate(bars):

@@ -64,7 +64,8 @@ def spans_of(lines: Iterable[str | bytes]) -> Iterator[Span]:
     are skipped, as is a line cut short)."""
     for line in lines:
         text = line.strip()
-        if not text.startswith(b'{"resourceSpans"' if isinstance(text, bytes) else '{"resourceSpans"'):
+        start = b'{"resourceSpans"' if isinstance(text, bytes) else '{"resourceSpans"'
+        if not text.startswith(start):  # type: ignore[arg-type]
             continue
         try:
             export = orjson.loads(text)
@@ -146,13 +147,15 @@ def budgets(
         engine = next((s for s in children.get(call.span_id, ()) if s.name == "engine"), None)
         if engine is None:
             continue
-        found["  to the engine (gather, cross, pick up)"].append((engine.start_ns - call.start_ns) / 1000)
+        there = (engine.start_ns - call.start_ns) / 1000
+        found["  to the engine (gather, cross, pick up)"].append(there)
         found["  back to the front end"].append((call.end_ns - engine.end_ns) / 1000)
         queue = next((s for s in children.get(engine.span_id, ()) if s.name == "queue"), None)
         if queue is not None:
             found["  queue (batcher)"].append(queue.us)
         batch = by_id.get(engine.batch_link or "")
-        run = next((s for s in children.get(batch.span_id, ()) if s.name == "run"), None) if batch else None
+        runs = children.get(batch.span_id, []) if batch is not None else []
+        run = next((s for s in runs if s.name == "run"), None)
         if batch is not None and run is not None:
             batches[batch.span_id] = batch
             found["  run (runner)"].append(run.us)
