@@ -19,6 +19,7 @@ import yaml
 from PIL import Image
 
 from app.contract import Frame, Part, batch_key, validate_inputs
+from app.engine.local import LocalEngine
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Reloaded, Unavailable
 from app.frontend.gathering import again_if_reloaded
 from app.frontend.plane import DataPlane
@@ -31,6 +32,12 @@ from tests.conftest import TINY_BIAS, TINY_WEIGHTS, configure, slow_onnx, tiny_o
 T = TypeVar("T")
 IMAGE = TensorSpec("input", "FP32", (3, 224, 224))
 SPEC = ModelSpec("m", (IMAGE,), (TensorSpec("logits", "FP32", (10,)),), max_batch_size=8)
+
+
+def local(plane: DataPlane) -> LocalEngine:
+    """The engine in this process that the plane's frames go to (``embedded``)."""
+    assert isinstance(plane.client, LocalEngine)
+    return plane.client
 
 
 def v2_body(x: np.ndarray, **extra: Any) -> bytes:
@@ -194,11 +201,11 @@ def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_che
         after = await plane.client.contract("tiny")
         wanted = [RequestedOutput("y", True)]
         fits = Frame("tiny", "fp32", [Part({"x": two}, 2, wanted)], None, 0, "", before.serial)
-        ran = await plane.client.run(fits)
+        ran = await local(plane).run(fits)
         np.testing.assert_allclose(ran.outputs[0][0][1], two @ TINY_WEIGHTS + TINY_BIAS, rtol=1e-5)
         stale = Frame("tiny", "fp32", [Part({"x": six}, 6, wanted)], None, 0, "", before.serial)
         with pytest.raises(Reloaded):
-            await plane.client.run(stale)
+            await local(plane).run(stale)
         with pytest.raises(BadRequest, match="the model takes 1 to 4"):
             await plane.infer("tiny", None, v2_body(six), None)
         attempts: list[str] = []
@@ -402,7 +409,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
         plane.gatherer.frames_in_flight = limit
         frames: list[tuple[int, Any]] = []  # each frame's requests and its earliest arrival
         gate = asyncio.Event()
-        real = plane.client.run
+        real = local(plane).run
 
         async def held(frame: Frame) -> Any:
             frames.append((len(frame.parts), min(p.arrived or math.inf for p in frame.parts)))
@@ -410,7 +417,7 @@ def test_requests_arriving_one_a_turn_gather_while_frames_of_their_key_are_in_fl
                 await gate.wait()
             return await real(frame)
 
-        plane.client.run = held  # type: ignore[method-assign]
+        local(plane).run = held  # type: ignore[method-assign]
         first = v2_body(rows[0], **timeout)
         tasks = [asyncio.create_task(plane.infer("tiny", None, first, None))]
         for _ in range(1000):
@@ -475,7 +482,7 @@ def test_a_held_frame_goes_after_a_tenth_of_its_soonest_timeout(
         plane.gatherer.frames_in_flight = 1
         frames: list[int] = []
         gate = asyncio.Event()
-        real = plane.client.run
+        real = local(plane).run
 
         async def held(frame: Frame) -> Any:
             frames.append(len(frame.parts))
@@ -483,7 +490,7 @@ def test_a_held_frame_goes_after_a_tenth_of_its_soonest_timeout(
                 await gate.wait()
             return await real(frame)
 
-        plane.client.run = held  # type: ignore[method-assign]
+        local(plane).run = held  # type: ignore[method-assign]
         first = asyncio.create_task(plane.infer("tiny", None, v2_body(rows[0], **timeout), None))
         for _ in range(1000):
             if frames:
