@@ -170,15 +170,19 @@ def hold(gathering: Gathering, send: Callable[[], None]) -> asyncio.TimerHandle:
     return asyncio.get_running_loop().call_at(held_until(gathering.timeout_us), send)
 
 
-async def again_if_reloaded(attempt: Callable[[], Awaitable[T]]) -> T:
-    """``attempt()``, and once more if a reload switched the model's contract under it
-    (``app.errors.Reloaded``: nothing ran, the client's cached contract is dropped)."""
+async def again_if_reloaded(
+    attempt: Callable[[], Awaitable[T]], again: Callable[[], Awaitable[T]] | None = None
+) -> T:
+    """``attempt()``; if a reload switched the model's contract under it
+    (``app.errors.Reloaded``: nothing ran, the client's cached contract is dropped),
+    ``again()`` once (by default the same attempt: what is sent as it came), whose own
+    refusal stands. The one retry of a reloaded contract, for every path."""
     try:
         return await attempt()
     except StokerError as error:
         if error.reason != Reloaded.reason:
             raise
-    return await attempt()
+    return await (again or attempt)()
 
 
 class Gatherer:

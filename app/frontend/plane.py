@@ -26,6 +26,7 @@ from app.contract import (
     Classified,
     Contract,
     Part,
+    Ran,
     Raw,
     Slot,
     checked,
@@ -37,6 +38,7 @@ from app.drain import Drain
 from app.errors import NotFound, Reloaded, StokerError, client_text
 from app.frontend.client import EngineClient
 from app.frontend.gathering import Gatherer, again_if_reloaded
+from app.frontend.packing import Shaped
 from app.frontend.upload_rows import RowMaker
 from app.image_header import screen_upload
 from app.metrics import http_refused
@@ -290,26 +292,21 @@ class DataPlane:
                 request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived, traceparent
             )
             schedule = (request.timeout_us, request.priority, client)
+
+            async def rechecked() -> tuple[Ran, Shaped]:
+                # Nothing ran. Checked again from what was decoded, not from the body: a
+                # remote client may have copied its tensors over it in its slot.
+                nonlocal contract
+                contract = await self.client.contract(name, version)
+                again = checked(contract, request)
+                part = Part(
+                    request.inputs, again.rows, again.wanted, slot, len(body), arrived, traceparent
+                )
+                return await self.gatherer.run(contract, part, *schedule)
+
             try:
-                try:
-                    ran, shaped = await self.gatherer.run(contract, part, *schedule)
-                except StokerError as error:
-                    if error.reason != Reloaded.reason:
-                        raise
-                    # Nothing ran. Checked again from what was decoded, not from the body: a
-                    # remote client may have copied its tensors over it in its slot.
-                    contract = await self.client.contract(name, version)
-                    again = checked(contract, request)
-                    part = Part(
-                        request.inputs,
-                        again.rows,
-                        again.wanted,
-                        slot,
-                        len(body),
-                        arrived,
-                        traceparent,
-                    )
-                    ran, shaped = await self.gatherer.run(contract, part, *schedule)
+                first = partial(self.gatherer.run, contract, part, *schedule)
+                ran, shaped = await again_if_reloaded(first, rechecked)
             except StokerError as error:
                 self._count(contract, error, started)
                 raise
@@ -393,8 +390,8 @@ class DataPlane:
         reloaded (nothing ran) and made once more with the contract asked again. A refusal
         here (not an image, too large) is counted here (``_count``): no engine saw it."""
         started = time.perf_counter()
-        reloaded = False
-        while True:
+
+        async def attempt(contract: Contract) -> tuple[Classified, int, bool]:
             model, version, prep = contract.model, contract.version, contract.row_preprocess
             if prep is None:  # the engine decodes this model's uploads itself now
                 if trace is not None:
@@ -414,13 +411,10 @@ class DataPlane:
             if trace is not None:
                 trace.stage("engine call")
             traceparent = None if trace is None else trace.traceparent
-            try:
-                gathered = self.gatherer.classify(
-                    model, version, rows, k, client, prep, traceparent
-                )
-                return *await gathered, True
-            except StokerError as error:
-                if error.reason != Reloaded.reason or reloaded:
-                    raise
-            reloaded = True
-            contract = await self.client.contract(model, version)
+            gathered = self.gatherer.classify(model, version, rows, k, client, prep, traceparent)
+            return *await gathered, True
+
+        async def made_again() -> tuple[Classified, int, bool]:
+            return await attempt(await self.client.contract(contract.model, contract.version))
+
+        return await again_if_reloaded(partial(attempt, contract), made_again)
