@@ -198,7 +198,7 @@ class Gatherer:
         self._uploads: dict[tuple[Any, ...], UploadGathering] = {}
         self._flush_scheduled = False
         self._in_flight: dict[tuple[Any, ...], int] = {}
-        """Frames running in the engine client (from the start of ``_run``), by key."""
+        """Frames sent to the engine client and not answered yet, by key."""
         self.frames_sent = 0
         """Frames (and upload calls) sent to the engine client, and the requests in them:
         their ratio is how well requests gather (``log_totals``)."""
@@ -278,7 +278,7 @@ class Gatherer:
             ):
                 self._send(key)
             elif gathering.held is None:
-                # It gathers on until a frame of its key is answered (``_run``), it holds
+                # It gathers on until a frame of its key is answered (``_answered``), it holds
                 # enough rows, or MAX_HOLD_S has passed.
                 gathering.held = hold(gathering, partial(self._send_held, key, gathering))
         for key in list(self._uploads):
@@ -338,14 +338,14 @@ class Gatherer:
     ) -> None:
         """A frame's answer (or error) to its requests. It was counted in flight from its
         sending; the frame held back for its key, if any, goes at the end of this turn."""
-        left = self._in_flight[key] - 1
-        if left:
+        callers.deliver(outcome)
+        left = self._in_flight.get(key, 0) - 1
+        if left > 0:
             self._in_flight[key] = left
         else:
-            del self._in_flight[key]
+            self._in_flight.pop(key, None)
         if key in self._gatherings:
             self._flush_soon()
-        callers.deliver(outcome)
 
     async def classify(
         self,

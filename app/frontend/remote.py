@@ -478,17 +478,26 @@ class RemoteEngine:
         link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
         pieces = split_frame(frame, link.max_batch(frame.model, frame.version))
         answers = Pieces(deliver, link.label, len(pieces))
-        numbers = []
-        for index, piece in enumerate(pieces):
-            call, payload = run_call(piece)
-            slots = [part.slot for part in piece.parts if part.slot is not None]
-            then = partial(self._piece_answered, link, answers, index, piece, slots)
-            numbers.append(link.request(call, payload, then))
-            link.in_flight += len(piece.parts)
-            for slot in slots:
-                slot.engine_holds = True  # the engine may read them until the answer arrives
-        if link.writer is not None:
-            link.writer.flush()
+        numbers: list[int] = []
+        try:
+            for index, piece in enumerate(pieces):
+                call, payload = run_call(piece)
+                slots = [part.slot for part in piece.parts if part.slot is not None]
+                then = partial(self._piece_answered, link, answers, index, piece, slots)
+                numbers.append(link.request(call, payload, then))
+                link.in_flight += len(piece.parts)
+                for slot in slots:
+                    slot.engine_holds = True  # the engine may read them until it answers
+            if link.writer is not None:
+                link.writer.flush()
+        except Exception as error:
+            if not numbers:
+                raise  # nothing was sent: the caller answers its requests with it
+            # Some pieces went: they are dropped and answered; the rest fail with this, and
+            # the frame's requests get it once every piece is accounted for.
+            cancel_all(link, numbers)
+            for index in range(len(numbers), len(pieces)):
+                answers.add(index, error)
         return partial(cancel_all, link, numbers)
 
     def _piece_answered(

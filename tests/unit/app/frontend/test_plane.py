@@ -18,7 +18,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from app.contract import Frame, Part, batch_key, validate_inputs
+from app.contract import Contract, Frame, Part, batch_key, validate_inputs
 from app.engine.local import LocalEngine
 from app.errors import BadRequest, DeadlineExceeded, NotFound, Reloaded, Unavailable
 from app.frontend.gathering import again_if_reloaded
@@ -208,6 +208,19 @@ def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_che
             await local(plane).run(stale)
         with pytest.raises(BadRequest, match="the model takes 1 to 4"):
             await plane.infer("tiny", None, v2_body(six), None)
+        # A contract cached before the reload (as a front end's is): decoded against it, the
+        # request is refused as reloaded by the engine and checked against the new one.
+        real, asked = local(plane).contract, []
+
+        async def cached(name: str | None, version: str | None = None) -> Contract:
+            asked.append(name)
+            return before if len(asked) == 1 else await real(name, version)
+
+        local(plane).contract = cached  # type: ignore[method-assign]
+        with pytest.raises(BadRequest, match="the model takes 1 to 4"):
+            await plane.infer("tiny", None, v2_body(six), None)
+        assert asked == ["tiny", "tiny"]
+        local(plane).contract = real  # type: ignore[method-assign]
         attempts: list[str] = []
 
         async def attempt() -> str:
@@ -216,10 +229,48 @@ def test_a_request_decoded_against_a_replaced_contract_runs_if_it_fits_or_is_che
                 raise Reloaded("reloaded")
             return "answered"
 
+        async def refused() -> str:
+            attempts.append("sent")
+            raise Reloaded("reloaded")
+
+        async def again() -> str:
+            attempts.append("made again")
+            raise Reloaded("reloaded again")
+
         assert await again_if_reloaded(attempt) == "answered"
+        with pytest.raises(Reloaded, match="again"):  # the second refusal stands
+            await again_if_reloaded(refused, again)
         return before.spec.max_batch_size, after.spec.max_batch_size, attempts
 
-    assert with_plane(tiny_repo, scenario, "explicit") == (8, 4, ["sent", "sent"])
+    assert with_plane(tiny_repo, scenario, "explicit") == (
+        8,
+        4,
+        ["sent", "sent", "sent", "made again"],
+    )
+
+
+def test_a_frame_cancelled_before_its_first_step_is_still_answered(tiny_repo: Path) -> None:
+    """Every caller of a frame left before the task that runs it took a step: its answer
+    is still delivered, once (503), so the gathering's count of frames in flight comes down
+    and nobody waits on it."""
+    two = np.ones((2, 4), np.float32)
+
+    async def scenario(plane: DataPlane) -> list[Any]:
+        contract = await plane.client.contract("tiny")
+        part = Part({"x": two}, 2, [RequestedOutput("y", True)])
+        frame = Frame("tiny", "fp32", [part], None, 0, "", contract.serial)
+        delivered: list[Any] = []
+        stop = plane.client.submit(frame, delivered.append)
+        stop()
+        for _ in range(100):
+            if delivered:
+                break
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)  # nothing more comes
+        return delivered
+
+    (answer,) = with_plane(tiny_repo, scenario)
+    assert isinstance(answer, Unavailable)
 
 
 def test_metadata_and_config_describe_the_served_model(tiny_repo: Path) -> None:

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from app import wire
-from app.contract import Contract, Part, decode_infer
+from app.contract import Contract, Frame, Part, decode_infer
 from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
 from app.errors import BadRequest, NotImplementedHere, Unavailable
@@ -790,6 +790,50 @@ def test_a_frame_gathers_no_more_rows_than_its_engine_takes(tmp_path: Path) -> N
         assert sent and all(rows <= 64 for _, rows in sent)
         assert sum(rows for _, rows in sent) == 120
         assert {link for link, _ in sent} == {small}
+    finally:
+        front.arena.close()
+
+
+def test_a_frame_whose_second_piece_cannot_be_sent_fails_once_its_first_is_answered(
+    tmp_path: Path,
+) -> None:
+    """A frame of three 40-row requests crosses as three pieces (the engine takes 64 rows).
+    The second cannot be sent (a header the channel refuses): the first, already sent, is
+    cancelled and still waited for; once the engine answers it, the frame's requests get the
+    error, once, and nothing is left counted in flight."""
+    from app.channel import FrameTooLarge
+
+    front, small, large = shrunk_engines(tmp_path)
+    large.state = state(0, ("m", "fp16", 64))
+    sent: list[Any] = []
+    cancelled: list[int] = []
+    delivered: list[Any] = []
+
+    def request(call: wire.Call, payload: bytes = b"", then: Any = None) -> int:
+        if sent:
+            raise FrameTooLarge(2 << 20)
+        sent.append(then)
+        return 7
+
+    for link in (small, large):
+        link.request = request  # type: ignore[method-assign]
+        link.cancel = cancelled.append  # type: ignore[method-assign,assignment]
+
+    def part() -> Part:
+        inputs: dict[str, np.ndarray] = {
+            "a": np.zeros((40, 4), np.float32),
+            "b": np.zeros((40, 2), np.int64),
+        }
+        return Part(inputs, 40, [RequestedOutput("y", True)])
+
+    frame = Frame("m", "fp16", [part(), part(), part()], None, 0, "c", 1)
+    try:
+        front.submit(frame, delivered.append)
+        assert len(sent) == 1 and cancelled == [7] and delivered == []
+        sent[0]((wire.CANCELLED, b""))  # the engine's word on the first piece
+        (error,) = delivered
+        assert isinstance(error, FrameTooLarge)
+        assert small.in_flight == 0 and large.in_flight == 0
     finally:
         front.arena.close()
 
