@@ -94,7 +94,7 @@ class LocalEngine:
         """API keys are set: the front ends let only key holders reach model control."""
         self.failed: BaseException | None = None
         """Why loading failed, in an engine process (``app.child.watch_loading``)."""
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         """Loads and unloads in progress (they finish when their caller leaves) and poll
         mode's watch of the repository."""
 
@@ -367,21 +367,30 @@ class LocalEngine:
     def submit(
         self, frame: Frame, deliver: Callable[[Ran | Exception], None]
     ) -> Callable[[], object]:
-        """``run`` in a task of its own, whose end hands ``deliver`` the answer or the error
-        (503 where it was cancelled, even before its first step: every caller went away, or
-        the engine stops); what it returns cancels it."""
+        """``run`` in a task of its own, which hands ``deliver`` the answer or the error in
+        the step it ends (503 where it was cancelled: every caller went away, or the engine
+        stops; also before its first step, from the task's end); what it returns cancels it."""
+        delivered = False
 
-        def ended(task: asyncio.Task[Ran]) -> None:
-            error = None if task.cancelled() else task.exception()
-            if task.cancelled() or not isinstance(error, Exception | None):
-                deliver(Unavailable("the engine is stopping"))
-            else:
-                deliver(task.result() if error is None else error)
+        def once(outcome: Ran | Exception) -> None:
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                deliver(outcome)
 
-        task = asyncio.create_task(self.run(frame))
-        task.add_done_callback(ended)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        async def answer() -> None:
+            try:
+                ran = await self.run(frame)
+            except asyncio.CancelledError:
+                once(Unavailable("the engine is stopping"))
+                raise
+            except Exception as error:
+                once(error)
+                return
+            once(ran)
+
+        task = self._keep(asyncio.create_task(answer()))
+        task.add_done_callback(lambda _: once(Unavailable("the engine is stopping")))
         return task.cancel
 
     async def run(self, frame: Frame) -> Ran:
