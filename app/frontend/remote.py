@@ -21,8 +21,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from app.channel import ChannelClosed
 from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads, draining
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.frontend.arena import Arena, ArenaShare
+from app.frontend.frames import send_frame
 from app.frontend.links import (
     EngineLink,
     Epoch,
@@ -42,13 +41,7 @@ from app.frontend.links import (
     every_engine,
     merged_index,
 )
-from app.frontend.packing import (
-    classified_answers,
-    classify_call,
-    ran_outputs,
-    run_call,
-    split_frame,
-)
+from app.frontend.packing import classified_answers, classify_call
 from app.frontend.poll import Poller
 from app.frontend.totals import labelled_metrics, merged_statistics
 from app.metrics import http_refused
@@ -57,39 +50,6 @@ from app.settings import Settings
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 600.0
 RECONNECT_S = 0.5
-
-
-@dataclass(eq=False)
-class Pieces:
-    """The answers to a frame's pieces (``split_frame``), delivered as one ``Ran`` once
-    the last is in, or as the first error."""
-
-    deliver: Callable[[Ran | Exception], None]
-    label: str
-    left: int
-    ran: dict[int, Ran] = field(default_factory=dict)
-    error: Exception | None = None
-
-    def add(self, index: int, outcome: Ran | Exception) -> None:
-        if isinstance(outcome, Exception):
-            self.error = self.error or outcome
-        else:
-            self.ran[index] = outcome
-        self.left -= 1
-        if self.left:
-            return
-        if self.error is not None:
-            self.deliver(self.error)
-            return
-        ran = [self.ran[i] for i in sorted(self.ran)]
-        outputs = [one for each in ran for one in each.outputs]
-        self.deliver(Ran(ran[0].model, ran[0].version, outputs, self.label))
-
-
-def cancel_all(link: EngineLink, numbers: Sequence[int]) -> None:
-    """Tell the engine it may drop these calls: nobody waits for them any more."""
-    for number in numbers:
-        link.cancel(number)
 
 
 class RemoteEngine:
@@ -476,53 +436,7 @@ class RemoteEngine:
         callbacks were one turn each. Returns what tells the engine it may drop the frame
         (every caller went away); its slots stay lent until the engine's last word."""
         link = self._choose(frame.model, frame.version, max(part.rows for part in frame.parts))
-        pieces = split_frame(frame, link.max_batch(frame.model, frame.version))
-        answers = Pieces(deliver, link.label, len(pieces))
-        numbers: list[int] = []
-        try:
-            for index, piece in enumerate(pieces):
-                call, payload = run_call(piece)
-                slots = [part.slot for part in piece.parts if part.slot is not None]
-                then = partial(self._piece_answered, link, answers, index, piece, slots)
-                numbers.append(link.request(call, payload, then))
-                link.in_flight += len(piece.parts)
-                for slot in slots:
-                    slot.engine_holds = True  # the engine may read them until it answers
-            if link.writer is not None:
-                link.writer.flush()
-        except Exception as error:
-            if not numbers:
-                raise  # nothing was sent: the caller answers its requests with it
-            # Some pieces went: they are dropped and answered; the rest fail with this, and
-            # the frame's requests get it once every piece is accounted for.
-            cancel_all(link, numbers)
-            for index in range(len(numbers), len(pieces)):
-                answers.add(index, error)
-        return partial(cancel_all, link, numbers)
-
-    def _piece_answered(
-        self,
-        link: EngineLink,
-        answers: Pieces,
-        index: int,
-        piece: Frame,
-        slots: Sequence[Slot],
-        outcome: tuple[wire.Reply, bytes] | Exception,
-    ) -> None:
-        link.in_flight -= len(piece.parts)
-        if isinstance(outcome, Exception):
-            self._released(slots, None)
-            answers.add(index, outcome)
-            return
-        reply, data = outcome
-        self._released(slots, reply)
-        try:
-            ran = answered(reply, wire.RanReply)
-            outputs = ran_outputs(piece.parts, ran, data)
-        except Exception as error:
-            answers.add(index, error)
-            return
-        answers.add(index, Ran(ran.model, ran.version, outputs, link.label))
+        return send_frame(link, frame, deliver, self._released)
 
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names

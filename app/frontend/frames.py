@@ -1,0 +1,118 @@
+"""A frame's crossing to one engine process: its pieces sent in the turn it is sent, and
+their replies handed back in the turn each is read.
+
+A frame larger than the engine takes goes as pieces (``packing.split_frame``), each one call
+on the link (``EngineLink.request`` with a callback, not a future: no task wakes up between
+the reply and the frame's requests). Each piece's slots stay lent until the engine's last
+word on it; the frame is answered once every piece is, with its outputs in order or its
+first error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+from app import wire
+from app.contract import Frame, Ran, Slot
+from app.frontend.links import EngineLink, answered
+from app.frontend.packing import ran_outputs, run_call, split_frame
+
+Released = Callable[[Sequence[Slot], wire.Reply | None], None]
+"""What the engine client does at the engine's last word on a call: its slots given back,
+its reply (None where the link went away) looked at."""
+
+
+@dataclass(eq=False)
+class Pieces:
+    """The answers to a frame's pieces, delivered as one ``Ran`` once the last is in, or as
+    the first error."""
+
+    deliver: Callable[[Ran | Exception], None]
+    label: str
+    left: int
+    ran: dict[int, Ran] = field(default_factory=dict)
+    error: Exception | None = None
+
+    def add(self, index: int, outcome: Ran | Exception) -> None:
+        if isinstance(outcome, Exception):
+            self.error = self.error or outcome
+        else:
+            self.ran[index] = outcome
+        self.left -= 1
+        if self.left:
+            return
+        if self.error is not None:
+            self.deliver(self.error)
+            return
+        ran = [self.ran[i] for i in sorted(self.ran)]
+        outputs = [one for each in ran for one in each.outputs]
+        self.deliver(Ran(ran[0].model, ran[0].version, outputs, self.label))
+
+
+def send_frame(
+    link: EngineLink,
+    frame: Frame,
+    deliver: Callable[[Ran | Exception], None],
+    released: Released,
+) -> Callable[[], None]:
+    """Send ``frame`` over ``link`` now (its bytes written in this turn), split into pieces
+    of at most the engine's max batch; ``deliver`` gets its answer or error once. Returns
+    what tells the engine it may drop the pieces (every caller went away). Raises where
+    nothing could be sent; where a later piece cannot be, those sent are dropped and the
+    frame fails with that error once they are answered."""
+    pieces = split_frame(frame, link.max_batch(frame.model, frame.version))
+    answers = Pieces(deliver, link.label, len(pieces))
+    numbers: list[int] = []
+    try:
+        for index, piece in enumerate(pieces):
+            call, payload = run_call(piece)
+            slots = [part.slot for part in piece.parts if part.slot is not None]
+            then = partial(piece_answered, link, answers, index, piece, slots, released)
+            numbers.append(link.request(call, payload, then))
+            link.in_flight += len(piece.parts)
+            for slot in slots:
+                slot.engine_holds = True  # the engine may read them until it answers
+        if link.writer is not None:
+            link.writer.flush()
+    except Exception as error:
+        if not numbers:
+            raise  # nothing was sent: the caller answers its requests with it
+        cancel_all(link, numbers)
+        for index in range(len(numbers), len(pieces)):
+            answers.add(index, error)
+    return partial(cancel_all, link, numbers)
+
+
+def piece_answered(
+    link: EngineLink,
+    answers: Pieces,
+    index: int,
+    piece: Frame,
+    slots: Sequence[Slot],
+    released: Released,
+    outcome: tuple[wire.Reply, bytes] | Exception,
+) -> None:
+    """The engine's reply to one piece (or the link's end): its slots released, its
+    requests' outputs read from them or the reply's payload."""
+    link.in_flight -= len(piece.parts)
+    if isinstance(outcome, Exception):
+        released(slots, None)
+        answers.add(index, outcome)
+        return
+    reply, data = outcome
+    released(slots, reply)
+    try:
+        ran = answered(reply, wire.RanReply)
+        outputs = ran_outputs(piece.parts, ran, data)
+    except Exception as error:
+        answers.add(index, error)
+        return
+    answers.add(index, Ran(ran.model, ran.version, outputs, link.label))
+
+
+def cancel_all(link: EngineLink, numbers: Sequence[int]) -> None:
+    """Tell the engine it may drop these calls: nobody waits for them any more."""
+    for number in numbers:
+        link.cancel(number)
