@@ -1,6 +1,7 @@
 """The load generator: client worker processes that run timed steps against one target.
 
-A target is a V2 server over HTTP (aiohttp, one connection per concurrent client), over gRPC
+A target is a V2 server over HTTP (``bench.http_wire``'s lean client, or aiohttp's; one
+kept-alive connection per concurrent client), over gRPC
 (``bench.grpc_client``: one channel and connection per request in flight, serialized
 requests sent as they are, answers not parsed, as the HTTP client does with bodies), or
 Stoker's batcher and runner pool loaded in the worker itself (``in-process``: the raw-runner
@@ -38,6 +39,7 @@ import numpy as np
 
 from bench.direct import DirectClient, DirectTarget
 from bench.grpc_client import GrpcClient, GrpcTarget
+from bench.http_wire import RawHttpClient
 from bench.payloads import Payload
 from bench.scrape import ServerStats, step_stats
 
@@ -66,6 +68,8 @@ class HttpTarget:
     url: str
     path: str
     timeout_s: float = 60.0
+    client: Literal["raw", "aiohttp"] = "raw"
+    """Who sends the requests: ``bench.http_wire``'s lean client, or aiohttp's."""
 
 
 @dataclass(frozen=True)
@@ -215,8 +219,15 @@ class HttpClient:
             cookie_jar=aiohttp.DummyCookieJar(),
             auto_decompress=False,
         )
+        self._raw = (
+            RawHttpClient(target.url, target.path, target.timeout_s)
+            if target.client == "raw"
+            else None
+        )
 
     async def send(self, payload: Payload) -> int:
+        if self._raw is not None:
+            return await self._raw.send(payload)
         async with self._session.post(
             self._endpoint, data=payload.body, headers=payload.headers
         ) as response:
@@ -235,6 +246,8 @@ class HttpClient:
             return None
 
     async def close(self) -> None:
+        if self._raw is not None:
+            await self._raw.close()
         await self._session.close()
 
 

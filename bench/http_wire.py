@@ -1,0 +1,118 @@
+"""The bench's lean HTTP/1.1 client: each payload's request bytes made once, written whole to
+a kept-alive connection, and the answer read by its ``Content-Length`` (or chunks).
+
+A general client costs the generator CPU the server is then charged for: aiohttp spent
+about 490 us of the client's CPU a request on a 600 KB V2 body on a 2-core machine, where the
+client shares the cores with the server (this one: about 190 us, BENCHMARKS.md, "The client's
+share"). Triton's perf_analyzer is C++ for the same reason. The answers' bodies are read and
+dropped, as the aiohttp client does; a status other than 2xx is the step's outcome as it is.
+``--http-client aiohttp`` keeps the general client, for a server this one cannot speak to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+from bench.payloads import Payload
+
+READ_LIMIT = 1 << 20
+"""How long a response head may be (asyncio's stream limit)."""
+
+
+class HttpStatusError(Exception):
+    """A response this client cannot read (no status line, no length or chunks)."""
+
+
+class RawHttpClient:
+    """Closed-loop and open-loop clients' requests over a pool of kept-alive connections: a
+    request takes an idle one or opens one, and gives it back once its answer is read."""
+
+    def __init__(self, url: str, path: str, timeout_s: float) -> None:
+        parts = urlsplit(url.rstrip("/") + path)
+        if parts.scheme != "http":
+            raise ValueError(
+                f"the lean client speaks http://, not {parts.scheme}:// (--http-client aiohttp)"
+            )
+        self._host = parts.hostname or "127.0.0.1"
+        self._port = parts.port or 80
+        self._target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._authority = parts.netloc
+        self._timeout_s = timeout_s
+        self._idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self._requests: dict[int, bytes] = {}
+
+    def request(self, payload: Payload) -> bytes:
+        """The payload's request, head and body, made once."""
+        made = self._requests.get(id(payload))
+        if made is None:
+            head = [
+                f"POST {self._target} HTTP/1.1",
+                f"Host: {self._authority}",
+                f"Content-Length: {len(payload.body)}",
+                *(f"{name}: {value}" for name, value in payload.headers.items()),
+            ]
+            made = self._requests[id(payload)] = (
+                "\r\n".join(head) + "\r\n\r\n"
+            ).encode() + payload.body
+        return made
+
+    async def send(self, payload: Payload) -> int:
+        data = self.request(payload)
+        async with asyncio.timeout(self._timeout_s):
+            if self._idle:
+                reader, writer = self._idle.pop()
+            else:
+                reader, writer = await asyncio.open_connection(
+                    self._host, self._port, limit=READ_LIMIT
+                )
+            try:
+                writer.write(data)
+                status, keep = await read_response(reader)
+            except BaseException:
+                writer.close()
+                raise
+        if keep:
+            self._idle.append((reader, writer))
+        else:
+            writer.close()
+        return status
+
+    async def close(self) -> None:
+        for _, writer in self._idle:
+            writer.close()
+        self._idle.clear()
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
+    """One response read whole off ``reader``: its status, and whether the connection may be
+    used again."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status_line = lines[0].split(b" ", 2)
+    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
+        raise HttpStatusError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+    status = int(status_line[1])
+    length: int | None = None
+    chunked = False
+    keep = status_line[0] == b"HTTP/1.1"
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        name = name.strip().lower()
+        if name == b"content-length":
+            length = int(value)
+        elif name == b"transfer-encoding":
+            chunked = b"chunked" in value.lower()
+        elif name == b"connection":
+            keep = b"close" not in value.lower()
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length is not None:
+        await reader.readexactly(length)
+    elif status not in (204, 304) and not 100 <= status < 200:
+        raise HttpStatusError("a response with neither Content-Length nor chunks")
+    return status, keep
