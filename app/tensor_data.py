@@ -81,7 +81,15 @@ def from_json(
     try:
         # A float too large for FP16 or BF16 rounds to infinity, as IEEE conversion does.
         with np.errstate(over="ignore"):
-            return np.array(values, dtype=V2_TO_NUMPY[datatype])
+            try:
+                return np.array(values, dtype=V2_TO_NUMPY[datatype])
+            except TypeError:
+                if datatype != "BF16":
+                    raise
+                # ml_dtypes takes no Python int beyond int64's range (JSON's up to 2**64 - 1
+                # come as ints): such an integer as the float it is, as FP32 reads it.
+                floats = [float(v) for v in values]
+                return np.array(floats, dtype=V2_TO_NUMPY[datatype])
     except OverflowError:
         raise BadRequest(f"input {quote(name)}: a value is out of range for {datatype}") from None
 

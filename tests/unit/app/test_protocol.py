@@ -229,6 +229,19 @@ def test_fp16_and_bf16_accept_json_numbers() -> None:
     assert request.inputs["b"].astype(np.float32).tolist() == [3.0, float(ml_dtypes.bfloat16(-0.1))]
 
 
+def test_bf16_takes_integers_beyond_int64_as_the_floats_they_are() -> None:
+    """JSON integers from 2**63 to 2**64 - 1 reach the decoder as Python ints (orjson), and
+    ml_dtypes converts none past int64: as BF16 they were a TypeError (a 500), found by the
+    fast-path property test. FP32 reads them as the floats they are; so does BF16 now."""
+    for datatype in ("BF16", "FP32"):
+        body = (
+            b'{"inputs": [{"name": "b", "datatype": "%s", "shape": [3], '
+            b'"data": [9223372036854775808, 18446744073709551615, -3]}]}' % datatype.encode()
+        )
+        array = decode_request(body, None, ANY_MODEL).inputs["b"]
+        assert array.astype(np.float64).tolist() == [2.0**63, 2.0**64, -3.0]
+
+
 # Request-level fields.
 
 
