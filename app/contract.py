@@ -226,30 +226,14 @@ element-wise datatypes, an escape that could spell one, and a system shared-memo
 (the engine reads a region's bytes out of its file)."""
 
 
-@dataclass
-class Slot:
-    """A lent piece of a front end's shared-memory arena a request body is read into: at
-    ``offset`` in the arena, ``len(view)`` bytes (``app.frontend.arena``)."""
-
-    offset: int
-    view: memoryview
-    engine_holds: bool = False
-    """Set while an engine may still read it (sent, not answered): not reusable yet."""
-    abandoned: bool = False
-    """Its request went away while an engine held it: given back at the engine's answer."""
-    returned: bool = False
-
-
 @dataclass(frozen=True)
 class Part:
     """One decoded request of those an engine runs together (``Run``): its tensors, rows and
-    wanted outputs, and where a remote client finds its body (its slot, the body's length)."""
+    wanted outputs (a front end's transport may say more of it: ``app.frontend.arena.InSlot``)."""
 
     inputs: dict[str, np.ndarray]
     rows: int
     wanted: Sequence[RequestedOutput]
-    slot: Slot | None = None
-    body_length: int = 0
     arrived: float | None = None
     """When it arrived (``time.monotonic``): its deadline counts from there, decoding and
     the trip to the engine included."""
@@ -275,14 +259,13 @@ class Frame:
 @dataclass(frozen=True)
 class Raw:
     """A V2 body as it came, for the engine to decode (it names shared-memory regions, which
-    the engine holds); ``slot``: where a remote client read it, if anywhere."""
+    the engine holds)."""
 
     name: str
     version: str | None
     body: bytes | bytearray | memoryview
     header_length: int | None
     client: str
-    slot: Slot | None = None
     traceparent: str | None = None
     """Its trace context where it is traced (``app.tracing``)."""
 

@@ -318,7 +318,6 @@ class EngineServer:
                 body,
                 call.header_length,
                 call.client,
-                None,
                 call.traceparent,
             )
         )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.contract import Slot
+from app.contract import Part, Raw
 from app.errors import Unavailable
 from app.tensor_data import pack_tensor
 from app.wire import TensorRef
@@ -24,6 +24,42 @@ from engines.devices import SHM_ROOT
 
 log = logging.getLogger(__name__)
 PAGE = 4096
+
+
+@dataclass
+class Slot:
+    """A lent piece of the arena a request body is read into: at ``offset`` in the arena,
+    ``len(view)`` bytes."""
+
+    offset: int
+    view: memoryview
+    engine_holds: bool = False
+    """Set while an engine may still read it (sent, not answered): not reusable yet."""
+    abandoned: bool = False
+    """Its request went away while an engine held it: given back at the engine's answer."""
+    returned: bool = False
+
+
+@dataclass(frozen=True)
+class InSlot(Part):
+    """A request whose body was read into ``slot`` (``body_length`` bytes of it, its binary
+    tensors views there): an engine process reads them in place (``place_inputs``) and
+    writes the outputs back there. In one process it is a ``Part`` like any other."""
+
+    slot: Slot | None = None
+    body_length: int = 0
+
+
+@dataclass(frozen=True)
+class RawInSlot(Raw):
+    """A V2 body forwarded as it came (``Raw``) that was read into ``slot``."""
+
+    slot: Slot | None = None
+
+
+def slot_of(item: Part | Raw) -> Slot | None:
+    """Where a request's body lies in the arena, if it was read into it."""
+    return item.slot if isinstance(item, InSlot | RawInSlot) else None
 
 
 @dataclass(eq=False)

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
-from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads
+from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Uploads
+from app.frontend.arena import Slot
 
 
 class EngineClient(Protocol):

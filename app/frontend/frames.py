@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from app import wire
-from app.contract import Frame, Ran, Slot
+from app.contract import Frame, Ran
+from app.frontend.arena import Slot, slot_of
 from app.frontend.links import EngineLink, answered
 from app.frontend.packing import ran_outputs, run_call, split_frame
 
@@ -68,7 +69,7 @@ def send_frame(
     try:
         for index, piece in enumerate(pieces):
             call, payload = run_call(piece)
-            slots = [part.slot for part in piece.parts if part.slot is not None]
+            slots = [held for part in piece.parts if (held := slot_of(part)) is not None]
             then = partial(piece_answered, link, answers, index, piece, slots, released)
             numbers.append(link.request(call, payload, then))
             link.in_flight += len(piece.parts)

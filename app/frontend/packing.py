@@ -16,9 +16,9 @@ import numpy as np
 import orjson
 
 from app import wire
-from app.contract import Frame, Part, Slot, Uploads
+from app.contract import Frame, Part, Uploads
 from app.errors import StokerError
-from app.frontend.arena import place_inputs
+from app.frontend.arena import InSlot, Slot, place_inputs, slot_of
 from app.frontend.links import RemoteError
 from app.protocol import RequestedOutput
 from app.tensor_data import unpack_tensor
@@ -47,10 +47,12 @@ def run_call(frame: Frame) -> tuple[wire.Run, bytes]:
     put them in its slot, or travel in the payload (offsets from the payload's start)."""
     items, payloads, base = [], [], 0
     for part in frame.parts:
-        described, payload = place_inputs(part.inputs, part.slot, part.body_length)
+        held = part.slot if isinstance(part, InSlot) else None
+        length = part.body_length if isinstance(part, InSlot) else 0
+        described, payload = place_inputs(part.inputs, held, length)
         slot = None
-        if part.slot is not None and not payload:
-            slot = wire.SlotRef(part.slot.offset, len(part.slot.view))
+        if held is not None and not payload:
+            slot = wire.SlotRef(held.offset, len(held.view))
         if payload:
             described = [
                 wire.TensorRef(t.name, t.datatype, t.shape, t.offset + base, t.size)
@@ -81,10 +83,11 @@ def ran_outputs(parts: Sequence[Part], ran: wire.RanReply, data: bytes) -> list[
     (nobody reads it)."""
     outputs: list[Shaped] = []
     for part, item in zip(parts, ran.items, strict=True):
-        if part.slot is not None and part.slot.returned:
+        held = slot_of(part)
+        if held is not None and held.returned:
             outputs.append([])
             continue
-        source = part.slot.view if part.slot is not None and item.in_slot else memoryview(data)
+        source = held.view if held is not None and item.in_slot else memoryview(data)
         outputs.append(
             [
                 (

@@ -25,10 +25,7 @@ from app.contract import (
     Answer,
     Classified,
     Contract,
-    Part,
     Ran,
-    Raw,
-    Slot,
     checked,
     control_refusal,
     decode_infer_async,
@@ -36,6 +33,7 @@ from app.contract import (
 )
 from app.drain import Drain
 from app.errors import NotFound, Reloaded, StokerError, client_text
+from app.frontend.arena import InSlot, RawInSlot, Slot
 from app.frontend.client import EngineClient
 from app.frontend.gathering import Gatherer, again_if_reloaded
 from app.frontend.packing import Shaped
@@ -279,7 +277,7 @@ class DataPlane:
                 if trace is not None:
                     trace.stage("engine call")
                 traceparent = None if trace is None else trace.traceparent
-                raw = Raw(name, version, body, header_length, client, slot, traceparent)
+                raw = RawInSlot(name, version, body, header_length, client, traceparent, slot)
                 return await again_if_reloaded(partial(self.client.infer_raw, raw))
             except StokerError as error:
                 self._count(contract, error, started)
@@ -288,8 +286,8 @@ class DataPlane:
             if trace is not None:
                 trace.stage("engine call")
             traceparent = None if trace is None else trace.traceparent
-            part = Part(
-                request.inputs, decoded.rows, decoded.wanted, slot, len(body), arrived, traceparent
+            part = InSlot(
+                request.inputs, decoded.rows, decoded.wanted, arrived, traceparent, slot, len(body)
             )
             schedule = (request.timeout_us, request.priority, client)
 
@@ -299,8 +297,8 @@ class DataPlane:
                 nonlocal contract
                 contract = await self.client.contract(name, version)
                 again = checked(contract, request)
-                part = Part(
-                    request.inputs, again.rows, again.wanted, slot, len(body), arrived, traceparent
+                part = InSlot(
+                    request.inputs, again.rows, again.wanted, arrived, traceparent, slot, len(body)
                 )
                 return await self.gatherer.run(contract, part, *schedule)
 

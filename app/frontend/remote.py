@@ -26,9 +26,9 @@ from typing import Any
 
 from app import observed, wire
 from app.channel import ChannelClosed
-from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Slot, Uploads, draining
+from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Uploads, draining
 from app.errors import NotImplementedHere, Reloaded, StokerError
-from app.frontend.arena import Arena, ArenaShare
+from app.frontend.arena import Arena, ArenaShare, Slot, slot_of
 from app.frontend.frames import send_frame
 from app.frontend.links import (
     EngineLink,
@@ -441,7 +441,7 @@ class RemoteEngine:
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names
         shared-memory regions (the engine holds the registered regions)."""
-        body, slot = raw.body, raw.slot
+        body, slot = raw.body, slot_of(raw)
         payload = b""
         place = None
         if slot is not None and isinstance(body, memoryview):

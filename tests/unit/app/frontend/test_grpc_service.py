@@ -19,7 +19,7 @@ import onnx
 import pytest
 from grpc_health.v1 import health_pb2
 
-from app.contract import Answer, Slot
+from app.contract import Answer
 from app.errors import (
     BadRequest,
     DeadlineExceeded,
@@ -31,6 +31,7 @@ from app.errors import (
     StokerError,
     Unavailable,
 )
+from app.frontend.arena import Slot
 from app.frontend.auth import KeyRing
 from app.frontend.grpc.ending import Ended
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
