@@ -127,7 +127,7 @@ async def send_six(answering: Answering) -> int:
         for _ in range(3):
             assert await client.send(payload) == 200
         # Two at once need two connections; the second goes back to the pool too.
-        assert await asyncio.gather(client.send(payload), client.send(payload)) == [200, 200]
+        assert list(await asyncio.gather(client.send(payload), client.send(payload))) == [200, 200]
         assert await client.send(payload) == 200
     finally:
         await client.close()
