@@ -16,7 +16,9 @@
 # last, e.g. TREES="base=.gpu/a833e8c before=.gpu/before this=." (default: base, this); the
 # trees named in SHARED_STORE share one engine store (trees of the same engine code: the
 # second loads what the first built). The table has a column of each and this tree's
-# ratio to each.
+# ratio to each. JPEG_IMAGES (a folder of real photos, >= 48): each tree's server also takes
+# one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
+# probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last.
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -68,6 +70,10 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
     echo "$tree ($dir): ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
     grep -h -E "front end|Traceback|Error" "$OUT/server_$tree.log" | head -3 | cut -c1-200
     bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}"
+    if [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, multipart POST /infer
+        bench "${tree}_jpeg" 60 --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --rows 1 \
+            --concurrency "${JPEG_CONCURRENCY:-256}"
+    fi
     if [ "$tree" = this ]; then
         bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive
         bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
@@ -95,6 +101,15 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         wait $server
     fi
 done
+if [ -n "${JPEG_IMAGES:-}" ] && [ "${CHAIN:-0}" = 1 ]; then
+    export STOKER_STORE__PATH=/tmp/stoker-store-this
+    [[ " ${SHARED_STORE:-} " == *" this "* ]] && export STOKER_STORE__PATH=/tmp/stoker-store-shared
+    (cd "$root" && PYTHONPATH="$site${site:+:}$root" timeout 150 python3 scripts/jpeg_decode_bench.py \
+        "$JPEG_IMAGES" --batches 256 --processes "" --threads "" --no-profile \
+        --chain "$STOKER_STORE__PATH" --json "$OUT/chain.json" >"$OUT/chain.log" 2>&1)
+    echo "chain exit $?"
+    tail -4 "$OUT/chain.log"
+fi
 [ -f "$OUT/pyspy_rows32.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_rows32.txt" \
     --top 40 >"$OUT/pyspy_summary.txt" 2>&1
 python3 - "$OUT" ${TREES:-base=.gpu/$base this=.} <<'PY'
@@ -117,7 +132,9 @@ def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
         if s == stem and cc == c and (t == name or name == "*"):
             return v
     return None
-for stem, label in (("u8_rows32", "UINT8 32 rows"), ("u8_rows1", "UINT8 1 row")):
+for stem, label in (
+    ("u8_rows32", "UINT8 32 rows"), ("u8_rows1", "UINT8 1 row"), ("jpeg", "JPEG 1 photo")
+):
     cs = sorted({c for (s, _, c) in rates if s == f"this_{stem}"})
     for c in cs:
         got = {o: one(f"{o}_{stem}", c, "target") for o in others}
