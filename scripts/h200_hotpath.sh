@@ -119,7 +119,10 @@ out = Path(sys.argv[1])
 others = [entry.split("=")[0] for entry in sys.argv[2:] if entry.split("=")[0] != "this"]
 rates: dict[tuple[str, str, int], tuple[float, float]] = {}
 for path in sorted(out.glob("*.json")):
-    for target in json.loads(path.read_text())["targets"]:
+    document = json.loads(path.read_text())
+    if not isinstance(document, dict) or "targets" not in document:
+        continue  # chain.json: the chain probe's own figures
+    for target in document["targets"]:
         for step in target["steps"]:
             key = (path.stem, target["name"], step["concurrency"])
             rates[key] = (step["rows_per_s"], step["latency_ms"]["p99"])
