@@ -18,7 +18,8 @@
 # second loads what the first built). The table has a column of each and this tree's
 # ratio to each. JPEG_IMAGES (a folder of real photos, >= 48): each tree's server also takes
 # one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
-# probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last.
+# probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
+# JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not).
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -69,11 +70,16 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
     done
     echo "$tree ($dir): ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
     grep -h -E "front end|Traceback|Error" "$OUT/server_$tree.log" | head -3 | cut -c1-200
-    bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}"
     if [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, multipart POST /infer
         bench "${tree}_jpeg" 60 --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --rows 1 \
             --concurrency "${JPEG_CONCURRENCY:-256}"
     fi
+    if [ "${JPEG_ONLY:-0}" = 1 ]; then
+        kill -TERM $server 2>/dev/null
+        wait $server
+        continue
+    fi
+    bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}"
     if [ "$tree" = this ]; then
         bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive
         bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
