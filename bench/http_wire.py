@@ -60,12 +60,7 @@ class RawHttpClient:
     async def send(self, payload: Payload) -> int:
         data = self.request(payload)
         async with asyncio.timeout(self._timeout_s):
-            if self._idle:
-                reader, writer = self._idle.pop()
-            else:
-                reader, writer = await asyncio.open_connection(
-                    self._host, self._port, limit=READ_LIMIT
-                )
+            reader, writer = await self._connection()
             try:
                 writer.write(data)
                 status, keep = await read_response(reader)
@@ -78,6 +73,16 @@ class RawHttpClient:
             writer.close()
         return status
 
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """An idle connection the server has not closed (a server closes idle ones after its
+        keep-alive, which a target waiting its turn in a sweep may outlast), or a new one."""
+        while self._idle:
+            reader, writer = self._idle.pop()
+            if not (reader.at_eof() or writer.is_closing()):
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self._host, self._port, limit=READ_LIMIT)
+
     async def close(self) -> None:
         for _, writer in self._idle:
             writer.close()
@@ -85,14 +90,19 @@ class RawHttpClient:
 
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
-    """One response read whole off ``reader``: its status, and whether the connection may be
-    used again."""
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status_line = lines[0].split(b" ", 2)
-    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
-        raise HttpStatusError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
-    status = int(status_line[1])
+    """One response read whole off ``reader`` (interim ``1xx`` answers before it skipped):
+    its status, and whether the connection may be used again."""
+    while True:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status_line = lines[0].split(b" ", 2)
+        if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
+            raise HttpStatusError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        status = int(status_line[1])
+        if status == 101:
+            raise HttpStatusError("the server switched protocols")
+        if not 100 <= status < 200:
+            break
     length: int | None = None
     chunked = False
     keep = status_line[0] == b"HTTP/1.1"
@@ -108,11 +118,15 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     if chunked:
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-            await reader.readexactly(size + 2)
             if size == 0:
+                while await reader.readuntil(b"\r\n") != b"\r\n":
+                    pass  # trailer fields, up to the empty line
                 break
+            await reader.readexactly(size + 2)
     elif length is not None:
         await reader.readexactly(length)
-    elif status not in (204, 304) and not 100 <= status < 200:
-        raise HttpStatusError("a response with neither Content-Length nor chunks")
+    elif status not in (204, 304):
+        if keep:
+            raise HttpStatusError("a response with neither Content-Length nor chunks")
+        await reader.read()  # delimited by the connection's close
     return status, keep

@@ -37,11 +37,17 @@ async def answers_in_a_row() -> None:
         b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello"
         b"HTTP/1.1 400 Bad Request\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n4;ext=1\r\ndefg\r\n0\r\n\r\n"
+        b"HTTP/1.1 100 Continue\r\n\r\n"
         b"HTTP/1.1 204 No Content\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\nServer-Timing: x\r\n\r\n"
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
     )
     assert await read_response(reader) == (200, True)
     assert await read_response(reader) == (400, True)
-    assert await read_response(reader) == (204, True)
+    assert await read_response(reader) == (204, True)  # after the interim 100
+    assert await read_response(reader) == (200, True)  # chunks with a trailer field
+    assert await read_response(reader) == (503, True)
     assert reader.at_eof() or await reader.read() == b""
 
 
@@ -59,9 +65,18 @@ def test_a_connection_is_kept_only_where_the_answer_allows(head: bytes, keep: bo
     assert status == int(head.split(b" ")[1])
 
 
+def test_a_body_delimited_by_the_close_is_read_to_the_end() -> None:
+    data = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nbody until close"
+    assert read_one(data) == (200, False)
+
+
 @pytest.mark.parametrize(
     "data",
-    [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nbody until close"],
+    [
+        b"SSH-2.0-OpenSSH\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nServer: x\r\n\r\nbody until close",
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
+    ],
 )
 def test_an_answer_it_cannot_read_is_an_error_not_a_status(data: bytes) -> None:
     with pytest.raises(HttpStatusError):
@@ -76,9 +91,11 @@ class Answering:
         self.close = close
         self.connections = 0
         self.requests: list[bytes] = []
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def __call__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -134,3 +151,33 @@ async def send_six(answering: Answering) -> int:
         server.close()
         await server.wait_closed()
     return int(port)
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
+    """A server closes idle connections after its keep-alive; the next request opens a new
+    one instead of failing on the dead one."""
+    answering = Answering(close=False)
+
+    async def twice() -> list[int]:
+        server = await asyncio.start_server(answering, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = RawHttpClient(f"http://127.0.0.1:{port}", "/", timeout_s=30)
+        try:
+            first = await client.send(PAYLOAD)
+            # The server closes the kept connection, as at the end of its keep-alive.
+            for writer in answering.writers:
+                writer.close()
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while not all(reader.at_eof() for reader, _ in client._idle):
+                assert loop.time() < deadline, "the client never saw the close"
+                await asyncio.sleep(0.01)
+            second = await client.send(PAYLOAD)
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+        return [first, second]
+
+    assert asyncio.run(twice()) == [200, 200]
+    assert answering.connections == 2
