@@ -149,6 +149,14 @@ dynamic_batching:
 """
 
 
+def tiny_model(folder: Path, config: str = TINY_CONFIG) -> Path:
+    """``folder`` (made with its parents) holding the tiny model and ``config``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
+    (folder / "config.yaml").write_text(config)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def efficientnet_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default model's folder (config from the repo, ONNX and labels generated once)."""
@@ -195,10 +203,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory, efficientnet_dir: Path)
     repo = tmp_path_factory.mktemp("repository")
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
     configure(repo / "efficientnet_lite0", ALL_PRECISIONS)
-    tiny = repo / "tiny"
-    tiny.mkdir()
-    onnx.save(tiny_onnx(), str(tiny / "model.onnx"))
-    (tiny / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     return repo
 
 

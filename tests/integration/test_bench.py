@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import onnx
 import orjson
 import pytest
 import uvicorn
@@ -29,7 +28,7 @@ from bench import cli, payloads
 from bench.launch import free_port
 from bench.loadgen import HttpTarget, Step, Workers
 from bench.payloads import ModelInputs
-from tests.conftest import TINY_CONFIG, tiny_onnx
+from tests.conftest import tiny_model
 from tests.integration.conftest import Server
 
 DELAY_S = 0.05
@@ -182,9 +181,7 @@ def test_stoker_metrics_give_batch_size_and_times(server: Server) -> None:
 @pytest.fixture
 def tiny_repository(tmp_path: Path) -> Path:
     folder = tmp_path / "models" / "tiny"
-    folder.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
-    (folder / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(folder)
     return tmp_path / "models"
 
 

@@ -10,12 +10,11 @@ from collections.abc import Iterator
 
 import httpx
 import numpy as np
-import onnx
 import pytest
 import tritonclient.http as triton
 import tritonclient.utils.shared_memory as shm
 
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_model
 from tests.integration.conftest import Server, start_server, stop_server
 
 LISTED = "https://app.example"
@@ -29,9 +28,7 @@ def server(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("guard") / "repository"
-    (repo / "tiny").mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
-    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     env = {"STOKER_SERVER__ALLOWED_ORIGINS": f'["{LISTED}"]'}
     if request.param == "front ends":
         env["STOKER_SERVER__FRONT_ENDS"] = "2"

@@ -13,10 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import onnx
 import pytest
 
-from tests.conftest import TINY_CONFIG, slow_onnx, tiny_onnx
+from tests.conftest import slow_onnx, tiny_model
 from tests.integration.conftest import (
     Server,
     metric_samples,
@@ -31,9 +30,7 @@ MAX_CONNECTIONS = 12
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("limits") / "repository"
-    (repo / "tiny").mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
-    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     env = {
         "STOKER_LIMITS__HEADER_TIMEOUT_S": "1.5",
         "STOKER_LIMITS__BODY_TIMEOUT_S": "1.5",

@@ -26,14 +26,21 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import onnx
 import pytest
 import tritonclient.http as triton
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.backends.onnxruntime import cpu_session
 from engines.preprocess import ImagePreprocess, normalize, preprocess
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, configure, slow_onnx, tiny_onnx
+from tests.conftest import (
+    TINY_BIAS,
+    TINY_CONFIG,
+    TINY_WEIGHTS,
+    configure,
+    slow_onnx,
+    tiny_model,
+    tiny_onnx,
+)
 from tests.integration.conftest import (
     Server,
     launch_server,
@@ -65,9 +72,7 @@ def front_ends(
     repo = tmp_path_factory.mktemp("front-ends") / "repository"
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
     configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8 calibration
-    (repo / "tiny").mkdir()
-    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
-    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     server = start_server(repo, repo.parent / "server.log", front_end_env())
     yield server
     code = stop_server(server)
@@ -560,9 +565,7 @@ def test_front_ends_that_cannot_start_stop_the_server(tmp_path: Path) -> None:
     holder.listen()
     try:
         env = front_end_env(STOKER_SERVER__GRPC_PORT=str(holder.getsockname()[1]))
-        (tmp_path / "repo" / "tiny").mkdir(parents=True)
-        onnx.save(tiny_onnx(), str(tmp_path / "repo" / "tiny" / "model.onnx"))
-        (tmp_path / "repo" / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+        tiny_model(tmp_path / "repo" / "tiny")
         server = launch_server(tmp_path / "repo", tmp_path / "server.log", env)
         try:
             assert server.process.wait(timeout=120) == 1

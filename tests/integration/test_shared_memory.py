@@ -11,13 +11,12 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-import onnx
 import pytest
 import tritonclient.http as triton
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_model
 from tests.integration.conftest import Server, start_server, stop_server
 
 ROWS = 5
@@ -29,9 +28,7 @@ def server(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Server]:
     repo = tmp_path_factory.mktemp("shm") / "repository"
-    (repo / "tiny").mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
-    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     env = {"STOKER_SERVER__FRONT_ENDS": "2"} if request.param == "front ends" else {}
     running = start_server(repo, repo.parent / "server.log", env)
     yield running

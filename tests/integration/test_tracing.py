@@ -26,7 +26,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import onnx
 import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
@@ -37,7 +36,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from bench.launch import free_port
-from tests.conftest import TINY_CONFIG, configure, tiny_onnx
+from tests.conftest import configure, tiny_model
 from tests.integration.conftest import Server, metric_samples, start_server, stop_server
 
 WAIT_S = 60.0
@@ -169,9 +168,7 @@ def traced(
 ) -> Iterator[Traced]:
     repo = tmp_path_factory.mktemp("traced") / "repository"
     for name in ("tiny", "other"):
-        (repo / name).mkdir(parents=True)
-        onnx.save(tiny_onnx(), str(repo / name / "model.onnx"))
-        (repo / name / "config.yaml").write_text(TINY_CONFIG)
+        tiny_model(repo / name)
     # The image classifier for uploads, FP32 alone (no calibration at the start).
     shutil.copytree(efficientnet_dir, repo / "efficientnet_lite0")
     configure(repo / "efficientnet_lite0", {"precisions": ["fp32"]})
@@ -677,9 +674,7 @@ def test_console_spans_are_one_export_a_line_and_give_each_requests_stages(
     from scripts.span_budget import STAGES, budgets, spans_of
 
     repo = tmp_path / "repository"
-    (repo / "tiny").mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(repo / "tiny" / "model.onnx"))
-    (repo / "tiny" / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(repo / "tiny")
     env = {
         "STOKER_SERVER__FRONT_ENDS": "2",
         "STOKER_SERVER__GRPC_PORT": "0",

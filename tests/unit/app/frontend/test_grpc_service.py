@@ -15,7 +15,6 @@ from typing import Any, TypeVar, cast
 
 import grpc
 import numpy as np
-import onnx
 import pytest
 from grpc_health.v1 import health_pb2
 
@@ -48,7 +47,7 @@ from app.frontend.plane import DataPlane
 from app.frontend.server import embedded
 from app.protocol import RequestedOutput, encode_response
 from app.settings import LimitSettings, ServerSettings, Settings
-from tests.conftest import TINY_BIAS, TINY_CONFIG, TINY_WEIGHTS, tiny_onnx
+from tests.conftest import TINY_BIAS, TINY_WEIGHTS, tiny_model
 
 T = TypeVar("T")
 LIMIT = 1 << 20
@@ -76,9 +75,7 @@ class Context:
 
 def with_service(tmp_path: Path, scenario: Callable[[InferenceService], Awaitable[T]]) -> T:
     folder = tmp_path / "repo" / "tiny"
-    folder.mkdir(parents=True)
-    onnx.save(tiny_onnx(), str(folder / "model.onnx"))
-    (folder / "config.yaml").write_text(TINY_CONFIG)
+    tiny_model(folder)
     settings = Settings(
         models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
         store={"path": tmp_path / "store"},  # type: ignore[arg-type]

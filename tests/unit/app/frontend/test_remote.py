@@ -7,8 +7,9 @@ decoded by the real V2 codec from bodies read into a lent slot, as a front end r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -336,6 +337,26 @@ def tiny_repository(tmp_path: Path, max_batch: int, **sections: Any) -> Settings
     )
 
 
+@contextlib.asynccontextmanager
+async def plane_before_engine(
+    settings: Settings, control: Path, server_class: type[EngineServer] = EngineServer
+) -> AsyncIterator[tuple[RemoteEngine, DataPlane]]:
+    """A real engine (``server_class`` serving a ``LocalEngine`` on the socket ``control``),
+    a ``RemoteEngine`` to it and a ``DataPlane`` over that; all stopped at the end."""
+    engine = LocalEngine(settings)
+    await engine.start()
+    server = await asyncio.start_unix_server(server_class(engine).serve, path=str(control))
+    remote = RemoteEngine(settings, [("", control)])
+    front = DataPlane(settings, remote, across=True)
+    try:
+        await front.start()
+        yield remote, front
+    finally:
+        await front.stop()
+        server.close()
+        await engine.stop()
+
+
 def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     tmp_path: Path,
 ) -> None:
@@ -375,29 +396,23 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
                 await release.wait()
                 return await super()._run(connection, call, payload)
 
-        engine = LocalEngine(settings)
-        await engine.start()
-        server = await asyncio.start_unix_server(Held(engine).serve, path=str(control))
-        remote = RemoteEngine(settings, [("", control)])
-        front = DataPlane(settings, remote, across=True)
-        await front.start()
-        await remote.contract("tiny", None)  # asked once, before the five
+        async with plane_before_engine(settings, control, Held) as (remote, front):
+            await remote.contract("tiny", None)  # asked once, before the five
 
-        async def one(i: int) -> np.ndarray:
-            x = xs[i]
-            body = binary(x) if i < 3 else json_body(x)
-            async with front.body_buffer(len(body)) as slot:
-                view: bytes | memoryview = body
-                if slot is not None:
-                    slot.view[: len(body)] = body
-                    view = slot.view[: len(body)]
-                assert (slot is None) == (i >= 3)
-                length = len(body) - x.nbytes if i < 3 else None
-                answer = await front.infer("tiny", None, view, length, slot)
-            document = orjson.loads(answer.content)
-            return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
+            async def one(i: int) -> np.ndarray:
+                x = xs[i]
+                body = binary(x) if i < 3 else json_body(x)
+                async with front.body_buffer(len(body)) as slot:
+                    view: bytes | memoryview = body
+                    if slot is not None:
+                        slot.view[: len(body)] = body
+                        view = slot.view[: len(body)]
+                    assert (slot is None) == (i >= 3)
+                    length = len(body) - x.nbytes if i < 3 else None
+                    answer = await front.infer("tiny", None, view, length, slot)
+                document = orjson.loads(answer.content)
+                return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
 
-        try:
             tasks = [asyncio.ensure_future(one(i)) for i in range(5)]
             await arrived.wait()
             tasks[1].cancel()  # its caller leaves while the frame is in the engine
@@ -415,10 +430,6 @@ def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
                 await asyncio.sleep(0.01)
             assert remote.arena.free_bytes == 2 * 16 * PAGE
             return answers
-        finally:
-            await front.stop()
-            server.close()
-            await engine.stop()
 
     answers = asyncio.run(main())
     assert frames == [5]
@@ -458,45 +469,35 @@ def test_a_frame_leaves_in_its_sending_turn_and_its_requests_go_on_the_turn_afte
     monkeypatch.setattr(wire, "decode_answer", decoded)  # the front end's reading of a reply
 
     async def main() -> list[np.ndarray]:
-        engine = LocalEngine(settings)
-        await engine.start()
-        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
-        remote = RemoteEngine(settings, [("", control)])
-        front = DataPlane(settings, remote, across=True)
-        await front.start()
-        contract = await remote.contract("tiny", None)
-        link = remote._links[0]
-        assert link.writer is not None
-        writes: list[int] = []
-        transport_write = link.writer.writer.write
+        async with plane_before_engine(settings, control) as (remote, front):
+            contract = await remote.contract("tiny", None)
+            link = remote._links[0]
+            assert link.writer is not None
+            writes: list[int] = []
+            transport_write = link.writer.writer.write
 
-        def write(data: Any) -> None:
-            writes.append(len(data))
-            transport_write(data)
+            def write(data: Any) -> None:
+                writes.append(len(data))
+                transport_write(data)
 
-        link.writer.writer.write = write  # type: ignore[method-assign]
-        send_all = front.gatherer._send_all
+            link.writer.writer.write = write  # type: ignore[method-assign]
+            send_all = front.gatherer._send_all
 
-        def sending() -> None:
-            before = len(writes)
-            send_all()
-            written_while_sending.append(len(writes) > before)
+            def sending() -> None:
+                before = len(writes)
+                send_all()
+                written_while_sending.append(len(writes) > before)
 
-        front.gatherer._send_all = sending  # type: ignore[method-assign]
+            front.gatherer._send_all = sending  # type: ignore[method-assign]
 
-        async def one(rows: int) -> np.ndarray:
-            x = np.full((rows, 4), float(rows), np.float32)
-            part = Part({"x": x}, rows, [RequestedOutput("y", True)])
-            _, outputs = await front.gatherer.run(contract, part, None, 0, "c")
-            turns_after_reply.append(since_reply[0])
-            return outputs[0][1]
+            async def one(rows: int) -> np.ndarray:
+                x = np.full((rows, 4), float(rows), np.float32)
+                part = Part({"x": x}, rows, [RequestedOutput("y", True)])
+                _, outputs = await front.gatherer.run(contract, part, None, 0, "c")
+                turns_after_reply.append(since_reply[0])
+                return outputs[0][1]
 
-        try:
             return list(await asyncio.gather(*(one(rows) for rows in (1, 2, 3))))
-        finally:
-            await front.stop()
-            server.close()
-            await engine.stop()
 
     answers = asyncio.run(main())
     assert written_while_sending == [True]  # one frame, on the socket as it was sent
@@ -532,25 +533,15 @@ def test_timeouts_within_a_percent_share_a_frame_under_the_shortest(tmp_path: Pa
                 frames.append((len(call.items), call.timeout_us))
                 return await super()._run(connection, call, payload)
 
-        engine = LocalEngine(settings)
-        await engine.start()
-        server = await asyncio.start_unix_server(Recorded(engine).serve, path=str(control))
-        remote = RemoteEngine(settings, [("", control)])
-        front = DataPlane(settings, remote, across=True)
-        await front.start()
-        await remote.contract("tiny", None)
+        async with plane_before_engine(settings, control, Recorded) as (remote, front):
+            await remote.contract("tiny", None)
 
-        async def one(i: int) -> np.ndarray:
-            answer = await front.infer("tiny", None, body(xs[i], timeouts[i]), None, None)
-            document = orjson.loads(answer.content)
-            return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
+            async def one(i: int) -> np.ndarray:
+                answer = await front.infer("tiny", None, body(xs[i], timeouts[i]), None, None)
+                document = orjson.loads(answer.content)
+                return np.array(document["outputs"][0]["data"], np.float32).reshape(-1, 3)
 
-        try:
             return list(await asyncio.gather(*(one(i) for i in range(len(timeouts)))))
-        finally:
-            await front.stop()
-            server.close()
-            await engine.stop()
 
     answers = asyncio.run(main())
     assert sorted(frames, key=str) == sorted([(4, 59_950_000), (1, 1_000_000), (1, None)], key=str)
