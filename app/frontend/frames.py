@@ -17,7 +17,7 @@ from functools import partial
 from app import wire
 from app.contract import Frame, Ran
 from app.frontend.arena import Slot, slot_of
-from app.frontend.links import EngineLink, answered
+from app.frontend.links import EngineLink, Then, answered
 from app.frontend.packing import ran_outputs, run_call, split_frame
 
 Released = Callable[[Sequence[Slot], wire.Reply | None], None]
@@ -70,11 +70,10 @@ def send_frame(
         for index, piece in enumerate(pieces):
             call, payload = run_call(piece)
             slots = [held for part in piece.parts if (held := slot_of(part)) is not None]
-            then = partial(piece_answered, link, answers, index, piece, slots, released)
-            numbers.append(link.request(call, payload, then))
-            link.in_flight += len(piece.parts)
-            for slot in slots:
-                slot.engine_holds = True  # the engine may read them until it answers
+            then = partial(piece_answered, link, answers, index, piece)
+            numbers.append(
+                held_request(link, call, payload, slots, len(piece.parts), then, released)
+            )
         if link.writer is not None:
             link.writer.flush()
     except Exception as error:
@@ -86,24 +85,45 @@ def send_frame(
     return partial(cancel_all, link, numbers)
 
 
+def held_request(
+    link: EngineLink,
+    call: wire.Call,
+    payload: bytes,
+    slots: Sequence[Slot],
+    requests: int,
+    then: Then,
+    released: Released,
+) -> int:
+    """Send a call of ``requests`` requests whose ``slots`` the engine may read until its
+    last word on it: counted in the link's work in flight and the slots held until then;
+    at its reply (or the link's end) ``released``, then ``then``. Every call that lends
+    slots to an engine goes through here. Returns its number (``EngineLink.cancel``)."""
+
+    def last_word(outcome: tuple[wire.Reply, bytes] | Exception) -> None:
+        link.in_flight -= requests
+        released(slots, None if isinstance(outcome, Exception) else outcome[0])
+        then(outcome)
+
+    number = link.request(call, payload, last_word)
+    link.in_flight += requests
+    for slot in slots:
+        slot.engine_holds = True
+    return number
+
+
 def piece_answered(
     link: EngineLink,
     answers: Pieces,
     index: int,
     piece: Frame,
-    slots: Sequence[Slot],
-    released: Released,
     outcome: tuple[wire.Reply, bytes] | Exception,
 ) -> None:
-    """The engine's reply to one piece (or the link's end): its slots released, its
+    """The engine's reply to one piece (or the link's end), its slots released: its
     requests' outputs read from them or the reply's payload."""
-    link.in_flight -= len(piece.parts)
     if isinstance(outcome, Exception):
-        released(slots, None)
         answers.add(index, outcome)
         return
     reply, data = outcome
-    released(slots, reply)
     try:
         ran = answered(reply, wire.RanReply)
         outputs = ran_outputs(piece.parts, ran, data)

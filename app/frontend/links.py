@@ -140,15 +140,6 @@ class EngineLink:
             default=0,
         )
 
-    def track(self, future: Reply, requests: int) -> None:
-        """Count ``requests`` in flight to it until ``future`` is answered."""
-        self.in_flight += requests
-
-        def answered(_: Reply) -> None:
-            self.in_flight -= requests
-
-        future.add_done_callback(answered)
-
     def request(self, call: wire.Call, payload: bytes = b"", then: Then | None = None) -> int:
         """Send one call; its answer resolves a new future in ``waiting``, or is handed to
         ``then`` in the turn it is read (no task wakes up first: a turn less for a frame's

@@ -29,7 +29,7 @@ from app.channel import ChannelClosed
 from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Uploads, draining
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.frontend.arena import Arena, ArenaShare, Slot, slot_of
-from app.frontend.frames import send_frame
+from app.frontend.frames import held_request, send_frame
 from app.frontend.links import (
     EngineLink,
     Epoch,
@@ -387,25 +387,27 @@ class RemoteEngine:
     async def _held(
         self,
         link: EngineLink,
-        number: int,
+        call: wire.Call,
+        payload: bytes,
         slots: Sequence[Slot],
         requests: int,
     ) -> tuple[wire.Reply, bytes]:
-        """Wait for an engine's answer to call ``number``. Its ``slots`` stay lent until the
+        """Send a call and wait for the engine's answer. Its ``slots`` stay lent until the
         engine's last word, even when the caller goes away first (the engine is told it may
-        drop the call)."""
-        future = link.waiting[number]
-        link.track(future, requests)
-        for slot in slots:
-            slot.engine_holds = True  # the engine may read them until the answer arrives
+        drop the call): ``frames.held_request``, as a frame's pieces."""
+        answer: Reply = asyncio.get_running_loop().create_future()
 
-        def released(answer: Reply) -> None:
-            done = not answer.cancelled() and answer.exception() is None
-            self._released(slots, answer.result()[0] if done else None)
+        def settle(outcome: tuple[wire.Reply, bytes] | Exception) -> None:
+            if answer.done():  # its caller went away
+                return
+            if isinstance(outcome, Exception):
+                answer.set_exception(outcome)
+            else:
+                answer.set_result(outcome)
 
-        future.add_done_callback(released)
+        number = held_request(link, call, payload, slots, requests, settle, self._released)
         try:
-            return await asyncio.shield(future)
+            return await answer
         except asyncio.CancelledError:
             link.cancel(number)
             raise
@@ -452,10 +454,8 @@ class RemoteEngine:
             raw.name, raw.version, raw.header_length, raw.client, place, len(body), raw.traceparent
         )
         link = self._choose(raw.name, raw.version)
-        number = link.request(call, payload)
-        reply, data = await self._held(
-            link, number, [slot] if place is not None and slot else [], 1
-        )
+        slots = [slot] if place is not None and slot else []
+        reply, data = await self._held(link, call, payload, slots, 1)
         inferred = answered(reply, wire.Inferred)
         if inferred.slot_length is not None:
             assert slot is not None
@@ -470,8 +470,7 @@ class RemoteEngine:
         async with self.body_buffer(size if uploads.images else None, uploads.client) as slot:
             call, payload = classify_call(uploads, slot)
             link = self._choose(uploads.name, uploads.version)
-            number = link.request(call, payload)
             requests = len(uploads.counts) or 1
-            reply, data = await self._held(link, number, [slot] if slot else [], requests)
+            reply, data = await self._held(link, call, payload, [slot] if slot else [], requests)
         classified = answered(reply, wire.ClassifiedReply)
         return Classified(classified.model, classified.version, classified_answers(data))
