@@ -2,6 +2,11 @@
 
 ``STOKER_SERVER__PORT=9000`` sets ``settings.server.port``; the flat aliases listed in the
 README (``STOKER_PORT``...) are not provided on purpose: one spelling per field.
+
+Kept in one module (~560 lines): each group is a small class whose field docs are the
+reference for its variables, and what reads across groups (``front_ends: auto`` from the
+cores and GPUs, the refusal of a moved setting naming its new place) sits beside them;
+split, the one reference would be scattered.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ decoded requests, a body that names shared-memory regions, image uploads) and an
 control operations (metadata, statistics, model control, shared-memory registration): each
 a method marked ``@operation``, which ``CONTROL`` lists with how its calls spread over several
 engines, called by name (``LocalEngine.control``, and the engine process for its front ends).
+
+Kept in one module (~520 lines): an operation is written once, its method beside its spread
+(issue 44's door), so every operation is here; Triton's configuration document is built in
+``app.engine.index`` and the uploads' run in ``app.engine.uploads``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ handler of uploads: a ``LoadedModel``. ``app.engine.registry.Registry`` owns eve
 version of every configured model, the versions refused and why, readiness and closing.
 The server, the CLI, the accuracy report, the bench's in-process client and its naive baseline
 all load models through here.
+
+Kept in one module (~510 lines): a version's whole life (source, engine, pool, warm-up,
+batcher, close) is what "the one place" means; each step's work lives in ``engines`` and the
+batcher, and what stays here is their order and what each leaves for the next.
 """
 
 from __future__ import annotations

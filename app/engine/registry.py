@@ -8,6 +8,11 @@ the old ones finish what they queued and are freed. ``unload`` refuses new reque
 model at once, lets what it queued finish (within the drain timeout), frees its runners and
 engines and removes its metrics. A load that fails leaves what served serving and says why
 (the answer to the load, the index, the 503s of a model that never loaded).
+
+Kept in one module (~520 lines): loading, reloading, unloading and the refusals are one state
+machine over each model's ``Known`` record (versions, refused, state, loading) under its
+lock; split, a transition would live away from the state it guards. The model folders' rules are in
+``app.engine.folders``, the index in ``app.engine.index``.
 """
 
 from __future__ import annotations
