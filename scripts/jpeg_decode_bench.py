@@ -11,7 +11,8 @@ uploads from many sources are. With ``--chain STORE`` (an engine store the serve
 filled: ``scripts/h200_jpeg.sh`` runs it after the service), the chain the service runs, in
 one process on one stream: a batch decoded and resized by ``TorchImageDecoder``, its rows
 left on the GPU, then the compiled ResNet-50 FP16 of the store through a runner at that
-batch (its CUDA graph), photos/s per batch size; with ``--json FILE`` the chain's figures.
+batch (its CUDA graph), photos/s per batch size, with the decoder's default resize (the
+Triton kernel) and with the matrix form; with ``--json FILE`` the chain's figures.
 
     python3 scripts/jpeg_decode_bench.py PHOTOS [--batches 64,128,256] [--processes 1,2,3,4]
         [--decoders torchvision,nvimgcodec,nvimgcodec:0.5,nvimgcodec:0] [--threads 1,2,4]
@@ -172,7 +173,11 @@ def chain(store_root: Path, datas: list[bytes], sizes: list[int]) -> list[dict[s
         ),
     )
     runner = engine.new_runner()
-    decoder = TorchImageDecoder(prep, "cuda:0")
+    # The decoder's default (the resize kernel where Triton imports) and the matrix form.
+    decoders = {
+        "": TorchImageDecoder(prep, "cuda:0"),
+        "_matrix": TorchImageDecoder(prep, "cuda:0", kernel=False),
+    }
     name = spec.inputs[0].name
     found = []
     try:
@@ -180,20 +185,17 @@ def chain(store_root: Path, datas: list[bytes], sizes: list[int]) -> list[dict[s
             batch = [datas[i % len(datas)] for i in range(size)]
             tensors = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in batch]
             alone = timed(lambda: decode_jpeg(tensors, device="cuda:0", mode=ImageReadMode.RGB))  # noqa: B023
-            resized = timed(lambda: decoder.decode(batch))  # noqa: B023
+            figures: dict[str, float] = {"batch": size, "decode": size / alone}
+            for suffix, decoder in decoders.items():
+                resized = timed(lambda: decoder.decode(batch))  # noqa: B023
 
-            def whole() -> None:
-                rows, _ = decoder.decode(batch)  # noqa: B023
-                runner.run({name: rows})  # type: ignore[dict-item]
+                def whole() -> None:
+                    rows, _ = decoder.decode(batch)  # noqa: B023
+                    runner.run({name: rows})  # type: ignore[dict-item]
 
-            found.append(
-                {
-                    "batch": size,
-                    "decode": size / alone,
-                    "decode_resize": size / resized,
-                    "chain": size / timed(whole),
-                }
-            )
+                figures["decode_resize" + suffix] = size / resized
+                figures["chain" + suffix] = size / timed(whole)
+            found.append(figures)
     finally:
         runner.close()
         engine.close()
@@ -292,12 +294,16 @@ def main() -> None:
         chained = chain(args.chain, datas, sizes)
         if args.json:
             args.json.write_text(json.dumps(chained))
-        print("| batch | decode img/s | decode+resize+crop img/s | chain to the model img/s |")
+        print(
+            "| batch | decode img/s | decode+resize+crop img/s, kernel / matrices "
+            "| chain to the model img/s, kernel / matrices |"
+        )
         print("| ---: | ---: | ---: | ---: |")
         for row in chained:
             print(
-                f"| {row['batch']} | {row['decode']:,.0f} | {row['decode_resize']:,.0f} "
-                f"| {row['chain']:,.0f} |"
+                f"| {row['batch']} | {row['decode']:,.0f} | {row['decode_resize']:,.0f} / "
+                f"{row['decode_resize_matrix']:,.0f} | {row['chain']:,.0f} / "
+                f"{row['chain_matrix']:,.0f} |"
             )
     if compared:
         print("| TorchImageDecoder of | image sizes | decode+resize+crop img/s, batches of 64 |")

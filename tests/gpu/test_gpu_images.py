@@ -57,6 +57,29 @@ def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: Literal["NCHW", "NH
         assert diff.mean() < 2.0 and np.percentile(diff, 99) <= 8, (diff.mean(), diff.max())
 
 
+def test_the_resize_kernel_gives_the_matrix_forms_rows_on_the_gpu() -> None:
+    """The one-launch Triton resize (the decoder's default on a GPU) and the matrix products
+    on the same nvJPEG images: every row within one level, nearly every pixel equal, for the
+    sample photos and the labelled photos of many sizes, in one batch."""
+    pytest.importorskip("triton", reason="the resize kernel needs Triton")
+    pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
+    from engines.backends.torch.images import TorchImageDecoder
+
+    spec = ImagePreprocess(datatype="UINT8")
+    uploads = sample_jpegs() + [path.read_bytes() for path in photos()[:120]]
+    kernel = TorchImageDecoder(spec, "cuda:0")
+    matrix = TorchImageDecoder(spec, "cuda:0", kernel=False)
+    assert kernel.kernel and not matrix.kernel
+    rows, ok = kernel.decode(uploads)
+    want, want_ok = matrix.decode(uploads)
+    assert ok == want_ok == [True] * len(uploads)
+    diff = np.abs(np.asarray(rows).astype(np.int16) - np.asarray(want))
+    print(
+        f"{len(uploads)} photos: kernel against matrices, max {diff.max()}, mean {diff.mean():.4f}"
+    )
+    assert diff.max() <= 1 and diff.mean() < 0.01
+
+
 def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
     gpu = decoder(ImagePreprocess(datatype="UINT8"))
     good = sample_jpegs()[:2]

@@ -39,7 +39,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
@@ -396,10 +395,6 @@ def _serve(
         # A decoder (and its stream) a slot: the slots' batches decode at once, each in a
         # thread of its own, the parent's answers sent in the order it sent the batches.
         decoders = [TorchImageDecoder(spec, device, decode_jpeg) for _ in range(slots)]
-        streams = [
-            torch.cuda.Stream(buffer.device) if buffer.is_cuda else None  # type: ignore[no-untyped-call]
-            for _ in range(slots)
-        ]
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -416,14 +411,9 @@ def _serve(
                 jpegs.append(None if length is None else blob[at : at + length])
                 at += 0 if length is None else length
             decoder = decoders[slot]
-            rows, ok = decoder.decode(jpegs)
-            handover = time.perf_counter()
-            stream = streams[slot]
-            with DecodeProcess._on_stream(stream):
-                buffer[slot * slot_rows : slot * slot_rows + len(jpegs)].copy_(rows.tensor)
-            if stream is not None:
-                stream.synchronize()
-            return ("ok", ok, replace(decoder.last, handover=time.perf_counter() - handover))
+            # The rows are written straight into the slot's part of the shared buffer.
+            _, ok = decoder.decode(jpegs, into=buffer[slot * slot_rows :][: len(jpegs)])
+            return ("ok", ok, decoder.last)
         except Exception as exc:  # one batch fails; the child serves the next
             return ("error", f"{type(exc).__name__}: {exc}"[:500], None)
 

@@ -2,20 +2,21 @@
 
 ``torchvision.io.decode_jpeg`` decodes a list of JPEGs on the device in one call. The resize
 (Pillow's BILINEAR, antialiased as it shrinks) and the centre crop (``engines.preprocess.
-crop_box``) of images of different sizes are then two batched matrix products: Pillow's
-resize is separable, one fixed weight matrix per axis and image size, so the rows the crop
-keeps are ``Wy @ image @ Wx.T`` with the crop folded into the matrices. Images of every
-size go through those two products together: padded with zeros to the group's largest
-height and width, image and weights alike (the images in one call; the weights of every
-image made on the device in one batched computation from its size and crop, the columns
-past its size zero). A batch of photos is one group (a few kernels, not a few per image or
-per size, and no Python per image but its crop box); an image that would pad the others
-more than ``PAD_RATIO`` times their area starts a group of its own, and a group holds at
-most ``GROUP_PIXELS``.
+crop_box``) of images of different sizes then take one of two forms:
+
+- On a GPU where Triton imports: one kernel for the whole batch (``resize_kernel``), each
+  image read where nvJPEG left it, its row written where the caller wants it.
+- Elsewhere (the CPU, and how the decoder is tested without a GPU): two batched matrix
+  products. Pillow's resize is separable, one fixed weight matrix per axis and image size,
+  so the rows the crop keeps are ``Wy @ image @ Wx.T`` with the crop folded into the
+  matrices. Images of every size go through those two products together: padded with zeros
+  to the group's largest height and width, image and weights alike (the weights of every
+  image made in one batched computation from its size and crop, the columns past its size
+  zero); an image that would pad the others more than ``PAD_RATIO`` times their area starts
+  a group of its own, and a group holds at most ``GROUP_PIXELS``.
+
 The UINT8 batch stays on the device (``DeviceRows``) and the runner copies it into its input
 buffer there: nothing but the JPEG bytes crosses PCIe.
-The same code runs on the CPU (``device="cpu"`` with another JPEG decoder), which is how it
-is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engines.backends.torch import resize_kernel
 from engines.preprocess import ImagePreprocess, crop_box
 
 log = logging.getLogger(__name__)
@@ -102,14 +104,13 @@ class DecodeTimes:
     (``TorchImageDecoder.last``) or a decode process's, summed (``DecodeProcess.times``,
     logged when it stops). ``decode`` in the JPEG decoder's call (nvJPEG waits for its own
     stream), ``resize`` launching the resize and crop, ``wait`` for them on the device;
-    ``handover``: a decode process's copy of the rows to the parent's buffer."""
+    the rows are written where the caller wants them (a decode process's shared buffer)."""
 
     batches: int = 0
     images: int = 0
     decode: float = 0.0
     resize: float = 0.0
     wait: float = 0.0
-    handover: float = 0.0
 
     def add(self, other: DecodeTimes) -> None:
         for name in (field.name for field in fields(self)):
@@ -119,13 +120,12 @@ class DecodeTimes:
         if not self.batches:
             return "no batch"
         each = {
-            name: 1000 * getattr(self, name) / self.batches
-            for name in ("decode", "resize", "wait", "handover")
+            name: 1000 * getattr(self, name) / self.batches for name in ("decode", "resize", "wait")
         }
         return (
             f"{self.batches} batches of {self.images / self.batches:.1f} images; a batch: "
             f"decode {each['decode']:.2f} ms, resize launched {each['resize']:.2f} ms, "
-            f"waited for {each['wait']:.2f} ms, handed over {each['handover']:.2f} ms"
+            f"waited for {each['wait']:.2f} ms"
         )
 
 
@@ -138,7 +138,11 @@ class TorchImageDecoder:
     """
 
     def __init__(
-        self, spec: ImagePreprocess, device: str = "cuda:0", decode_jpeg: JpegDecode | None = None
+        self,
+        spec: ImagePreprocess,
+        device: str = "cuda:0",
+        decode_jpeg: JpegDecode | None = None,
+        kernel: bool | None = None,
     ) -> None:
         if decode_jpeg is None:
             from torchvision.io import ImageReadMode
@@ -148,6 +152,11 @@ class TorchImageDecoder:
         self.spec = spec
         self.device = torch.device(device)
         self._decode_jpeg = decode_jpeg
+        # The resize and crop: one Triton kernel for the batch (``resize_kernel``) on a GPU
+        # where Triton imports, else the batched matrix products below (the CPU's way).
+        self.kernel = (
+            self.device.type == "cuda" and resize_kernel.available() if kernel is None else kernel
+        )
         self._stream = (
             torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             if self.device.type == "cuda"
@@ -155,31 +164,36 @@ class TorchImageDecoder:
         )
         self._lock = threading.Lock()
         self.last = DecodeTimes()  # the last batch's
+        if self.kernel and self.device.type == "cuda":
+            self._warm()
 
-    def decode(self, jpegs: Sequence[bytes | memoryview | None]) -> tuple[DeviceRows, list[bool]]:
+    def _warm(self) -> None:
+        """Compile the resize kernel now (a second or two the first time in a machine,
+        Triton's cache after), not on the first upload."""
+        with torch.no_grad(), self._on_stream():
+            image = torch.zeros((3, 64, 48), dtype=torch.uint8, device=self.device)
+            self._resize_kernel([image], None)
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    def decode(
+        self, jpegs: Sequence[bytes | memoryview | None], into: torch.Tensor | None = None
+    ) -> tuple[DeviceRows, list[bool]]:
         """The batch's rows on the device, in the spec's layout, and for each whether it was
         decoded: False for None (not for this decoder) and for an image the device decoder
-        refused, whose row is left for the caller to fill (``DeviceRows.put``)."""
-        crop = self.spec.crop
+        refused, whose row is zeros for the caller to fill (``DeviceRows.put``). ``into``:
+        where the rows go (``len(jpegs)`` rows on the device, e.g. a decode process's shared
+        buffer), else a new tensor."""
         with self._lock, torch.no_grad(), self._on_stream():
             started = time.perf_counter()
-            batch = torch.zeros((len(jpegs), 3, crop, crop), dtype=torch.uint8, device=self.device)
             images = self._decode_all(jpegs)
             decoded = time.perf_counter()
-            groups = self._groups(images)
-            order = [i for group in groups for i in group]
-            # Each group's rows go to a slice of ``grouped`` in turn; one scatter then puts
-            # them in the batch's order (one index to the device a batch, not one a group).
-            in_order = order == list(range(len(jpegs)))
-            grouped = batch if in_order else torch.empty_like(batch[: len(order)])
-            at = 0
-            for group in groups:
-                self._resize_group(grouped[at : at + len(group)], images, group)
-                at += len(group)
-            if not in_order and order:
-                batch.index_copy_(0, self._to_device(np.asarray(order)), grouped)
-            if self.spec.layout == "NHWC":
-                batch = batch.permute(0, 2, 3, 1).contiguous()
+            if self.kernel:
+                batch = self._resize_kernel(images, into)
+            else:
+                batch = self._resize_groups(images)
+                if into is not None:
+                    batch = into.copy_(batch)
             launched = time.perf_counter()
             if self._stream is not None:
                 # Before the rows are handed out: the runner's stream reads them next.
@@ -192,6 +206,46 @@ class TorchImageDecoder:
                 time.perf_counter() - launched,
             )
         return DeviceRows(batch), [image is not None for image in images]
+
+    def _resize_kernel(
+        self, images: list[torch.Tensor | None], into: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Every decoded image resized and cropped into its row in one launch; the rows of
+        the others zeroed."""
+        shape = (len(images), *self.spec.row_shape())
+        batch = torch.empty(shape, dtype=torch.uint8, device=self.device) if into is None else into
+        decoded = [i for i, image in enumerate(images) if image is not None]
+        if len(decoded) < len(images):
+            missing = [i for i, image in enumerate(images) if image is None]
+            batch[self._to_device(np.asarray(missing))] = 0
+        resize_kernel.resize_crop(
+            [images[i].contiguous() for i in decoded],  # type: ignore[union-attr]
+            decoded,
+            batch,
+            self.spec,
+        )
+        return batch
+
+    def _resize_groups(self, images: list[torch.Tensor | None]) -> torch.Tensor:
+        """Every decoded image resized and cropped by the matrix products, a launch or a few
+        a group of sizes; the rows of the others zeros."""
+        crop = self.spec.crop
+        batch = torch.zeros((len(images), 3, crop, crop), dtype=torch.uint8, device=self.device)
+        groups = self._groups(images)
+        order = [i for group in groups for i in group]
+        # Each group's rows go to a slice of ``grouped`` in turn; one scatter then puts them
+        # in the batch's order (one index to the device a batch, not one a group).
+        in_order = order == list(range(len(images)))
+        grouped = batch if in_order else torch.empty_like(batch[: len(order)])
+        at = 0
+        for group in groups:
+            self._resize_group(grouped[at : at + len(group)], images, group)
+            at += len(group)
+        if not in_order and order:
+            batch.index_copy_(0, self._to_device(np.asarray(order)), grouped)
+        if self.spec.layout == "NHWC":
+            batch = batch.permute(0, 2, 3, 1).contiguous()
+        return batch
 
     def _resize_group(
         self, out: torch.Tensor, images: list[torch.Tensor | None], group: list[int]
