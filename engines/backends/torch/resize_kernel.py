@@ -61,7 +61,7 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit  # type: ignore[untyped-decorator]
     def resize_crop(  # type: ignore[no-untyped-def]
         images,  # int64 (n, 6): address, height, width, taps y, taps x, output row
         geometry,  # float32 (n, 6): scale, support and first output of y, then of x
