@@ -294,6 +294,13 @@ class UploadSettings(BaseModel):
     """With nvImageCodec, the share of each batch offered to the hardware JPEG engines (its
     load hint); the rest, and what they cannot take (progressive JPEGs), go to nvJPEG's
     CUDA decoder on the SMs. Lower it when the engines, not the SMs, are the bound."""
+    resize_kernel: bool = True
+    """Resize and centre-crop each GPU decode batch in one Triton kernel
+    (``engines/backends/torch/resize_kernel.py``: each image read where nvJPEG left it, no
+    padding) where Triton imports, as it does with CUDA builds of torch. Off: the batched
+    matrix products over images padded to a group's size, a few launches a group of sizes,
+    which launched for 8.5 ms of a 55-photo batch on an H100 (BENCHMARKS.md, issue 43). Both
+    give Pillow's BILINEAR pixels within a level."""
     decode_batch_pixels: int = Field(default=48_000_000, gt=0)
     """The bound of one GPU decode batch: its decoded pixels (width x height from each
     upload's header, read before any decode), since what a batch costs in time and GPU

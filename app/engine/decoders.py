@@ -46,8 +46,9 @@ def gpu_decoders(entry: ModelEntry, backend: str, settings: Settings) -> list[im
             log.error("%s; JPEG uploads decoded in threads of the engine instead", error)
     from engines.backends.torch.images import TorchImageDecoder
 
+    kernel = None if settings.uploads.resize_kernel else False
     return [
-        TorchImageDecoder(prep, device, decode_jpeg).decode
+        TorchImageDecoder(prep, device, decode_jpeg, kernel).decode
         for _ in range(settings.uploads.decode_workers)
     ]
 
@@ -86,6 +87,7 @@ def decode_processes(
             label=f"{name}-{i}",
             slots=uploads.decode_in_flight,
             slot_bytes=uploads.decode_batch_bytes,
+            kernel=None if uploads.resize_kernel else False,
         )
 
     count = settings.uploads.decode_processes

@@ -87,8 +87,10 @@ class DecodeProcess:
         label: str = "jpeg",
         slots: int = 1,
         slot_bytes: int = SLOT_BYTES,
+        kernel: bool | None = None,
     ) -> None:
         self.spec = spec
+        self._kernel = kernel  # the child's TorchImageDecoder's (None: its default)
         self.device = torch.device(device)
         self.label = label
         self.slots = max(1, slots)
@@ -260,6 +262,7 @@ class DecodeProcess:
                     self._decode_jpeg,
                     path,
                     self.slots,
+                    self._kernel,
                 ),
                 name=f"stoker-decode-{self.label}",
                 daemon=True,
@@ -367,6 +370,7 @@ def serve(
     decode_jpeg: JpegDecode | None,
     input_path: str,
     slots: int = 1,
+    kernel: bool | None = None,
 ) -> None:
     """The child: decode each batch the parent sends (its bytes in its slot of the input area
     at ``input_path``, or over the pipe) into its slot of ``buffer``, until it sends None or
@@ -374,7 +378,7 @@ def serve(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine's drain stops us, not a Ctrl-C
     sampler = sampled("decode")
     try:
-        _serve(conn, spec, device, buffer, decode_jpeg, input_path, slots)
+        _serve(conn, spec, device, buffer, decode_jpeg, input_path, slots, kernel)
     finally:
         if sampler is not None:
             sampler.stop()
@@ -388,13 +392,14 @@ def _serve(
     decode_jpeg: JpegDecode | None,
     input_path: str,
     slots: int,
+    kernel: bool | None,
 ) -> None:
     try:
         with open(input_path, "r+b") as file:
             area = mmap.mmap(file.fileno(), 0)
         # A decoder (and its stream) a slot: the slots' batches decode at once, each in a
         # thread of its own, the parent's answers sent in the order it sent the batches.
-        decoders = [TorchImageDecoder(spec, device, decode_jpeg) for _ in range(slots)]
+        decoders = [TorchImageDecoder(spec, device, decode_jpeg, kernel) for _ in range(slots)]
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return

@@ -48,9 +48,12 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     from engines.backends.torch import images as torch_images
 
     class Threaded:
-        def __init__(self, spec: object, device: str, decode_jpeg: object) -> None:
+        def __init__(
+            self, spec: object, device: str, decode_jpeg: object, kernel: object = None
+        ) -> None:
             self.device = device
             self.decode_jpeg = decode_jpeg
+            self.kernel = kernel
 
         def decode(self, jpegs: object) -> object:
             raise AssertionError("not called here")
@@ -63,9 +66,17 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
             raise RuntimeError(f"decode process {label} did not start: no /dev/shm")
 
     class Started(decode_process.DecodeProcess):
-        def __init__(self, *given: object, label: str = "", slots: int = 1, **_: object) -> None:
+        def __init__(
+            self,
+            *given: object,
+            label: str = "",
+            slots: int = 1,
+            kernel: object = None,
+            **_: object,
+        ) -> None:
             started.append(label)
             self.slots = slots
+            self.kernel = kernel
 
         def close(self) -> None:
             pass
@@ -81,6 +92,7 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
     assert sorted(started) == ["m-0", "m-1"]
     assert len(chosen) == 3
     assert all(getattr(d, "__self__", None).device == "cuda:0" for d in chosen)  # type: ignore[union-attr]
+    assert all(getattr(d, "__self__", None).kernel is None for d in chosen)  # type: ignore[union-attr]
     assert "did not start: no /dev/shm; JPEG uploads decoded in threads" in caplog.text
     assert model_decoders.describe_decoding(chosen, settings) == (
         "GPU by torchvision (3 decoder threads in the engine)"
@@ -96,3 +108,12 @@ def test_decode_processes_that_cannot_start_leave_the_gpu_to_the_engines_threads
         "GPU by torchvision (2 decode processes, 2 batches in flight each)"
     )
     assert model_decoders.describe_decoding([], settings) == "CPU"
+    assert all(process.kernel is None for process in chosen)  # type: ignore[attr-defined]
+
+    # uploads.resize_kernel off: the matrix form, in the processes' decoders and the threads'
+    matrix = Settings(uploads={"decode_processes": 2, "resize_kernel": False})  # type: ignore[arg-type]
+    chosen = model_decoders.gpu_decoders(with_prep, "torch", matrix)
+    assert chosen and all(process.kernel is False for process in chosen)  # type: ignore[attr-defined]
+    monkeypatch.setattr(decode_process, "DecodeProcess", Refused)
+    chosen = model_decoders.gpu_decoders(with_prep, "torch", matrix)
+    assert chosen and all(getattr(d, "__self__", None).kernel is False for d in chosen)  # type: ignore[union-attr]
