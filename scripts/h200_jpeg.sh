@@ -149,7 +149,7 @@ for name in ("this", "compare"):
 if (out / "compare.txt").exists():
     print((out / "compare.txt").read_text().strip())
 print()
-print("decode processes, a batch over each server's run (decode, resize launched, waited, handed over):")
+print("decode processes, a batch over each server's run (decode, resize launched, waited):")
 for path in sorted(out.glob("decode_stages_*.txt")):
     print(path.stem[len("decode_stages_"):] + ":")
     print(path.read_text().strip() or "none")
