@@ -14,7 +14,7 @@
 # wait, the decode, the batcher queue and the model's time, and the photos decoded on the
 # CPU (stoker_image_decode_total{device="cpu"}, which should stay 0). After the server
 # stops, each decode process's time a batch by stage (its log line: decode, resize
-# launched, waited, handed over). Then the in-process chain probe on the same photos and
+# launched, waited). Then the in-process chain probe on the same photos and
 # GPU (scripts/jpeg_decode_bench.py --chain: batched decode, resize and crop, the store's
 # compiled model, at batches of 128 and 256), and the table last, with the service's
 # photos/s at c=256 over the chain's at 256.
@@ -156,10 +156,10 @@ for path in sorted(out.glob("decode_stages_*.txt")):
 chain_path = out / "chain.json"
 if chain_path.exists():
     chain = json.loads(chain_path.read_text())
-    print("| chain probe, batch | decode img/s | decode+resize+crop img/s | chain to the model img/s |")
+    print("| chain probe, batch | decode img/s | decode+resize+crop img/s, kernel / matrices | chain to the model img/s, kernel / matrices |")
     print("| ---: | ---: | ---: | ---: |")
     for row in chain:
-        print(f"| {row['batch']} | {row['decode']:,.0f} | {row['decode_resize']:,.0f} | {row['chain']:,.0f} |")
+        print(f"| {row['batch']} | {row['decode']:,.0f} | {row['decode_resize']:,.0f} / {row.get('decode_resize_matrix', 0):,.0f} | {row['chain']:,.0f} / {row.get('chain_matrix', 0):,.0f} |")
     at256 = next((row["chain"] for row in chain if row["batch"] == 256), None)
     if at256 and "this_jpeg1_c256" in service:
         print(f"\nservice at c=256 over the chain at 256: {service['this_jpeg1_c256'] / at256:.2f} "
