@@ -145,3 +145,40 @@ def test_the_kernels_geometry_is_crop_box_for_every_size() -> None:
                 for x in range(resized)
             )
             assert most <= fact[3 + k], (size, resized)
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+def test_the_kernel_compiles_for_the_gpus_it_serves(capability: int) -> None:
+    """What the interpreter does not check (types of the loops' carried values, the pointer
+    cast, register use): Triton compiles the kernel to a cubin for an A100 (8.0) and a
+    Hopper (9.0) with its own ptxas, no GPU needed, as the decoder's first call does."""
+    pytest.importorskip("torch", reason="the kernel's host side needs torch (the reference extra)")
+    pytest.importorskip("triton", reason="Triton (the test extra) compiles the kernel")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engines.backends.torch import resize_kernel
+
+    signature = {
+        "images": "*i64",
+        "geometry": "*fp32",
+        "out": "*u8",
+        "row_stride": "i32",
+        "channel_stride": "i32",
+        "pixel_stride": "i32",
+        "CROP": "constexpr",
+        "BLOCK": "constexpr",
+    }
+    source = ASTSource(
+        fn=resize_kernel._kernel(),
+        signature=signature,
+        constexprs={"CROP": 224, "BLOCK": resize_kernel.BLOCK},
+    )
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32))
+    except RuntimeError as exc:
+        if "ptxas" in str(exc).lower():
+            pytest.skip(f"Triton's ptxas does not run here: {exc}")
+        raise
+    assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
