@@ -27,6 +27,8 @@
 #   COMPARE="STOKER_UPLOADS__DECODE_SPREAD_PIXELS=0+STOKER_UPLOADS__DECODE_IN_FLIGHT=2" \
 #       JPEG_IMAGES=$PWD/.carry/photos bash scripts/h200_jpeg.sh
 #
+# PYSPY=1: py-spy samples every thread of every process of the first server for 6 s of the
+# load of one photo a request at c=256 (pyspy_summary.txt; py-spy travels in .whl).
 # DURATION (8) and WARMUP (2) seconds a load, OUT (/tmp/stoker-jpeg) for the logs, JSON and
 # metrics, STORE (/tmp/stoker-store) the engine store.
 set -u
@@ -70,12 +72,22 @@ serve_and_load() {
         IFS=: read -r rows clients <<<"$load"
         local stem="${name}_jpeg${rows}_c${clients}"
         curl -s "$url/metrics" >"$OUT/metrics_${stem}_before.txt"
+        local spy=
+        if [ "${PYSPY:-0}" = 1 ] && [ "$name" = this ] && [ "$load" = 1:256 ] &&
+            command -v py-spy >/dev/null; then
+            (sleep "${WARMUP:-2}" && py-spy record --pid $server --subprocesses --threads \
+                --nonblocking --rate 97 --duration 6 --format raw -o "$OUT/pyspy_jpeg.txt" \
+                >"$OUT/pyspy.log" 2>&1) &
+            spy=$!
+        fi
         timeout 120 python3 -m bench --url "$url" --model resnet50 --repository "$repo" \
             --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --rows "$rows" \
             --concurrency "$clients" --workers 4 --duration "${DURATION:-8}" \
             --warmup "${WARMUP:-2}" --json "$OUT/$stem.json" >"$OUT/$stem.log" 2>&1 ||
             tail -5 "$OUT/$stem.log"
         curl -s "$url/metrics" >"$OUT/metrics_${stem}_after.txt"
+        [ -n "$spy" ] && wait "$spy" && python3 scripts/pyspy_summary.py \
+            "$OUT/pyspy_jpeg.txt" --top 40 >"$OUT/pyspy_summary.txt" 2>&1
         echo "$stem done"
     done
     kill -TERM $server 2>/dev/null
