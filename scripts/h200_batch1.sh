@@ -14,7 +14,9 @@
 #
 # An entry of FRONT_ENDS_LIST may name server.frames_in_flight too: "4f0" is 4 front ends, no
 # limit on frames in flight. WORKERS: the client's processes (bench --workers, default 1);
-# EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs.
+# EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs. JPEG_IMAGES (a folder
+# of real photos): the first server also takes one photo a request at c=256 (4 client
+# processes), its spans budgeted like the others.
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 work=/tmp/stoker-batch1
@@ -86,6 +88,9 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
         run "http_$server_name"
     fi
     run "rows32_$server_name" --rows 32 --concurrency 32
+    if [ $first = 1 ] && [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, c=256
+        run "jpeg_$server_name" --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --workers 4
+    fi
     if [ $first = 1 ] && [ "${EXTRAS:-1}" = 1 ]; then
         run "grpc_$server_name" --protocol grpc
         run "http_${server_name}_clients8" --workers 8
