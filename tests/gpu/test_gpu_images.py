@@ -59,8 +59,11 @@ def test_nvjpeg_batches_give_the_pixels_pillow_gives(layout: Literal["NCHW", "NH
 
 def test_the_resize_kernel_gives_the_matrix_forms_rows_on_the_gpu() -> None:
     """The one-launch Triton resize (the decoder's default on a GPU) and the matrix products
-    on the same nvJPEG images: every row within one level, nearly every pixel equal, for the
-    sample photos and the labelled photos of many sizes, in one batch."""
+    on the same nvJPEG images, the sample photos and the labelled photos of many sizes in
+    one batch: nearly every pixel equal, and fewer than one in 100,000 two levels apart (an
+    exact half between the passes rounded one way by each form's float sums, over every row
+    of a flat patch, puts the second pass a whole level apart before its own rounding; on
+    an H200, 125 photos: max 2, mean 0.0014)."""
     pytest.importorskip("triton", reason="the resize kernel needs Triton")
     pytest.importorskip("torchvision", reason="GPU JPEG decode needs torchvision")
     from engines.backends.torch.images import TorchImageDecoder
@@ -75,9 +78,10 @@ def test_the_resize_kernel_gives_the_matrix_forms_rows_on_the_gpu() -> None:
     assert ok == want_ok == [True] * len(uploads)
     diff = np.abs(np.asarray(rows).astype(np.int16) - np.asarray(want))
     print(
-        f"{len(uploads)} photos: kernel against matrices, max {diff.max()}, mean {diff.mean():.4f}"
+        f"{len(uploads)} photos: kernel against matrices, max {diff.max()}, mean "
+        f"{diff.mean():.4f}, {int((diff > 1).sum())} of {diff.size} values over one level"
     )
-    assert diff.max() <= 1 and diff.mean() < 0.01
+    assert diff.max() <= 2 and (diff > 1).mean() < 1e-5 and diff.mean() < 0.01
 
 
 def test_an_image_nvjpeg_refuses_costs_only_itself() -> None:
