@@ -19,10 +19,10 @@
 # compiled model, at batches of 128 and 256), and the table last, with the service's
 # photos/s at c=256 over the chain's at 256.
 #
-# Settings of the server go through the environment as usual. COMPARE runs a second server
-# after the first with these settings for it alone (words VAR=VALUE joined by '+'), the same
-# loads, its rows in the same table (+70 s; the store is filled by then), e.g. the old way of
-# forming batches:
+# Settings of the server go through the environment as usual. COMPARE (and COMPARE2) runs a
+# second (and third) server after the first with these settings for it alone (words
+# VAR=VALUE joined by '+'), the same loads, its rows in the same table (+50-70 s each; the
+# store is filled by then), e.g. the old way of forming batches:
 #
 #   COMPARE="STOKER_UPLOADS__DECODE_SPREAD_PIXELS=0+STOKER_UPLOADS__DECODE_IN_FLIGHT=2" \
 #       JPEG_IMAGES=$PWD/.carry/photos bash scripts/h200_jpeg.sh
@@ -101,6 +101,11 @@ if [ -n "${COMPARE:-}" ]; then
     serve_and_load compare ${COMPARE//+/ }
     echo "compare: ${COMPARE//+/ }" >"$OUT/compare.txt"
 fi
+if [ -n "${COMPARE2:-}" ]; then
+    # shellcheck disable=SC2086
+    serve_and_load compare2 ${COMPARE2//+/ }
+    echo "compare2: ${COMPARE2//+/ }" >"$OUT/compare2.txt"
+fi
 timeout 150 python3 scripts/jpeg_decode_bench.py "$JPEG_IMAGES" --batches 128,256 \
     --processes "" --threads "" --no-profile --chain "$STORE" --json "$OUT/chain.json" \
     >"$OUT/chain.log" 2>&1 || tail -20 "$OUT/chain.log"
@@ -136,8 +141,8 @@ print("| server | load | photos/s | p99 ms | errors | mean decode batch | mean m
       " | decode queue ms | decode ms | batcher queue ms | model ms | decoded on the CPU |")
 print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 service = {}
-for name in ("this", "compare"):
-    if name == "compare" and not (out / "compare.txt").exists():
+for name in ("this", "compare", "compare2"):
+    if name != "this" and not (out / f"{name}.txt").exists():
         continue
     for load in ("jpeg1_c64", "jpeg1_c256", "jpeg16_c32"):
         stem = f"{name}_{load}"
@@ -158,8 +163,9 @@ for name in ("this", "compare"):
               f"{mean(delta, 'inference_queue_duration_seconds'):.2f} | "
               f"{mean(delta, 'inference_compute_infer_duration_seconds'):.2f} | "
               f"{delta.get('stoker_image_decode_total_cpu', 0.0):,.0f} |")
-if (out / "compare.txt").exists():
-    print((out / "compare.txt").read_text().strip())
+for name in ("compare", "compare2"):
+    if (out / f"{name}.txt").exists():
+        print((out / f"{name}.txt").read_text().strip())
 print()
 print("decode processes, a batch over each server's run (decode, resize launched, waited):")
 for path in sorted(out.glob("decode_stages_*.txt")):
