@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -64,6 +65,8 @@ def run_server(
     and run the lifespan shutdown. A second signal skips the rest of the drain.
     """
     import uvicorn
+
+    sys.setswitchinterval(settings.server.gil_switch_ms / 1000)
 
     class Server(uvicorn.Server):
         drain: asyncio.Task[None] | None = None

@@ -83,6 +83,11 @@ class ServerSettings(BaseModel):
     that arrive one per turn of the loop (gRPC calls do) then still cross in frames of many,
     and the engine pays per frame. 0: no limit (each turn's requests cross at once). One
     process never waits: a frame costs nothing to cross there."""
+    gil_switch_ms: float = Field(default=5.0, gt=0, le=100)
+    """How long a thread that holds the GIL runs on before a thread waiting for it is given
+    it (Python's ``sys.setswitchinterval``, 5 ms by default), in every server process. A
+    runner or decoder thread back from the GPU waits up to this long for a busy event loop of
+    its process; lower hands it over sooner, at the cost of more switches."""
     gathering_log_s: float = Field(default=0.0, ge=0)
     """Every this many seconds of traffic, each front end logs how many requests it sent
     to the engine in how many frames (how well requests gather); 0: only at drain."""

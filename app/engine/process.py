@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
@@ -471,6 +472,7 @@ def main(settings: Settings, control: str, gpu: int | None = None) -> None:
         "%(name)s: %(message)s",
     )
     one_device = gpu is not None
+    sys.setswitchinterval(settings.server.gil_switch_ms / 1000)
     tracing.configure("engine", settings.server.log_level)
     profile = os.environ.get("STOKER_ENGINE_PROFILE")
     if os.environ.get("STOKER_PROFILE_DIR"):
