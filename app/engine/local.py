@@ -500,6 +500,13 @@ class LocalEngine:
         )
         return [(out, shape_output(model, out, outputs)) for out in wanted]
 
+    def submit_uploads(
+        self, uploads: Uploads, deliver: Callable[[Classified | Exception], None]
+    ) -> Callable[[], object] | None:
+        """None: in one process an upload call is the engine's own coroutine, which the data
+        plane awaits (``classify``); nothing crosses, so there is no turn to save."""
+        return None
+
     async def classify(self, uploads: Uploads) -> Classified:
         """Uploads through the model's handler and batcher (``app.engine.uploads``): per
         request, one answer per image. ``name`` None: the default model."""

@@ -206,13 +206,25 @@ class Arena:
                 self._waiting.remove(entry)
                 self._serve_waiting()  # those it held up may fit now
 
+    def lend_now(self, size: int, client: str = "", share: float = 1.0) -> Slot | None:
+        """Room for ``size`` bytes in this turn, as ``lend_within`` would give it at once, or
+        None where it would wait (no room, bodies already waiting, the address at its
+        share) or the body is larger than a slot: the caller then awaits ``lend_within``."""
+        if self._waiting or not self._within_share(size, client, share):
+            return None
+        slot = self.lend(size)
+        return None if slot is None else self._held_by(slot, client)
+
     def _may_take(self, entry: Waiting) -> bool:
         """Whether the body's pages keep its address within its share."""
-        if not entry.client or entry.share >= 1.0:
+        return self._within_share(entry.size, entry.client, entry.share)
+
+    def _within_share(self, size: int, client: str, share: float) -> bool:
+        if not client or share >= 1.0:
             return True
-        need = max(1, -(-entry.size // PAGE))
-        held = self._by_client.get(entry.client, 0)
-        return held + need <= entry.share * (self.size_bytes // PAGE)
+        need = max(1, -(-size // PAGE))
+        held = self._by_client.get(client, 0)
+        return held + need <= share * (self.size_bytes // PAGE)
 
     def _serve_waiting(self) -> None:
         """Lend freed pages to the bodies waiting, in order of arrival; the first that does

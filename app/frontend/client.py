@@ -43,6 +43,14 @@ class EngineClient(Protocol):
         the engine nobody waits for it any more."""
 
     async def infer_raw(self, raw: Raw) -> Answer: ...
+    def submit_uploads(
+        self, uploads: Uploads, deliver: Callable[[Classified | Exception], None]
+    ) -> Callable[[], object] | None:
+        """Run ``uploads`` as ``classify`` does, without a task where it can be sent in this
+        turn: ``deliver`` gets the answer or error once, and what it returns tells the
+        engine nobody waits; None where it cannot go now (nothing was sent): the caller
+        awaits ``classify``."""
+
     async def classify(self, uploads: Uploads) -> Classified: ...
     def request_timed(self, model: str, version: str, seconds: float, engine: str = "") -> None: ...
     def count_failures(

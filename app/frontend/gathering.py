@@ -394,8 +394,35 @@ class Gatherer:
             tuple(gathering.traceparents) if any(gathering.traceparents) else (),
         )
         self._sent(len(gathering.counts))
+        callers = gathering.callers
         call = partial(self.client.classify, uploads)
         # Rows made with a preprocessing a reload replaced would be refused again: the data
         # plane makes them anew instead; files are sent once more as they are.
         made = gathering.row_preprocess is not None
-        gathering.callers.send(call if made else partial(again_if_reloaded, call))
+        try:
+            # Sent in this turn where the arena has room, answered in the turn its reply is
+            # read: no task between, as a frame goes (``_send``).
+            stop = self.client.submit_uploads(
+                uploads, partial(self._uploads_answered, callers, call, made)
+            )
+        except Exception as error:  # no engine to take it: nothing was sent
+            callers.deliver(error)
+            return
+        if stop is not None:
+            callers.stop = stop
+        else:  # no room in this turn (or one process): a task waits for it
+            callers.send(call if made else partial(again_if_reloaded, call))
+
+    @staticmethod
+    def _uploads_answered(
+        callers: Callers[Classified],
+        call: Callable[[], Awaitable[Classified]],
+        made: bool,
+        outcome: Classified | Exception,
+    ) -> None:
+        """An upload call's answer to its requests; files a reload refused are sent once
+        more as they are, in a task (``again_if_reloaded``: that refusal stands)."""
+        if isinstance(outcome, StokerError) and outcome.reason == Reloaded.reason and not made:
+            callers.send(call)
+            return
+        callers.deliver(outcome)

@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -461,6 +462,52 @@ class RemoteEngine:
             assert slot is not None
             data = bytes(slot.view[: inferred.slot_length])
         return Answer(inferred.model, inferred.version, inferred.headers, data)
+
+    def submit_uploads(
+        self, uploads: Uploads, deliver: Callable[[Classified | Exception], None]
+    ) -> Callable[[], object] | None:
+        """``classify`` without a task, as ``submit`` sends a frame: the uploads written into
+        a slot of the arena and the call onto its link in this turn, ``deliver`` given the
+        answer (or the error) in the turn the engine's reply is read. Returns what tells the
+        engine nobody waits for it any more; None, having sent nothing, where the arena has
+        no room for it in this turn (``Arena.lend_now``): the caller awaits ``classify``,
+        which waits for room. Raises where no engine takes it (nothing sent)."""
+        size = sum(len(image) for image in uploads.images)
+        slot = None
+        if uploads.images and size <= self.arena.slot_bytes:
+            share = self.settings.limits.max_share_per_address
+            slot = self.arena.lend_now(size, uploads.client, share)
+            if slot is None:
+                return None
+        slots = [slot] if slot is not None else []
+
+        def settle(outcome: tuple[wire.Reply, bytes] | Exception) -> None:
+            if isinstance(outcome, Exception):
+                deliver(outcome)
+                return
+            reply, data = outcome
+            try:
+                classified = answered(reply, wire.ClassifiedReply)
+                answers = classified_answers(data)
+            except Exception as error:
+                deliver(error)
+                return
+            deliver(Classified(classified.model, classified.version, answers))
+
+        try:
+            link = self._choose(uploads.name, uploads.version)
+            call, payload = classify_call(uploads, slot)
+            requests = len(uploads.counts) or 1
+            number = held_request(link, call, payload, slots, requests, settle, self._released)
+        except BaseException:
+            for held in slots:  # nothing was sent
+                self.arena.give_back(held)
+            raise
+        for held in slots:
+            held.abandoned = True  # no caller gives it back: the engine's last word does
+        if link.writer is not None:
+            link.writer.flush()
+        return partial(link.cancel, number)
 
     async def classify(self, uploads: Uploads) -> Classified:
         """The uploads one after the other in a slot of the arena (or the payload), for the

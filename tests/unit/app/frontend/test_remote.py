@@ -945,3 +945,84 @@ def test_a_new_control_operation_is_its_engine_method_alone(tmp_path: Path) -> N
         asyncio.run(main())
     finally:
         CONTROL.pop("echo", None)
+
+
+def test_an_upload_call_leaves_in_its_sending_turn_or_waits_in_a_task_for_room(
+    tmp_path: Path, efficientnet_dir: Path
+) -> None:
+    """Uploads cross as a frame does: three requests of one turn (JPEG files, for the
+    engine's handler to decode) are written to the engine's socket in the turn their call
+    is sent, with no task between, and each gets its own labels. Where the arena has no
+    room in that turn, the call waits for room in a task instead, and is answered the same
+    once pages come back; every page is free again at the end."""
+    import shutil
+
+    from tests.conftest import configure, sample_jpegs
+
+    shutil.copytree(efficientnet_dir, tmp_path / "repo" / "efficientnet_lite0")
+    configure(tmp_path / "repo" / "efficientnet_lite0", {"precisions": ["fp32"]})  # no INT8
+    settings = Settings(
+        models={"repository": tmp_path / "repo"},  # type: ignore[arg-type]
+        store={"path": tmp_path / "store"},  # type: ignore[arg-type]
+        uploads={"decode_in_front_ends": False},  # type: ignore[arg-type]
+        server={"shm_slots": 2, "shm_slot_bytes": 256 * PAGE},  # type: ignore[arg-type]
+    )
+    control = tmp_path / "engine.sock"
+    photos = sample_jpegs()[:3]
+    written_while_sending: list[bool] = []
+
+    async def main() -> tuple[list[Any], list[Any], int]:
+        async with plane_before_engine(settings, control) as (remote, front):
+            await remote.contract(None, None)
+            link = remote._links[0]
+            assert link.writer is not None
+            writes: list[int] = []
+            transport_write = link.writer.writer.write
+
+            def write(data: Any) -> None:
+                writes.append(len(data))
+                transport_write(data)
+
+            link.writer.writer.write = write  # type: ignore[method-assign]
+            send_all = front.gatherer._send_all
+
+            def sending() -> None:
+                before = len(writes)
+                send_all()
+                written_while_sending.append(len(writes) > before)
+
+            front.gatherer._send_all = sending  # type: ignore[method-assign]
+
+            async def three() -> list[Any]:
+                answered = await asyncio.gather(
+                    *(front.classify_images(None, None, [photo], 3) for photo in photos)
+                )
+                return [labels for _, _, labels in answered]
+
+            sent_now = await three()
+            # No room in this turn: every page lent elsewhere, then given back.
+            taken = [remote.arena.lend(256 * PAGE) for _ in range(2)]
+            assert all(taken) and remote.arena.lend_now(PAGE) is None
+            later = asyncio.ensure_future(three())
+            for _ in range(100):  # the call's task waits for room
+                if remote.arena._waiting:
+                    break
+                await asyncio.sleep(0.01)
+            assert remote.arena._waiting and not later.done()
+            for slot in taken:
+                remote.arena.give_back(slot)  # type: ignore[arg-type]
+            waited = await asyncio.wait_for(later, 60)
+            for _ in range(200):  # the last slot comes back with the engine's last word
+                if remote.arena.free_bytes == 2 * 256 * PAGE:
+                    break
+                await asyncio.sleep(0.01)
+            return sent_now, waited, remote.arena.free_bytes
+
+    sent_now, waited, free = asyncio.run(main())
+    assert written_while_sending[0] is True  # the first call: on the socket as it was sent
+    assert written_while_sending[1] is False  # the second: its task waited for room
+    assert sent_now == waited and len(sent_now) == 3
+    # one answer a request (its one photo), of three labels each
+    assert all(len(answers) == 1 and len(answers[0]) == 3 for answers in sent_now)
+    assert sent_now[0] != sent_now[1]  # each request its own photo's labels
+    assert free == 2 * 256 * PAGE
