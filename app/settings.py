@@ -85,9 +85,12 @@ class ServerSettings(BaseModel):
     process never waits: a frame costs nothing to cross there."""
     gil_switch_ms: float = Field(default=5.0, gt=0, le=100)
     """How long a thread that holds the GIL runs on before a thread waiting for it is given
-    it (Python's ``sys.setswitchinterval``, 5 ms by default), in every server process. A
-    runner or decoder thread back from the GPU waits up to this long for a busy event loop of
-    its process; lower hands it over sooner, at the cost of more switches."""
+    it (Python's ``sys.setswitchinterval``, 5 ms by default), in the engine processes, the
+    front ends and the one-process server (not the decode processes). A runner or decoder
+    thread back from the GPU waits up to this long for a busy event loop of its process;
+    lower hands it over sooner, at the cost of more switches. On an H100, 0.5 ms made
+    1.10-1.12x the photos at one a request and c=256 and 0.97-0.98x at 16 a request
+    (BENCHMARKS.md, issue 43): not enough, measured on one path, to change the default."""
     gathering_log_s: float = Field(default=0.0, ge=0)
     """Every this many seconds of traffic, each front end logs how many requests it sent
     to the engine in how many frames (how well requests gather); 0: only at drain."""

@@ -423,6 +423,7 @@ class Gatherer:
         """An upload call's answer to its requests; files a reload refused are sent once
         more as they are, in a task (``again_if_reloaded``: that refusal stands)."""
         if isinstance(outcome, StokerError) and outcome.reason == Reloaded.reason and not made:
-            callers.send(call)
+            if callers.waiting:  # nobody left to answer: nothing is sent again
+                callers.send(call)
             return
         callers.deliver(outcome)

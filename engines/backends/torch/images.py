@@ -165,7 +165,7 @@ class TorchImageDecoder:
         self._lock = threading.Lock()
         self.last = DecodeTimes()  # the last batch's
         if self.kernel and self.device.type == "cuda":
-            self._warm()
+            self.kernel = warmed(kernel, self._warm)
 
     def _warm(self) -> None:
         """Compile the resize kernel now (a second or two the first time in a machine,
@@ -213,6 +213,8 @@ class TorchImageDecoder:
         """Every decoded image resized and cropped into its row in one launch; the rows of
         the others zeroed."""
         shape = (len(images), *self.spec.row_shape())
+        if into is not None and tuple(into.shape) != shape:
+            raise ValueError(f"rows {tuple(into.shape)} given for a batch of {shape}")
         batch = torch.empty(shape, dtype=torch.uint8, device=self.device) if into is None else into
         decoded = [i for i, image in enumerate(images) if image is not None]
         if len(decoded) < len(images):
@@ -337,6 +339,21 @@ class TorchImageDecoder:
         if self._stream is None:
             return contextlib.nullcontext()
         return torch.cuda.stream(self._stream)
+
+
+def warmed(asked: bool | None, warm: Callable[[], None]) -> bool:
+    """Whether the resize kernel is used, once ``warm`` has compiled and run it: where it
+    fails (no C compiler for Triton's launcher, no ptxas for this GPU), the matrix products
+    are, with a warning, unless the kernel was asked for by name (``asked`` True), whose
+    failure stands."""
+    try:
+        warm()
+    except Exception as error:
+        if asked:
+            raise
+        log.warning("the resize kernel does not run here (%s); matrix products instead", error)
+        return False
+    return True
 
 
 def pillow_decode_jpeg(data: torch.Tensor | list[torch.Tensor], device: Any = None) -> Any:

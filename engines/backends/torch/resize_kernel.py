@@ -92,7 +92,9 @@ def _kernel() -> Any:
         scale_x = tl.load(g + 3)
         support_x = tl.load(g + 4)
         left = tl.load(g + 5)
-        plane = height * width
+        # int64: a plane past 2**30 pixels would wrap int32 offsets (limits.max_image_pixels
+        # is the server's bound, not this kernel's).
+        plane = height.to(tl.int64) * width
 
         centre_y = (top + y + 0.5) * scale_y
         first_y = tl.maximum((centre_y - support_y + 0.5).to(tl.int32), 0)
@@ -145,7 +147,7 @@ def _kernel() -> Any:
                     1.0 - tl.abs((tap_x.to(tl.float32) - centre_x + 0.5) / support_x), 0.0
                 )
                 ok = row_ok & (tap_x < end_x)
-                at = source + tap_y * width + tap_x
+                at = source + tap_y.to(tl.int64) * width + tap_x
                 across_r += weight_x * tl.load(at, mask=ok, other=0).to(tl.float32)
                 across_g += weight_x * tl.load(at + plane, mask=ok, other=0).to(tl.float32)
                 across_b += weight_x * tl.load(at + 2 * plane, mask=ok, other=0).to(tl.float32)
@@ -221,6 +223,11 @@ def resize_crop(
             raise ValueError(f"not a UINT8 (3, height, width) image: {tuple(image.shape)}")
         if not image.is_contiguous() or image.device != out.device:
             raise ValueError("the images must be contiguous and on the rows' device")
+    shape = (*spec.row_shape(),)
+    if out.dtype != torch.uint8 or tuple(out.shape[1:]) != shape or not out.is_contiguous():
+        raise ValueError(f"the rows must be contiguous UINT8 (n, {shape}), not {tuple(out.shape)}")
+    if len(rows) != len(images) or min(rows) < 0 or max(rows) >= len(out):
+        raise ValueError(f"rows {min(rows)}..{max(rows)} for {len(images)} images, {len(out)} rows")
     sizes = np.asarray([image.shape[1:] for image in images], dtype=np.int64)
     addresses = np.fromiter((image.data_ptr() for image in images), np.int64, len(images))
     facts, shapes = tables(sizes, addresses, np.asarray(rows, dtype=np.int64), spec)

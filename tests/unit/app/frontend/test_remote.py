@@ -150,6 +150,81 @@ def test_one_address_holds_at_most_its_share_of_the_arena(arena: Arena) -> None:
     asyncio.run(scenario())
 
 
+def test_a_body_lent_in_its_turn_keeps_the_rules_of_one_that_waits(arena: Arena) -> None:
+    """``lend_now`` (an upload call sent in its own turn) lends at once only what
+    ``lend_within`` would lend at once: not while another body waits (no overtaking), not
+    past the address's share, not more than a slot; it counts the address's pages as the
+    other does, and gives None (the caller then waits in a task) instead of waiting."""
+
+    async def scenario() -> None:
+        mine = arena.lend_now(4 * PAGE, "10.0.0.1", 0.5)
+        assert mine is not None and arena._by_client == {"10.0.0.1": 4}
+        assert arena.lend_now(5 * PAGE) is None  # larger than a slot
+        more = arena.lend_now(4 * PAGE, "10.0.0.1", 0.5)
+        assert more is not None
+        assert arena.lend_now(PAGE, "10.0.0.1", 0.5) is None  # 8 of 16 pages: its share
+        other = arena.lend_now(4 * PAGE, "10.0.0.2", 0.5)
+        assert other is not None  # another address is not held up
+        waiting = asyncio.create_task(arena.lend_within(4 * PAGE, 30))  # 4 pages free, 4+ wanted
+        lent = arena.lend(3 * PAGE)  # 1 page left, and a body waits for 4
+        await asyncio.sleep(0)
+        assert not waiting.done() and lent is not None
+        assert arena.lend_now(PAGE) is None  # it would overtake the waiting body
+        arena.give_back(lent)
+        assert await waiting is not None
+        for slot in (mine, more, other, waiting.result()):
+            assert slot is not None
+            arena.give_back(slot)
+        assert arena.free_bytes == 16 * PAGE and arena._by_client == {}
+
+    asyncio.run(scenario())
+
+
+def test_files_a_reload_refused_go_once_more_only_while_someone_waits() -> None:
+    """An upload call's reply, for its requests (``Gatherer._uploads_answered``): files a
+    reload refused are sent once more as they are (its answer reaches the requests);
+    rows made with the replaced preprocessing get the refusal (the data plane makes them
+    again); and when every request has gone away nothing is sent again."""
+    from app.contract import Classified
+    from app.errors import Reloaded
+    from app.frontend.gathering import Callers, Gatherer
+
+    async def scenario() -> tuple[list[int], Any, Any]:
+        sent: list[int] = []
+        answer = Classified("m", "fp32", [[{"label": "espresso"}]])
+
+        async def again() -> Classified:
+            sent.append(1)
+            return answer
+
+        refused = Reloaded("model 'm' was reloaded")
+        files: Callers[Classified] = Callers()
+        waiter = asyncio.ensure_future(files.wait())
+        await asyncio.sleep(0)
+        Gatherer._uploads_answered(files, again, False, refused)
+        got_files = await asyncio.wait_for(waiter, 10)
+        rows: Callers[Classified] = Callers()
+        row_waiter = asyncio.ensure_future(rows.wait())
+        await asyncio.sleep(0)
+        Gatherer._uploads_answered(rows, again, True, refused)
+        with pytest.raises(Reloaded):
+            await asyncio.wait_for(row_waiter, 10)
+        gone: Callers[Classified] = Callers()
+        left = asyncio.ensure_future(gone.wait())
+        await asyncio.sleep(0)
+        left.cancel()
+        await asyncio.sleep(0)
+        assert gone.waiting == 0
+        Gatherer._uploads_answered(gone, again, False, refused)
+        await asyncio.sleep(0.05)
+        return sent, got_files, gone.stop
+
+    sent, got_files, stop = asyncio.run(scenario())
+    assert sent == [1]  # once, for the files someone waited for
+    assert got_files == (0, Classified("m", "fp32", [[{"label": "espresso"}]]))
+    assert stop is None  # nothing sent for the call nobody waits for
+
+
 def test_returned_pages_join_their_neighbours_and_a_second_return_is_a_no_op(
     arena: Arena,
 ) -> None:

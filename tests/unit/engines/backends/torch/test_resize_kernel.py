@@ -125,7 +125,7 @@ def test_the_kernels_geometry_is_crop_box_for_every_size() -> None:
 
     spec = ImagePreprocess()
     rng = np.random.default_rng(7)
-    sizes = [(h, w) for h, w in rng.integers(1, 5000, (3000, 2))]
+    sizes = [(h, w) for h, w in rng.integers(1, 5000, (600, 2))]
     sizes += [(512, 640), (512, 384), (1024, 1280), (100, 100), (224, 225), (7, 4000)]
     facts, shapes = tables(
         np.asarray(sizes), np.arange(len(sizes)), np.arange(len(sizes)) + 9, spec
@@ -182,3 +182,52 @@ def test_the_kernel_compiles_for_the_gpus_it_serves(capability: int) -> None:
             pytest.skip(f"Triton's ptxas does not run here: {exc}")
         raise
     assert compiled.asm["cubin"] and "ld.global" in compiled.asm["ptx"]
+
+
+def test_the_kernel_refuses_rows_it_would_write_outside(interpreted: None) -> None:
+    """Rows out of the output's range, an output of another row shape or type, or an image
+    not (3, height, width) UINT8 are refused before anything is launched: the kernel writes
+    by address and would not fail by itself."""
+    import torch
+
+    from engines.backends.torch import resize_kernel
+
+    spec = ImagePreprocess(**SMALL)  # type: ignore[arg-type]
+    image = torch.full((3, 30, 20), 100, dtype=torch.uint8)
+    out = torch.zeros((2, *spec.row_shape()), dtype=torch.uint8)
+    for images, rows, target in (
+        ([image], [2], out),  # past the last row
+        ([image], [-1], out),
+        ([image, image], [0], out),  # a row for each image
+        ([image], [0], torch.zeros((2, 3, 8, 8), dtype=torch.uint8)),  # another row shape
+        ([image], [0], out.float()),
+        ([image.float()], [0], out),
+        ([image[:, :, ::2]], [0], out),  # not contiguous
+    ):
+        with pytest.raises(ValueError):
+            resize_kernel.resize_crop(images, rows, target, spec)
+    assert not out.any()  # nothing was written by the refused calls
+    resize_kernel.resize_crop([image], [1], out, spec)
+    assert (out[1] == 100).all() and not out[0].any()  # a flat image stays flat
+
+
+def test_a_kernel_that_cannot_run_here_leaves_the_matrix_form_unless_asked_for(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The decoder's warm-up compiles and runs the kernel at start: where that fails (no C
+    compiler for Triton's launcher, no ptxas for the GPU) the decoder keeps the matrix
+    products and says why, so the model still loads; asked for by name, the failure
+    stands."""
+    pytest.importorskip("torch", reason="the decoder needs torch (the reference extra)")
+    from engines.backends.torch.images import warmed
+
+    def fails() -> None:
+        raise RuntimeError("Failed to find C compiler")
+
+    calls: list[int] = []
+    with caplog.at_level("WARNING", logger="engines.backends.torch.images"):
+        assert warmed(None, fails) is False
+    assert "does not run here (Failed to find C compiler); matrix products" in caplog.text
+    with pytest.raises(RuntimeError, match="C compiler"):
+        warmed(True, fails)
+    assert warmed(None, lambda: calls.append(1)) is True and calls == [1]
