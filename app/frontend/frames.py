@@ -1,5 +1,6 @@
 """A frame's crossing to one engine process: its pieces sent in the turn it is sent, and
-their replies handed back in the turn each is read.
+their replies handed back in the turn each is read; an upload call's (``send_uploads``) the
+same way.
 
 A frame larger than the engine takes goes as pieces (``packing.split_frame``), each one call
 on the link (``EngineLink.request`` with a callback, not a future: no task wakes up between
@@ -15,10 +16,16 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from app import wire
-from app.contract import Frame, Ran
-from app.frontend.arena import Slot, slot_of
+from app.contract import Classified, Frame, Ran, Uploads
+from app.frontend.arena import Arena, Slot, slot_of
 from app.frontend.links import EngineLink, Then, answered
-from app.frontend.packing import ran_outputs, run_call, split_frame
+from app.frontend.packing import (
+    classified_answers,
+    classify_call,
+    ran_outputs,
+    run_call,
+    split_frame,
+)
 
 Released = Callable[[Sequence[Slot], wire.Reply | None], None]
 """What the engine client does at the engine's last word on a call: its slots given back,
@@ -83,6 +90,48 @@ def send_frame(
         for index in range(len(numbers), len(pieces)):
             answers.add(index, error)
     return partial(cancel_all, link, numbers)
+
+
+def send_uploads(
+    link: EngineLink,
+    uploads: Uploads,
+    slot: Slot | None,
+    deliver: Callable[[Classified | Exception], None],
+    arena: Arena,
+    released: Released,
+) -> Callable[[], None]:
+    """Send the call of ``uploads`` (their bytes in ``slot`` of ``arena``, or the payload)
+    now; ``deliver`` gets the answer or error once, in the turn the reply is read, and the
+    slot goes back at the engine's last word (at once where nothing could be sent, which
+    raises). Returns what tells the engine nobody waits for it any more."""
+    slots = [slot] if slot is not None else []
+
+    def settle(outcome: tuple[wire.Reply, bytes] | Exception) -> None:
+        if isinstance(outcome, Exception):
+            deliver(outcome)
+            return
+        reply, data = outcome
+        try:
+            classified = answered(reply, wire.ClassifiedReply)
+            answers = classified_answers(data)
+        except Exception as error:
+            deliver(error)
+            return
+        deliver(Classified(classified.model, classified.version, answers))
+
+    try:
+        call, payload = classify_call(uploads, slot)
+        requests = len(uploads.counts) or 1
+        number = held_request(link, call, payload, slots, requests, settle, released)
+    except BaseException:
+        for held in slots:  # nothing was sent
+            arena.give_back(held)
+        raise
+    for held in slots:
+        held.abandoned = True  # no caller gives it back: the engine's last word does
+    if link.writer is not None:
+        link.writer.flush()
+    return partial(link.cancel, number)
 
 
 def held_request(

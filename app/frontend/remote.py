@@ -21,7 +21,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from app.channel import ChannelClosed
 from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Uploads, draining
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.frontend.arena import Arena, ArenaShare, Slot, slot_of
-from app.frontend.frames import held_request, send_frame
+from app.frontend.frames import held_request, send_frame, send_uploads
 from app.frontend.links import (
     EngineLink,
     Epoch,
@@ -479,35 +478,13 @@ class RemoteEngine:
             slot = self.arena.lend_now(size, uploads.client, share)
             if slot is None:
                 return None
-        slots = [slot] if slot is not None else []
-
-        def settle(outcome: tuple[wire.Reply, bytes] | Exception) -> None:
-            if isinstance(outcome, Exception):
-                deliver(outcome)
-                return
-            reply, data = outcome
-            try:
-                classified = answered(reply, wire.ClassifiedReply)
-                answers = classified_answers(data)
-            except Exception as error:
-                deliver(error)
-                return
-            deliver(Classified(classified.model, classified.version, answers))
-
         try:
             link = self._choose(uploads.name, uploads.version)
-            call, payload = classify_call(uploads, slot)
-            requests = len(uploads.counts) or 1
-            number = held_request(link, call, payload, slots, requests, settle, self._released)
         except BaseException:
-            for held in slots:  # nothing was sent
-                self.arena.give_back(held)
+            if slot is not None:
+                self.arena.give_back(slot)
             raise
-        for held in slots:
-            held.abandoned = True  # no caller gives it back: the engine's last word does
-        if link.writer is not None:
-            link.writer.flush()
-        return partial(link.cancel, number)
+        return send_uploads(link, uploads, slot, deliver, self.arena, self._released)
 
     async def classify(self, uploads: Uploads) -> Classified:
         """The uploads one after the other in a slot of the arena (or the payload), for the

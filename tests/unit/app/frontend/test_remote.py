@@ -432,6 +432,29 @@ async def plane_before_engine(
         await engine.stop()
 
 
+def watch_sending(remote: RemoteEngine, front: DataPlane, written: list[bool]) -> None:
+    """Note in ``written``, at each send of what the gatherer holds, whether bytes reached
+    the engine link's transport during it (sent in that turn, not by a task after it)."""
+    link = remote._links[0]
+    assert link.writer is not None
+    writes: list[int] = []
+    transport_write = link.writer.writer.write
+
+    def write(data: Any) -> None:
+        writes.append(len(data))
+        transport_write(data)
+
+    link.writer.writer.write = write  # type: ignore[method-assign]
+    send_all = front.gatherer._send_all
+
+    def sending() -> None:
+        before = len(writes)
+        send_all()
+        written.append(len(writes) > before)
+
+    front.gatherer._send_all = sending  # type: ignore[method-assign]
+
+
 def test_requests_of_one_turn_cross_as_one_frame_and_each_gets_its_own_rows(
     tmp_path: Path,
 ) -> None:
@@ -546,24 +569,7 @@ def test_a_frame_leaves_in_its_sending_turn_and_its_requests_go_on_the_turn_afte
     async def main() -> list[np.ndarray]:
         async with plane_before_engine(settings, control) as (remote, front):
             contract = await remote.contract("tiny", None)
-            link = remote._links[0]
-            assert link.writer is not None
-            writes: list[int] = []
-            transport_write = link.writer.writer.write
-
-            def write(data: Any) -> None:
-                writes.append(len(data))
-                transport_write(data)
-
-            link.writer.writer.write = write  # type: ignore[method-assign]
-            send_all = front.gatherer._send_all
-
-            def sending() -> None:
-                before = len(writes)
-                send_all()
-                written_while_sending.append(len(writes) > before)
-
-            front.gatherer._send_all = sending  # type: ignore[method-assign]
+            watch_sending(remote, front, written_while_sending)
 
             async def one(rows: int) -> np.ndarray:
                 x = np.full((rows, 4), float(rows), np.float32)
@@ -1049,24 +1055,7 @@ def test_an_upload_call_leaves_in_its_sending_turn_or_waits_in_a_task_for_room(
     async def main() -> tuple[list[Any], list[Any], int]:
         async with plane_before_engine(settings, control) as (remote, front):
             await remote.contract(None, None)
-            link = remote._links[0]
-            assert link.writer is not None
-            writes: list[int] = []
-            transport_write = link.writer.writer.write
-
-            def write(data: Any) -> None:
-                writes.append(len(data))
-                transport_write(data)
-
-            link.writer.writer.write = write  # type: ignore[method-assign]
-            send_all = front.gatherer._send_all
-
-            def sending() -> None:
-                before = len(writes)
-                send_all()
-                written_while_sending.append(len(writes) > before)
-
-            front.gatherer._send_all = sending  # type: ignore[method-assign]
+            watch_sending(remote, front, written_while_sending)
 
             async def three() -> list[Any]:
                 answered = await asyncio.gather(
