@@ -402,8 +402,32 @@ def own_connection(address: str) -> tgrpc_aio.InferenceServerClient:
     )
 
 
+def established(port: int) -> list[str]:
+    """The peers of this host's established TCP connections to ``port`` (``/proc/net/tcp``,
+    the server's side of each): what the server's cap and its shares count."""
+    peers = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as lines:
+            for line in list(lines)[1:]:
+                local, remote, state = line.split()[1:4]
+                if state == "01" and int(local.rsplit(":", 1)[1], 16) == port:
+                    peers.append(remote)
+    return peers
+
+
+async def no_connections_held(address: str) -> None:
+    """Waits until nothing holds a connection to the server at ``address``: one an earlier
+    test's channel still keeps (closed at ``server.keep_alive_s`` once idle) would take a
+    place of the cap, and, the cap near full, keep this test's second address waiting."""
+    port = int(address.rsplit(":", 1)[1])
+    deadline = time.monotonic() + 60
+    while held := established(port):
+        assert time.monotonic() < deadline, f"connections never closed: {held}"
+        await asyncio.sleep(0.1)
+
+
 async def hold_on_own_connection(
-    address: str, release: asyncio.Event
+    address: str, release: asyncio.Event, server: str
 ) -> tuple[tgrpc_aio.InferenceServerClient, Any]:
     """``hold_a_call`` on a connection of its own, tried again while the server still counts
     connections that earlier tests closed (it counts one out once it has seen its close)."""
@@ -415,22 +439,27 @@ async def hold_on_own_connection(
         except grpc.aio.AioRpcError as error:
             await client.close()
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error
-            assert time.monotonic() < deadline, "a closed connection never freed its place"
+            held = established(int(server.rsplit(":", 1)[1]))
+            assert time.monotonic() < deadline, (
+                f"a closed connection never freed its place; the server's connections: {held}"
+            )
             await asyncio.sleep(0.1)
 
 
 def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
     """Six clients each keep a call open on a connection of its own (6 connections, the
     cap; four from 127.0.0.3, its share, two from 127.0.0.4: addresses of this test alone,
-    which no connection of an earlier one still counts against): a seventh client's
+    begun once no connection of an earlier test is held): a seventh client's
     connection is closed as it opens (UNAVAILABLE; its probes' too: use HTTP's), and once
     the six go, a new client is served."""
 
     async def scenario() -> InferenceServerException:
         release = asyncio.Event()
-        with relay(limited.address, "127.0.0.3") as one, relay(limited.address, "127.0.0.4") as two:
-            holders = [await hold_on_own_connection(one, release) for _ in range(4)]
-            holders += [await hold_on_own_connection(two, release) for _ in range(2)]
+        await no_connections_held(limited.address)
+        server = limited.address
+        with relay(server, "127.0.0.3") as one, relay(server, "127.0.0.4") as two:
+            holders = [await hold_on_own_connection(one, release, server) for _ in range(4)]
+            holders += [await hold_on_own_connection(two, release, server) for _ in range(2)]
             late = own_connection(limited.address)
             with pytest.raises(InferenceServerException) as refused:
                 await late.infer("tiny", [grpc_input("x", X, "FP32")], client_timeout=10)
@@ -440,7 +469,7 @@ def test_connections_past_the_cap_are_closed(limited: GrpcServer) -> None:
                 assert [item async for item in answers] == []
                 await client.close()
         # All six are closed now: a seventh gets its place once the server has seen a close.
-        later, answers = await hold_on_own_connection(limited.address, release)
+        later, answers = await hold_on_own_connection(server, release, server)
         assert [item async for item in answers] == []
         await later.close()
         return refused.value
@@ -522,6 +551,7 @@ def test_an_address_at_its_share_of_connections_waits_for_more(limited: GrpcServ
                     ended.append(channel)
 
         keepers = []
+        await no_connections_held(limited.address)
         with relay(limited.address, "127.0.0.5") as near_address:
             for _ in range(4):  # each kept busy from its start: idle ones close after 2 s
                 near.append(await opened(near_address))
