@@ -89,8 +89,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     targets.add_argument(
         "--protocol",
         default="http",
-        help="http, grpc, or both (http,grpc): how --url and --serve servers are measured; "
-        "gRPC sends v2-binary as raw_input_contents and v2-json as typed contents",
+        help="http, grpc, grpc-stream, or several (http,grpc,grpc-stream): how --url and "
+        "--serve servers are measured; gRPC sends v2-binary as raw_input_contents and v2-json "
+        "as typed contents, as ModelInfer calls or (grpc-stream) as messages of "
+        "ModelStreamInfer streams, one a request in flight",
     )
     targets.add_argument(
         "--grpc-port",
@@ -163,7 +165,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.protocols = protocols(args.protocol)
     if not args.protocols:
         parser.error(f"--protocol takes {', '.join(payloads.PROTOCOLS)}, comma-separated")
-    if "grpc" in args.protocols and args.payload == "jpeg":
+    if set(args.protocols) - {"http"} and args.payload == "jpeg":
         parser.error("gRPC has no image upload: use --payload v2-binary or v2-json with grpc")
     try:
         args.levels = levels(args.concurrency)
@@ -187,12 +189,11 @@ def protocols(text: str) -> list[ProtocolName]:
     """The protocols named, in order, once each; empty if any is unknown."""
     chosen: list[ProtocolName] = []
     for value in (v.strip().lower() for v in text.split(",") if v.strip()):
-        if value == "http" and value not in chosen:
-            chosen.append("http")
-        elif value == "grpc" and value not in chosen:
-            chosen.append("grpc")
-        elif value not in payloads.PROTOCOLS:
+        named = [name for name in payloads.PROTOCOLS if name == value]
+        if not named:
             return []
+        if named[0] not in chosen:
+            chosen.append(named[0])
     return chosen
 
 
@@ -218,7 +219,7 @@ def plans(args: argparse.Namespace) -> list[TargetPlan]:
         result.append(TargetPlan(name, f"V2 server at {url}", url=url.rstrip("/"), grpc=address))
     if args.serve:
         port = launch.free_port()
-        grpc_port = launch.free_port() if "grpc" in args.protocols else 0
+        grpc_port = launch.free_port() if set(args.protocols) - {"http"} else 0
         command = launch.stoker_command(args.repository, args.model, args.backend, port, grpc_port)
         served = f"127.0.0.1:{grpc_port}" if grpc_port else None
         plan = TargetPlan("stoker", "Stoker started by the bench", command, port=port, grpc=served)
@@ -361,9 +362,12 @@ def start(
     measured: list[ProtocolName] = args.protocols if plan.grpc is not None else ["http"]
     for protocol in measured:
         target: Target
-        if protocol == "grpc" and plan.grpc is not None:
-            name, description = f"{plan.name}-grpc", f"{plan.description}, gRPC at {plan.grpc}"
-            target = GrpcTarget(plan.grpc, url, args.timeout)
+        if protocol != "http" and plan.grpc is not None:
+            stream = protocol == "grpc-stream"
+            name = f"{plan.name}-{protocol}"
+            way = "ModelStreamInfer streams" if stream else "gRPC"
+            description = f"{plan.description}, {way} at {plan.grpc}"
+            target = GrpcTarget(plan.grpc, url, args.timeout, stream)
         else:
             name = plan.name if len(measured) == 1 else f"{plan.name}-http"
             description, target = (

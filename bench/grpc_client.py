@@ -1,9 +1,12 @@
 """The load generator's gRPC client: ModelInfer over grpc.aio with serialized requests
 (``bench.payloads.grpc_request``), sent as they are and answered without parsing, as the
-HTTP client sends bodies and reads them whole."""
+HTTP client sends bodies and reads them whole; or the same requests as messages of
+ModelStreamInfer streams (``stream``), one stream a request in flight, as Triton's
+``perf_analyzer --streaming`` sends them."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +21,9 @@ class GrpcTarget:
     address: str
     url: str
     timeout_s: float = 60.0
+    stream: bool = False
+    """ModelStreamInfer: each request in flight a message on a stream of its own (a stream
+    holds one request at a time, so its answer is that request's), not a ModelInfer call."""
 
 
 # A gRPC answer's code as the HTTP status Stoker gives the same failure (status columns
@@ -36,6 +42,38 @@ GRPC_STATUSES = {
 # requests share them. A closed loop of c clients uses c.
 MAX_GRPC_CHANNELS = 256
 GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+GRPC_STREAM_INFER = "/inference.GRPCInferenceService/ModelStreamInfer"
+_ERROR_MESSAGE = 0x0A  # ModelStreamInferResponse.error_message's key (field 1, bytes)
+
+
+def stream_failed(answer: bytes) -> bool:
+    """Whether a ModelStreamInferResponse carries an error_message (a request that failed:
+    the stream goes on)."""
+    at = 0
+    while at < len(answer):
+        key, at = _varint(answer, at)
+        if key & 7 == 0:
+            _, at = _varint(answer, at)
+            continue
+        if key & 7 == 1 or key & 7 == 5:
+            at += 8 if key & 7 == 1 else 4
+            continue
+        length, at = _varint(answer, at)
+        if key == _ERROR_MESSAGE and length:
+            return True
+        at += length
+    return False
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
 
 
 class GrpcClient:
@@ -69,6 +107,50 @@ class GrpcClient:
         return call
 
     async def send(self, payload: Payload) -> int:
+        if self._target.stream:
+            return await self._send_on_stream(payload)
+        return await self._send_call(payload)
+
+    async def _send_on_stream(self, payload: Payload) -> int:
+        """The request as the next message of an idle stream (a new one, on a channel of its
+        own up to ``MAX_GRPC_CHANNELS``, when none is idle); a stream that fails is dropped."""
+        import grpc
+
+        if self._idle:
+            stream = self._idle.pop()
+        else:
+            if len(self._channels) < MAX_GRPC_CHANNELS:
+                self._open()
+            self._turn += 1
+            channel = self._channels[self._turn % len(self._channels)]
+            stream = channel.stream_stream(GRPC_STREAM_INFER)()
+        try:
+            answer = await asyncio.wait_for(
+                self._exchange(stream, payload.body), self._target.timeout_s
+            )
+        except grpc.aio.AioRpcError as error:
+            status = GRPC_STATUSES.get(error.code().name)
+            if status is None:
+                raise
+            return status
+        except BaseException:
+            stream.cancel()
+            raise
+        self._idle.append(stream)
+        return 500 if stream_failed(answer) else 200
+
+    @staticmethod
+    async def _exchange(stream: Any, body: bytes) -> bytes:
+        import grpc
+
+        await stream.write(body)
+        answer = await stream.read()
+        if answer is grpc.aio.EOF:
+            raise ConnectionError("the server ended the stream")
+        assert isinstance(answer, bytes)
+        return answer
+
+    async def _send_call(self, payload: Payload) -> int:
         import grpc
 
         own = bool(self._idle) or len(self._calls) < MAX_GRPC_CHANNELS
@@ -101,6 +183,9 @@ class GrpcClient:
             return None
 
     async def close(self) -> None:
+        if self._target.stream:
+            for stream in self._idle:
+                await stream.done_writing()
         for channel in self._channels:
             await channel.close()
         await self._session.close()

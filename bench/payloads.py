@@ -24,8 +24,8 @@ from engines.spec import TensorSpec, v2_datatype
 
 Kind = Literal["v2-json", "v2-binary", "jpeg"]
 KINDS: tuple[Kind, ...] = ("v2-json", "v2-binary", "jpeg")
-ProtocolName = Literal["http", "grpc"]
-PROTOCOLS: tuple[ProtocolName, ...] = ("http", "grpc")
+ProtocolName = Literal["http", "grpc", "grpc-stream"]
+PROTOCOLS: tuple[ProtocolName, ...] = ("http", "grpc", "grpc-stream")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 # Distinct bodies cycle through the requests; fewer when bodies are large, so that all of
 # them fit comfortably in every client process.
@@ -247,7 +247,7 @@ def build(
     """``count`` distinct payloads (fewer if they would not fit in memory), as HTTP bodies or
     as gRPC ModelInferRequests of ``version`` (default: the model's)."""
     if kind == "jpeg":
-        if protocol == "grpc":
+        if protocol != "http":  # a gRPC stream's messages are ModelInferRequests too
             raise ValueError("gRPC has no image upload: use --payload v2-binary or v2-json")
         if not images:
             raise ValueError("JPEG uploads need images")
@@ -259,7 +259,7 @@ def build(
         raise ValueError(f"{kind} payloads need the model's inputs")
     first = model_tensors(model, images, rows, 1, configured)[0]
     encoders: dict[str, Callable[[dict[str, np.ndarray], int], Payload]]
-    if protocol == "grpc":
+    if protocol != "http":  # a gRPC stream's messages are ModelInferRequests too
         encoders = {
             "v2-json": partial(grpc_request, model=model.name, version=version, typed=True),
             "v2-binary": partial(grpc_request, model=model.name, version=version, typed=False),

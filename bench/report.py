@@ -18,7 +18,7 @@ import orjson
 from bench.loadgen import StepResult
 
 COLUMNS = (
-    ("target", 12),
+    ("target", 19),
     ("load", 9),
     ("req/s", 9),
     ("rows/s", 9),
@@ -104,7 +104,7 @@ def row(target: str, result: StepResult) -> str:
     lat = result.latency_ms
     server = result.server
     cells = (
-        target[:12],
+        target[:19],
         load,
         _number(result.throughput),
         _number(result.rows_per_s),

@@ -84,6 +84,7 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive
         bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
         bench "${tree}_grpc_rows1" 60 --protocol grpc --rows 1 --concurrency 256
+        bench "${tree}_grpc_stream_rows1" 60 --protocol grpc-stream --rows 1 --concurrency 256
         if [ "${PYSPY:-0}" = 1 ] && command -v py-spy >/dev/null; then
             py-spy record --pid $server --subprocesses --threads --nonblocking --rate 97 \
                 --duration 8 --format raw -o "$OUT/pyspy_rows32.txt" >"$OUT/pyspy.log" 2>&1 &

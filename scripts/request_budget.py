@@ -7,7 +7,11 @@ waits for the network and ONNX Runtime computes without it, so what is left is t
 work of the path).
 
     python3 scripts/request_budget.py --url http://127.0.0.1:8000 --pid PID --model tiny \\
-        --rows 1 --concurrency 1,8 --seconds 6
+        --rows 1 --concurrency 1,8 --seconds 6 [--grpc 127.0.0.1:8001]
+
+``--grpc``: the load goes over gRPC (ModelInfer) to this address instead of HTTP.
+``--protocols``: no profile; the same server's CPU per request over HTTP and over gRPC
+(``--grpc``) in alternating rounds, and their ratio.
 
 ``--pid``: the server's first process (its front ends and engine process are its children
 and are counted with it). A stage's microseconds are its share of a thread's GIL samples
@@ -19,6 +23,7 @@ or beside this Python (``pip install py-spy``) and the right to attach (root, or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -33,6 +38,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import payloads
+from bench.grpc_client import GrpcTarget
 from bench.loadgen import HttpTarget, Step, Workers
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -182,7 +188,7 @@ def measure(args: argparse.Namespace, workers: Workers, concurrency: int) -> Non
         kind = kinds.setdefault(tid, thread_kind(thread))
         frames = [f for f in frames if not f.startswith(("process ", "thread "))]
         samples[kind][stage_of(frames)] += int(count)
-    cpu: Counter[str] = Counter()
+    cpu: defaultdict[str, float] = defaultdict(float)
     for (pid, tid), (_, ticks) in after.items():
         used = ticks - before.get((pid, tid), ("", 0))[1]
         cpu[kinds.get(tid, "native (ONNX Runtime, ...)")] += used * 1e6 / TICK / requests
@@ -249,6 +255,50 @@ def compare(args: argparse.Namespace, built: list[payloads.Payload]) -> None:
             )
 
 
+def protocols(args: argparse.Namespace, model: payloads.ModelInputs) -> None:
+    """``--protocols``: one server's CPU per request over HTTP, over gRPC's ModelInfer and
+    over ModelStreamInfer streams (one a request in flight), in alternating rounds (no
+    profiler attached), and the median of each and of each gRPC form's ratio to HTTP."""
+    import statistics
+
+    url = args.url.rstrip("/")
+    images = payloads.synthetic_images(4, 320, 240)
+    bodies = {
+        name: payloads.build("v2-binary", images, args.rows, 4, model, None, name, None)
+        for name in ("http", "grpc")
+    }
+    targets: dict[str, tuple[HttpTarget | GrpcTarget, str]] = {
+        "HTTP": (HttpTarget(url, f"/v2/models/{args.model}/infer"), "http"),
+        "gRPC": (GrpcTarget(args.grpc, url), "grpc"),
+        "gRPC stream": (GrpcTarget(args.grpc, url, stream=True), "grpc"),
+    }
+    with contextlib.ExitStack() as stack:
+        loads = {
+            name: stack.enter_context(Workers(target, bodies[body], 1))
+            for name, (target, body) in targets.items()
+        }
+        for workers in loads.values():
+            workers.run(Step("closed", 1, 0.0, 0.0, 1.0))
+        for c in (int(v) for v in args.concurrency.split(",")):
+            used: dict[str, list[float]] = {name: [] for name in loads}
+            for _ in range(args.rounds):
+                for name, workers in loads.items():
+                    used[name].append(cpu_per_request(workers, args.pid, c, args.seconds))
+            medians = {name: statistics.median(values) for name, values in used.items()}
+            ratios = {
+                name: statistics.median([v / h for v, h in zip(values, used["HTTP"], strict=True)])
+                for name, values in used.items()
+                if name != "HTTP"
+            }
+            print(
+                f"c={c}, {args.rows} row(s), us of server CPU a request (median of "
+                f"{args.rounds}): "
+                + ", ".join(f"{name} {value:,.0f}" for name, value in medians.items())
+                + "; ÷ HTTP: "
+                + ", ".join(f"{name} {value:.2f}" for name, value in ratios.items())
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True)
@@ -265,16 +315,30 @@ def main() -> None:
         help="compare CPU per request with this server instead of profiling",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--against)")
+    parser.add_argument("--grpc", metavar="HOST:PORT", help="load over gRPC to this address")
+    parser.add_argument(
+        "--protocols", action="store_true", help="HTTP against gRPC (--grpc), no profile"
+    )
     args = parser.parse_args()
+    if args.protocols and not args.grpc:
+        parser.error("--protocols needs --grpc")
     url = args.url.rstrip("/")
     with urllib.request.urlopen(f"{url}/v2/models/{args.model}", timeout=10) as response:
         model = payloads.ModelInputs.from_metadata(orjson.loads(response.read()))
+    if args.protocols:
+        protocols(args, model)
+        return
     images = payloads.synthetic_images(4, 320, 240)
-    built = payloads.build("v2-binary", images, args.rows, 4, model, None, "http", None)
+    protocol: payloads.ProtocolName = "grpc" if args.grpc else "http"
+    built = payloads.build("v2-binary", images, args.rows, 4, model, None, protocol, None)
     if args.against:
         compare(args, built)
         return
-    target = HttpTarget(url, f"/v2/models/{args.model}/infer")
+    target: HttpTarget | GrpcTarget = (
+        GrpcTarget(args.grpc, url)
+        if args.grpc
+        else HttpTarget(url, f"/v2/models/{args.model}/infer")
+    )
     with Workers(target, built, args.workers) as workers:
         workers.run(Step("closed", 1, 0.0, 0.0, 1.0))  # connections and the model warm
         for c in (int(v) for v in args.concurrency.split(",")):

@@ -958,9 +958,10 @@ def test_sigterm_answers_every_call_in_flight_and_refuses_new_ones(tmp_path: Pat
 def test_the_bench_measures_grpc_beside_http_on_one_server(
     served: GrpcServer, tmp_path: Path
 ) -> None:
-    """``stoker bench --protocol http,grpc`` against a running server: both targets answer
-    without errors, the gRPC one over the server's gRPC port, and the server's own counts
-    see the gRPC requests."""
+    """``stoker bench --protocol http,grpc,grpc-stream`` against a running server: the three
+    targets answer without errors, the gRPC ones over the server's gRPC port (ModelInfer
+    calls, and messages on ModelStreamInfer streams), and the server's own counts see every
+    request."""
     port = served.address.rpartition(":")[2]
     before = tiny_successes(served)
     document = run_bench(
@@ -972,7 +973,7 @@ def test_the_bench_measures_grpc_beside_http_on_one_server(
         "--model",
         "tiny",
         "--protocol",
-        "http,grpc",
+        "http,grpc,grpc-stream",
         "--concurrency",
         "4",
         "--duration",
@@ -980,16 +981,13 @@ def test_the_bench_measures_grpc_beside_http_on_one_server(
         "--warmup",
         "0.3",
     )
-    http, over_grpc = document["targets"]
-    assert [http["name"], over_grpc["name"]] == ["target-http", "target-grpc"]
-    for target in (http, over_grpc):
+    targets = document["targets"]
+    assert [t["name"] for t in targets] == ["target-http", "target-grpc", "target-grpc-stream"]
+    for target in targets:
         (step,) = target["steps"]
         assert step["errors"] == 0 and step["requests"] > 0, step
         assert step["server"]["mean_batch_size"] is not None
-    assert (
-        tiny_successes(served) - before
-        >= http["steps"][0]["requests"] + over_grpc["steps"][0]["requests"]
-    )
+    assert tiny_successes(served) - before >= sum(t["steps"][0]["requests"] for t in targets)
 
 
 def tiny_successes(server: GrpcServer) -> float:

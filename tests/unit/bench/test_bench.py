@@ -16,9 +16,11 @@ from starlette.datastructures import Headers, UploadFile
 from starlette.formparsers import MultiPartParser
 
 from app.frontend.grpc.codec import read_request, request_body
+from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.protocol import decode_request
 from bench import payloads, report
 from bench.cli import levels, protocols
+from bench.grpc_client import stream_failed
 from bench.loadgen import Samples, Step, StepResult, merge, split, summarize
 from bench.payloads import ModelInputs
 from bench.scrape import ServerStats, step_stats
@@ -191,7 +193,26 @@ def test_grpc_payloads_are_requests_the_server_reads_as_the_same_rows(kind: payl
 def test_protocols_parse() -> None:
     assert protocols("http") == ["http"]
     assert protocols("grpc, HTTP,grpc") == ["grpc", "http"]
+    assert protocols("grpc-stream,http,GRPC-stream") == ["grpc-stream", "http"]
     assert protocols("http,websocket") == []
+
+
+def test_a_stream_answer_that_carries_an_error_message_is_a_failure() -> None:
+    """``stream_failed`` reads ModelStreamInferResponses as protobuf writes them: an answer
+    (whatever its fields' order and size), an empty error_message, and an error beside an
+    echoed request are told apart."""
+    answer = pb.ModelInferResponse(model_name="tiny", model_version="fp32", id="x" * 300)
+    answer.outputs.add(name="y", datatype="FP32", shape=[1, 3])
+    answer.raw_output_contents.append(b"\x00" * 200_000)
+    good = pb.ModelStreamInferResponse(infer_response=answer).SerializeToString()
+    empty = pb.ModelStreamInferResponse(error_message="", infer_response=answer)
+    failed = pb.ModelStreamInferResponse(
+        error_message="no model 'nope'", infer_response=pb.ModelInferResponse(id="a")
+    ).SerializeToString()
+    assert not stream_failed(good)
+    assert not stream_failed(empty.SerializeToString())
+    assert stream_failed(failed)
+    assert stream_failed(good + failed)  # fields may come in any order
 
 
 def test_non_image_inputs_get_random_tensors() -> None:
