@@ -5,6 +5,7 @@ frame goes to (``choose``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -249,6 +250,24 @@ async def ask_every(
     if not answers and refused:
         raise refused[0]
     return answers
+
+
+LINK_WAIT_S = 10.0
+"""How long a request waits for its front end's first link to an engine. A front end
+accepts on the port it shares with the others from its start, so a client that another
+front end told "ready" (or a restarted front end's first clients) may reach it while it is
+still connecting: milliseconds, as the engine's socket is up before its models load. Past
+this, 503 "no engine process is connected", as before the link."""
+
+
+async def first_link(linked: asyncio.Event, links: Sequence[EngineLink]) -> None:
+    """Returns once ``linked`` is set (a first link is up, or the start gave up on them)
+    or one of ``links`` is connected, or after ``LINK_WAIT_S``; at once from then on."""
+    if linked.is_set() or any(link.connected for link in links):
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(LINK_WAIT_S):
+            await linked.wait()
 
 
 def connected(links: Sequence[EngineLink]) -> list[EngineLink]:

@@ -39,6 +39,7 @@ from app.frontend.links import (
     choose,
     connected,
     every_engine,
+    first_link,
     merged_index,
 )
 from app.frontend.packing import classified_answers, classify_call
@@ -78,6 +79,9 @@ class RemoteEngine:
         (by index: an engine ready since may take more rows) and each engine's generation
         then (a load or unload since drops it)."""
         self.poller = Poller(self._links, self._engine_state)
+        self.linked = asyncio.Event()
+        """Set once a first link is up or ``start`` gave up: requests wait for it
+        (``first_link``) rather than 503 in the moment a front end starts."""
         self._tasks: list[asyncio.Task[None]] = []
         self._draining = False
         self._rules: dict[str, wire.Rule] = {}
@@ -98,9 +102,12 @@ class RemoteEngine:
     # -- lifecycle
 
     async def start(self) -> None:
-        await asyncio.gather(
-            *(self._connect(link, time.monotonic() + CONNECT_TIMEOUT_S) for link in self._links)
-        )
+        try:
+            await asyncio.gather(
+                *(self._connect(link, time.monotonic() + CONNECT_TIMEOUT_S) for link in self._links)
+            )
+        finally:
+            self.linked.set()
         self._tasks.append(asyncio.create_task(self.poller.run(), name="engine-state"))
 
     def begin_drain(self) -> None:
@@ -129,6 +136,7 @@ class RemoteEngine:
         try:
             hello = wire.Hello(self.arena.name, self.arena.slot_bytes)
             self._rules = (await link.call(hello, wire.Welcome)).control
+            self.linked.set()
         except BaseException:
             link.close()  # its reader ends and fails what waits on it
             raise
@@ -219,8 +227,10 @@ class RemoteEngine:
         return [{"gpu": link.label, "ready": link.ready} for link in self._links]
 
     async def check(self, name: str, version: str | None = None) -> None:
-        """Nothing up front: the engine answers 404 or 503 once the body is read (a round
-        trip per request would cost more than reading a refused body)."""
+        """Nothing up front but this front end's first link: the engine answers 404 or 503
+        once the body is read (a round trip per request would cost more than reading a
+        refused body)."""
+        await first_link(self.linked, self._links)
 
     def admit(self, contract: Contract, requests: int = 1) -> None:
         """Nothing up front either: the engine's batcher admits a frame when it arrives (the
@@ -232,6 +242,7 @@ class RemoteEngine:
     async def control(self, method: str, *args: Any) -> Any:
         """The engines' control method ``method`` called with ``args``: on one engine or on
         all of them, their answers made one, as the engines' table says (``Welcome``)."""
+        await first_link(self.linked, self._links)  # the engines' table comes with the first link
         rule = self._rules.get(method)
         if rule is None:
             raise NotImplementedHere(f"no control operation '{method}' in this engine")
@@ -319,6 +330,7 @@ class RemoteEngine:
         """The model version's contract, asked of the engines once (a loaded version's
         tensors never change while the engine lives; refusals are not kept), and again when
         an engine has become ready since."""
+        await first_link(self.linked, self._links)
         ready = frozenset(i for i, link in enumerate(self._links) if link.ready)
         epoch = tuple(link.state.generation for link in self._links)
         cached = self._contracts.get((name, version))
@@ -443,6 +455,7 @@ class RemoteEngine:
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names
         shared-memory regions (the engine holds the registered regions)."""
+        await first_link(self.linked, self._links)
         body, slot = raw.body, slot_of(raw)
         payload = b""
         place = None
@@ -490,6 +503,7 @@ class RemoteEngine:
         """The uploads one after the other in a slot of the arena (or the payload), for the
         engine's handler; the answers come back as JSON in the payload, per request its
         answers or its failure (counted by the engine)."""
+        await first_link(self.linked, self._links)
         size = sum(len(image) for image in uploads.images)
         async with self.body_buffer(size if uploads.images else None, uploads.client) as slot:
             call, payload = classify_call(uploads, slot)

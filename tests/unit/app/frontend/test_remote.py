@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -1090,3 +1091,56 @@ def test_an_upload_call_leaves_in_its_sending_turn_or_waits_in_a_task_for_room(
     assert all(len(answers) == 1 and len(answers[0]) == 3 for answers in sent_now)
     assert sent_now[0] != sent_now[1]  # each request its own photo's labels
     assert free == 2 * 256 * PAGE
+
+
+def test_a_request_in_the_moment_a_front_end_starts_waits_for_its_first_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A front end accepts on the shared port from its start, while another one may have
+    answered readiness already: a request that reaches it before its link to the engine is
+    up waits for the link (a real engine's socket, opened after the request came) and is
+    served; where no engine comes, it is 503 after ``LINK_WAIT_S``. Before, both were 503
+    "no engine process is connected" in the request's first turn."""
+    from app.frontend import links
+
+    settings = tiny_repository(tmp_path, 8)
+    control = tmp_path / "engine.sock"
+
+    async def scenario() -> float:
+        engine = LocalEngine(settings)
+        await engine.start()
+        remote = RemoteEngine(settings, [("", control)])
+        front = DataPlane(settings, remote, across=True)
+        starting = asyncio.create_task(front.start())
+        asked = asyncio.create_task(remote.contract("tiny"))
+        checked = asyncio.create_task(remote.check("tiny"))
+        for _ in range(20):  # the turns in which they were refused before
+            await asyncio.sleep(0)
+        assert not asked.done() and not checked.done()
+        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        try:
+            contract = await asyncio.wait_for(asked, 60)
+            await asyncio.wait_for(checked, 60)
+            await asyncio.wait_for(starting, 60)
+            assert (contract.model, contract.version) == ("tiny", "fp32")
+        finally:
+            await front.stop()
+            server.close()
+            await engine.stop()
+
+        monkeypatch.setattr(links, "LINK_WAIT_S", 0.5)
+        alone = RemoteEngine(settings, [("", tmp_path / "never.sock")])
+        waiting = asyncio.create_task(alone.start())  # tries for CONNECT_TIMEOUT_S
+        began = time.monotonic()
+        try:
+            with pytest.raises(Unavailable, match="no engine process is connected"):
+                await alone.contract("tiny")
+            return time.monotonic() - began
+        finally:
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await waiting
+            await alone.stop()
+
+    waited = asyncio.run(scenario())
+    assert 0.45 < waited < 30
