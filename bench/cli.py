@@ -374,7 +374,8 @@ def start(
                 plan.description,
                 HttpTarget(url, http_path(args), args.timeout, args.http_client),
             )
-        payload = cache.get(args.payload, model, protocol)
+        # A stream's messages are the ModelInferRequests of unary calls: built once.
+        payload = cache.get(args.payload, model, "http" if protocol == "http" else "grpc")
         started.append((name, description, workers(target, payload, args.workers)))
     return started
 

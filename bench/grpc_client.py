@@ -113,7 +113,9 @@ class GrpcClient:
 
     async def _send_on_stream(self, payload: Payload) -> int:
         """The request as the next message of an idle stream (a new one, on a channel of its
-        own up to ``MAX_GRPC_CHANNELS``, when none is idle); a stream that fails is dropped."""
+        own up to ``MAX_GRPC_CHANNELS``, when none is idle); a stream that fails is dropped.
+        A request the server failed is 500 whatever its reason (a stream's failure is a
+        message, not a status)."""
         import grpc
 
         if self._idle:
@@ -121,8 +123,10 @@ class GrpcClient:
         else:
             if len(self._channels) < MAX_GRPC_CHANNELS:
                 self._open()
-            self._turn += 1
-            channel = self._channels[self._turn % len(self._channels)]
+                channel = self._channels[-1]
+            else:
+                self._turn += 1
+                channel = self._channels[self._turn % len(self._channels)]
             stream = channel.stream_stream(GRPC_STREAM_INFER)()
         try:
             answer = await asyncio.wait_for(
@@ -133,6 +137,9 @@ class GrpcClient:
             if status is None:
                 raise
             return status
+        except TimeoutError:
+            stream.cancel()
+            return 504  # as a unary call's DEADLINE_EXCEEDED
         except BaseException:
             stream.cancel()
             raise

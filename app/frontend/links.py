@@ -260,10 +260,12 @@ still connecting: milliseconds, as the engine's socket is up before its models l
 this, 503 "no engine process is connected", as before the link."""
 
 
-async def first_link(linked: asyncio.Event, links: Sequence[EngineLink]) -> None:
-    """Returns once ``linked`` is set (a first link is up, or the start gave up on them)
-    or one of ``links`` is connected, or after ``LINK_WAIT_S``; at once from then on."""
-    if linked.is_set() or any(link.connected for link in links):
+async def first_link(linked: asyncio.Event) -> None:
+    """Returns once ``linked`` is set (a first link has been welcomed, its engine's control
+    table with it, or the start gave up on them), or after ``LINK_WAIT_S``; at once from
+    then on. (A link is connected a moment before its welcome: not enough for a control
+    call, which needs the table.)"""
+    if linked.is_set():
         return
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(LINK_WAIT_S):

@@ -230,7 +230,7 @@ class RemoteEngine:
         """Nothing up front but this front end's first link: the engine answers 404 or 503
         once the body is read (a round trip per request would cost more than reading a
         refused body)."""
-        await first_link(self.linked, self._links)
+        await first_link(self.linked)
 
     def admit(self, contract: Contract, requests: int = 1) -> None:
         """Nothing up front either: the engine's batcher admits a frame when it arrives (the
@@ -242,7 +242,7 @@ class RemoteEngine:
     async def control(self, method: str, *args: Any) -> Any:
         """The engines' control method ``method`` called with ``args``: on one engine or on
         all of them, their answers made one, as the engines' table says (``Welcome``)."""
-        await first_link(self.linked, self._links)  # the engines' table comes with the first link
+        await first_link(self.linked)  # the engines' table comes with the first link
         rule = self._rules.get(method)
         if rule is None:
             raise NotImplementedHere(f"no control operation '{method}' in this engine")
@@ -330,7 +330,7 @@ class RemoteEngine:
         """The model version's contract, asked of the engines once (a loaded version's
         tensors never change while the engine lives; refusals are not kept), and again when
         an engine has become ready since."""
-        await first_link(self.linked, self._links)
+        await first_link(self.linked)
         ready = frozenset(i for i, link in enumerate(self._links) if link.ready)
         epoch = tuple(link.state.generation for link in self._links)
         cached = self._contracts.get((name, version))
@@ -455,7 +455,7 @@ class RemoteEngine:
     async def infer_raw(self, raw: Raw) -> Answer:
         """The body as it came, for the engine to decode: a request that names
         shared-memory regions (the engine holds the registered regions)."""
-        await first_link(self.linked, self._links)
+        await first_link(self.linked)
         body, slot = raw.body, slot_of(raw)
         payload = b""
         place = None
@@ -482,8 +482,11 @@ class RemoteEngine:
         a slot of the arena and the call onto its link in this turn, ``deliver`` given the
         answer (or the error) in the turn the engine's reply is read. Returns what tells the
         engine nobody waits for it any more; None, having sent nothing, where the arena has
-        no room for it in this turn (``Arena.lend_now``): the caller awaits ``classify``,
-        which waits for room. Raises where no engine takes it (nothing sent)."""
+        no room for it in this turn (``Arena.lend_now``) or no engine has been linked yet:
+        the caller awaits ``classify``, which waits for room or the link. Raises where no
+        engine takes it (nothing sent)."""
+        if not self.linked.is_set():  # ``classify`` waits for the first link
+            return None
         size = sum(len(image) for image in uploads.images)
         slot = None
         if uploads.images and size <= self.arena.slot_bytes:
@@ -503,7 +506,7 @@ class RemoteEngine:
         """The uploads one after the other in a slot of the arena (or the payload), for the
         engine's handler; the answers come back as JSON in the payload, per request its
         answers or its failure (counted by the engine)."""
-        await first_link(self.linked, self._links)
+        await first_link(self.linked)
         size = sum(len(image) for image in uploads.images)
         async with self.body_buffer(size if uploads.images else None, uploads.client) as slot:
             call, payload = classify_call(uploads, slot)

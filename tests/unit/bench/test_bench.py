@@ -7,6 +7,7 @@ import asyncio
 import io
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
@@ -319,3 +320,61 @@ def test_without_the_bench_extra_it_says_what_to_install(
     assert cli.main(["--url", "http://127.0.0.1:9"]) == 2
     error = capsys.readouterr().err
     assert "needs aiohttp (the bench extra)" in error and "install -e '.[bench]'" in error
+
+
+def test_each_stream_in_flight_has_a_connection_of_its_own() -> None:
+    """``--protocol grpc-stream``: requests in flight at once each get a stream on a channel
+    (a connection) of its own, as unary calls do, and a stream freed by its answer is used
+    again rather than opening another (grpc's channels replaced by ones that record where
+    each stream is opened)."""
+    from bench.grpc_client import GrpcClient, GrpcTarget
+    from bench.payloads import Payload
+
+    answered = pb.ModelStreamInferResponse(infer_response=pb.ModelInferResponse(id="x"))
+
+    class Stream:
+        def __init__(self, channel: int, release: asyncio.Event) -> None:
+            self.channel, self.release = channel, release
+
+        async def write(self, body: bytes) -> None:
+            assert body == b"request"
+
+        async def read(self) -> bytes:
+            await self.release.wait()
+            return answered.SerializeToString()
+
+        def cancel(self) -> None:
+            raise AssertionError("no stream fails here")
+
+    async def scenario() -> tuple[list[int], int]:
+        client = GrpcClient(GrpcTarget("127.0.0.1:1", "http://127.0.0.1:1", stream=True))
+        release = asyncio.Event()
+        opened: list[int] = []
+
+        class Channel:
+            def __init__(self, number: int) -> None:
+                self.number = number
+
+            def stream_stream(self, method: str) -> Any:
+                assert method.endswith("/ModelStreamInfer")
+                opened.append(self.number)
+                return lambda: Stream(self.number, release)
+
+            async def close(self) -> None:
+                pass
+
+        def fake_open() -> None:
+            client._channels.append(Channel(len(client._channels)))
+
+        client._open = fake_open  # type: ignore[method-assign]
+        sends = [asyncio.create_task(client.send(Payload(1, b"request"))) for _ in range(3)]
+        for _ in range(20):
+            await asyncio.sleep(0)
+        release.set()
+        statuses = await asyncio.gather(*sends)
+        again = await client.send(Payload(1, b"request"))  # a freed stream, no new one
+        await client._session.close()
+        return opened, len(client._channels) if statuses == [200] * 3 and again == 200 else -1
+
+    opened, channels = asyncio.run(scenario())
+    assert opened == [0, 1, 2] and channels == 3

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from app import wire
-from app.contract import Contract, Frame, Part, decode_infer
+from app.contract import Contract, Frame, Part, Uploads, decode_infer
 from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
 from app.errors import BadRequest, NotImplementedHere, Unavailable
@@ -747,6 +747,7 @@ def shrunk_engines(tmp_path: Path) -> tuple[RemoteEngine, EngineLink, EngineLink
     batches (GPUs of different memory, ``gpu.on_out_of_memory: shrink``): 64 on the idle
     one, 256 on the busy one. Each answers ``Describe`` with its own contract."""
     front = RemoteEngine(Settings(), [("0", tmp_path / "a.sock"), ("1", tmp_path / "b.sock")])
+    front.linked.set()  # as its start would, once an engine welcomed it
     small, large = front._links
     for link, queued, most in ((small, 0, 64), (large, 9, 256)):
         link.writer = Open()  # type: ignore[assignment]
@@ -1098,9 +1099,11 @@ def test_a_request_in_the_moment_a_front_end_starts_waits_for_its_first_link(
 ) -> None:
     """A front end accepts on the shared port from its start, while another one may have
     answered readiness already: a request that reaches it before its link to the engine is
-    up waits for the link (a real engine's socket, opened after the request came) and is
-    served; where no engine comes, it is 503 after ``LINK_WAIT_S``. Before, both were 503
-    "no engine process is connected" in the request's first turn."""
+    up (a contract, a check before a body, a control call, which needs the engine's table)
+    waits for the link (a real engine's socket, opened after the request came) and is
+    served, and an upload is not sent in its turn but left to ``classify``, which waits;
+    where no engine comes, it is 503 after ``LINK_WAIT_S``. Before, they were 503 "no
+    engine process is connected" (the control call 501) in the request's first turn."""
     from app.frontend import links
 
     settings = tiny_repository(tmp_path, 8)
@@ -1114,15 +1117,20 @@ def test_a_request_in_the_moment_a_front_end_starts_waits_for_its_first_link(
         starting = asyncio.create_task(front.start())
         asked = asyncio.create_task(remote.contract("tiny"))
         checked = asyncio.create_task(remote.check("tiny"))
+        described = asyncio.create_task(remote.control("metadata", "tiny", None))
         for _ in range(20):  # the turns in which they were refused before
             await asyncio.sleep(0)
-        assert not asked.done() and not checked.done()
+        assert not asked.done() and not checked.done() and not described.done()
+        upload = Uploads("tiny", None, [b"\xff\xd8"], 1, "")
+        assert remote.submit_uploads(upload, lambda _: None) is None  # nothing sent
         server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
         try:
             contract = await asyncio.wait_for(asked, 60)
             await asyncio.wait_for(checked, 60)
+            metadata = await asyncio.wait_for(described, 60)
             await asyncio.wait_for(starting, 60)
             assert (contract.model, contract.version) == ("tiny", "fp32")
+            assert metadata["name"] == "tiny"
         finally:
             await front.stop()
             server.close()
