@@ -10,6 +10,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from app.frontend.grpc.contents import varint
 from bench.payloads import Payload
 
 
@@ -51,29 +52,18 @@ def stream_failed(answer: bytes) -> bool:
     the stream goes on)."""
     at = 0
     while at < len(answer):
-        key, at = _varint(answer, at)
+        key, at = varint(answer, at)
         if key & 7 == 0:
-            _, at = _varint(answer, at)
+            _, at = varint(answer, at)
             continue
         if key & 7 == 1 or key & 7 == 5:
             at += 8 if key & 7 == 1 else 4
             continue
-        length, at = _varint(answer, at)
+        length, at = varint(answer, at)
         if key == _ERROR_MESSAGE and length:
             return True
         at += length
     return False
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
 
 
 class GrpcClient:
