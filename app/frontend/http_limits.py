@@ -41,7 +41,14 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.frontend.body_sink import BODY_INTO, SCRATCH_BYTES, BodyReader, BodySink
+from app.frontend.body_sink import (
+    BODY_INTO,
+    ON_DISCONNECT,
+    SCRATCH_BYTES,
+    BodyReader,
+    BodySink,
+    Disconnect,
+)
 from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused
@@ -165,6 +172,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         """Where the body's chunks go while the application waits for them (``BodyReader``)."""
         self._direct: BodySink | None = None
         """The sink the read in progress lands in (``get_buffer``), if any."""
+        self.disconnect: Disconnect | None = None
+        """The request in progress's ``Disconnect``: told when the connection is lost."""
 
     # -- the header timer
 
@@ -232,6 +241,9 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.admitted.over.pop(self, None)
         self.sink = self._direct = None  # no slot held by a closed connection
         super().connection_lost(exc)
+        disconnect, self.disconnect = self.disconnect, None
+        if disconnect is not None:
+            disconnect.connection_lost()
 
     def _check_size(self, received: int) -> None:
         if received > self.limits.max_header_bytes:
@@ -335,6 +347,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             self.cycle.transport = HeadHeld(self.transport)  # type: ignore[assignment]
             extensions: dict[str, Any] = self.cycle.scope.setdefault("extensions", {})
             extensions[BODY_INTO] = BodyReader(self, self.cycle)
+            self.disconnect = extensions[ON_DISCONNECT] = Disconnect()
         if self._over_capacity and self.cycle is not None:
             self.cycle.keep_alive = False
 

@@ -21,7 +21,7 @@ from starlette.datastructures import UploadFile
 
 from app import __version__
 from app.errors import BadRequest, PayloadTooLarge
-from app.frontend.body_sink import BODY_INTO, ReadInto
+from app.frontend.body_sink import BODY_INTO, ON_DISCONNECT, Disconnect, ReadInto
 from app.frontend.control_parameters import (
     LOAD_PARAMETERS,
     UNLOAD_PARAMETERS,
@@ -87,20 +87,28 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run ``work`` in this task; if the client disconnects first, cancel it (dropping its
     queued request before any compute) and return None. Awaited here rather than in a task
     of its own: a task and the wait on two of them cost more than the work of a small
-    request's data plane (BENCHMARKS.md, "A request's budget")."""
+    request's data plane (BENCHMARKS.md, "A request's budget"). Where the protocol is ours
+    it says when the connection is lost (``extensions[ON_DISCONNECT]``); elsewhere (another
+    ASGI server, a test transport) a task waits on ``receive`` for it."""
     this = asyncio.current_task()
     assert this is not None
     gone = finished = False
 
-    def disconnected(watcher: asyncio.Task[None]) -> None:
+    def disconnected() -> None:
         nonlocal gone
         # A callback already scheduled when the work finished must not cancel what follows.
-        if not finished and not watcher.cancelled():
+        if not finished:
             gone = True
             this.cancel()
 
-    watcher = asyncio.create_task(until_disconnected(request))
-    watcher.add_done_callback(disconnected)
+    extensions = request.scope.get("extensions") or {}
+    watch: Disconnect | None = extensions.get(ON_DISCONNECT)
+    watcher: asyncio.Task[None] | None = None
+    if watch is not None:
+        watch.watch(disconnected)
+    else:
+        watcher = asyncio.create_task(until_disconnected(request))
+        watcher.add_done_callback(lambda task: None if task.cancelled() else disconnected())
     try:
         return await work
     except asyncio.CancelledError:
@@ -110,7 +118,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         return None
     finally:
         finished = True
-        watcher.cancel()
+        if watch is not None:
+            watch.watch(None)
+        if watcher is not None:
+            watcher.cancel()
 
 
 CLIENT_GONE = Response(status_code=499)

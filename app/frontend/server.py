@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request, Response
@@ -147,6 +148,10 @@ class BodyLimit:
             async def limited_into(buffer: memoryview) -> int:
                 nonlocal received, complete
                 assert into is not None
+                if not into.waits:  # the body is here (or its client gone): nothing to time
+                    received = await into(buffer)
+                    complete = True
+                    return received
                 try:
                     async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                         received = await into(buffer)
@@ -207,19 +212,23 @@ class InferFastPath:
     """``POST /v2/models/{name}[/versions/{version}]/infer`` answered straight from ASGI.
 
     The busiest route does the same work as its FastAPI route (``routes.infer_response``),
-    after the same middleware (API keys, body limits), but without FastAPI's route matching
-    and dependency solving, which a profile of a front end put above the V2 codec itself
-    (every request tried some 20 routes). Errors are answered as the exception handlers
-    answer them (``ERROR_HANDLERS``). Every other path goes on to the application."""
+    after the same middleware (API keys, body limits), but without FastAPI's stack: its
+    route matching and dependency solving, which a profile of a front end put above the V2
+    codec itself (every request tried some 20 routes), and its own layers (error, telemetry
+    and body-limit middleware, ``StokerApp``). Errors are answered as the exception handlers
+    answer them (``ERROR_HANDLERS``). Every other path goes on to ``routed``: the
+    application's own stack."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: FastAPI, routed: ASGIApp) -> None:
         self.app = app
+        self.routed = routed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = INFER_PATH.fullmatch(scope["path"]) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
-            await self.app(scope, receive, send)
+            await self.routed(scope, receive, send)
             return
+        scope["app"] = self.app  # as Starlette sets it: the route's request.app
         request = Request(scope, receive, send)
         response: Response
         try:
@@ -227,6 +236,38 @@ class InferFastPath:
         except Exception as error:
             response = await handler_of(error)(request, error)
         await response(scope, receive, send)
+
+
+class StokerApp(FastAPI):
+    """FastAPI behind a door of Stoker's own: every request passes the door's layers first
+    (the browser guard, API keys, body limits, tracing where on), whose innermost
+    (``InferFastPath``) answers the infer path and hands the rest to FastAPI's own stack
+    (``routed``). The layers are those ``add_middleware`` would put inside FastAPI's, in the
+    same order, outside it instead, so the busiest path pays for no layer it does not use."""
+
+    door: ASGIApp | None = None
+    layers: tuple[str, ...] = ()
+    """The door's layers, outermost first, by class name (what a request passes)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.door is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.door(scope, receive, send)
+
+    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI's own stack: its middleware, exception handlers and router."""
+        await super().__call__(scope, receive, send)
+
+    def open_door(self, *layers: Callable[[ASGIApp], ASGIApp]) -> None:
+        """Build the door from its layers, innermost first, around ``InferFastPath``."""
+        door: ASGIApp = InferFastPath(self, self.routed)
+        names = [type(door).__name__]
+        for layer in layers:
+            door = layer(door)
+            names.append(type(door).__name__)
+        self.door = door
+        self.layers = tuple(reversed(names))
 
 
 async def stoker_error(_: Request, exc: Exception) -> Response:
@@ -314,7 +355,7 @@ def create_app(
     settings: Settings,
     on_fatal: Callable[[], None] | None = None,
     make_plane: Callable[[], DataPlane] | None = None,
-) -> FastAPI:
+) -> StokerApp:
     """The application. Models load in the background after startup so liveness answers at
     once while readiness stays false until every runner is warm; ``on_fatal`` is called if
     loading fails (the CLI stops the server, so the process exits non-zero). ``make_plane``:
@@ -342,7 +383,7 @@ def create_app(
             await plane.stop()
             await asyncio.to_thread(tracing.shutdown)
 
-    app = FastAPI(
+    app = StokerApp(
         title="Stoker",
         version=__version__,
         description="KServe V2 inference server with dynamic batching.",
@@ -357,25 +398,27 @@ def create_app(
     app.state.saturation = saturation
     for kind, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(kind, handler)
-    app.add_middleware(InferFastPath)  # inside the limits and the keys: they apply to it too
-    app.add_middleware(
-        BodyLimit,
-        max_bytes=settings.limits.max_body_bytes,
-        max_inflight_bytes=settings.limits.max_inflight_body_bytes,
-        timeout_s=settings.limits.body_timeout_s,
-        share=settings.limits.max_share_per_address,
-        saturation=saturation,
-    )
-    # Added late, so it runs early: an unauthenticated request is refused before its body.
     keys = settings.auth.keys()
-    app.add_middleware(ApiKeys, keys=keys, protect_metrics=settings.auth.protect_metrics)
-    # Added last, so it runs first: a browser's cross-site request never reaches the rest.
     server = settings.server
     hosts = HostPolicy.of(server.allowed_hosts, server.host, bool(keys))
-    app.add_middleware(BrowserGuard, hosts=hosts, origins=None if keys else server.allowed_origins)
     tracing.configure("front-end" if make_plane else "server", server.log_level)
+    layers: list[Callable[[ASGIApp], ASGIApp]] = [
+        partial(
+            BodyLimit,
+            max_bytes=settings.limits.max_body_bytes,
+            max_inflight_bytes=settings.limits.max_inflight_body_bytes,
+            timeout_s=settings.limits.body_timeout_s,
+            share=settings.limits.max_share_per_address,
+            saturation=saturation,
+        ),
+        # Outside the limits: an unauthenticated request is refused before its body.
+        partial(ApiKeys, keys=keys, protect_metrics=settings.auth.protect_metrics),
+        # Outside the keys: a browser's cross-site request never reaches the rest.
+        partial(BrowserGuard, hosts=hosts, origins=None if keys else server.allowed_origins),
+    ]
     if tracing.tracer is not None:  # outermost: a request's span begins at its arrival
-        app.add_middleware(observability.TraceRequests)
+        layers.append(observability.TraceRequests)
+    app.open_door(*layers)
     if keys:
         log.info(
             "API keys required (%d configured); open: health%s",

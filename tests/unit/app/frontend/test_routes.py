@@ -83,13 +83,16 @@ def test_a_body_buffer_follows_what_arrives_not_what_is_declared() -> None:
     assert bytes(asyncio.run(read_body(reader(len(body), messages)))) == body
 
 
-def test_a_failed_request_keeps_nothing_alive_without_a_collection() -> None:
+@pytest.mark.parametrize("watch", ["protocol", "task"])
+def test_a_failed_request_keeps_nothing_alive_without_a_collection(watch: str) -> None:
     """What a failed request built (its parsed document) is freed when its error is, by
     reference counting alone: no cycle through the task that ran it (with the cycle, five
-    64 MiB JSON bodies kept 8 GB until a full collection)."""
+    64 MiB JSON bodies kept 8 GB until a full collection). Both ways of watching for the
+    client's disconnect: the protocol's ``Disconnect``, and a task on ``receive``."""
     import gc
     import weakref
 
+    from app.frontend.body_sink import ON_DISCONNECT, Disconnect
     from app.frontend.routes import unless_disconnected
 
     class Document:
@@ -103,6 +106,8 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection() -> None:
         raise BadRequest("no such input")
 
     class Connected:
+        scope = {"extensions": {ON_DISCONNECT: Disconnect()}} if watch == "protocol" else {}
+
         async def receive(self) -> dict[str, str]:
             await asyncio.sleep(3600)  # the client stays connected
             return {"type": "http.disconnect"}
