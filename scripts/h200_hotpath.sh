@@ -19,7 +19,8 @@
 # ratio to each. JPEG_IMAGES (a folder of real photos, >= 48): each tree's server also takes
 # one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
 # probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
-# JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not).
+# JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
+# tree named NAME=DIR@jpeg runs only the photos, the others everything.
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -48,7 +49,13 @@ bench() {  # name, limit, arguments: this tree's bench, against the server at $u
 
 for entry in ${TREES:-base=.gpu/$base this=.}; do
     tree=${entry%%=*}
-    dir=$root/${entry#*=}
+    spec=${entry#*=}
+    only=${JPEG_ONLY:-0}
+    if [[ $spec == *@jpeg ]]; then  # this tree's server takes only the photos
+        only=1
+        spec=${spec%@jpeg}
+    fi
+    dir=$root/$spec
     extra=()
     if [ "$tree" != this ]; then
         extra=(--front-ends 4)
@@ -74,7 +81,7 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         bench "${tree}_jpeg" 60 --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --rows 1 \
             --concurrency "${JPEG_CONCURRENCY:-256}"
     fi
-    if [ "${JPEG_ONLY:-0}" = 1 ]; then
+    if [ "$only" = 1 ]; then
         kill -TERM $server 2>/dev/null
         wait $server
         continue
