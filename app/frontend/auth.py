@@ -126,6 +126,11 @@ class ApiKeys:
         self._open = PROBES if protect_metrics else PROBES | {METRICS}
         self.refusals = RefusalLog()
 
+    @property
+    def passes_all(self) -> bool:
+        """No keys: every request goes on untouched (``StokerApp.open_door`` leaves it out)."""
+        return not self.ring
+
     def accepts(self, key: bytes) -> bool:
         return self.ring.accepts(key)
 

@@ -106,6 +106,11 @@ class BrowserGuard:
         self.hosts = hosts
         self.origins = None if origins is None else frozenset(map(normal_origin, origins))
 
+    @property
+    def passes_all(self) -> bool:
+        """Neither hosts nor origins to check (``StokerApp.open_door`` leaves it out)."""
+        return self.origins is None and not self.hosts.checks
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or (self.origins is None and not self.hosts.checks):
             await self.app(scope, receive, send)

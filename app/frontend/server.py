@@ -260,11 +260,16 @@ class StokerApp(FastAPI):
         await super().__call__(scope, receive, send)
 
     def open_door(self, *layers: Callable[[ASGIApp], ASGIApp]) -> None:
-        """Build the door from its layers, innermost first, around ``InferFastPath``."""
+        """Build the door from its layers, innermost first, around ``InferFastPath``. A layer
+        that says it would pass every request on as it is (``passes_all``: API keys with no
+        keys) is left out."""
         door: ASGIApp = InferFastPath(self, self.routed)
         names = [type(door).__name__]
         for layer in layers:
-            door = layer(door)
+            made = layer(door)
+            if getattr(made, "passes_all", False):
+                continue
+            door = made
             names.append(type(door).__name__)
         self.door = door
         self.layers = tuple(reversed(names))
