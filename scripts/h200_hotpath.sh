@@ -20,7 +20,8 @@
 # one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
 # probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
 # JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
-# tree named NAME=DIR@jpeg runs only the photos, the others everything.
+# tree named NAME=DIR@jpeg runs only the photos whatever JPEG_ONLY says (for "this" too: then
+# no pool, gRPC or metrics either).
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"

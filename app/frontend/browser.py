@@ -143,7 +143,10 @@ class BrowserGuard:
         origin = headers.get(b"origin")
         if origin is not None:
             text = origin.decode("latin-1").strip()
-            own = text != "null" and urlsplit(text).netloc.lower() == host.strip().lower()
+            try:
+                own = text != "null" and urlsplit(text).netloc.lower() == host.strip().lower()
+            except ValueError:  # not a URL ("http://[x"): no page's own origin
+                own = False
             listed = "*" in self.origins or normal_origin(text) in self.origins
             if not own and not listed:
                 return "origin", (

@@ -243,17 +243,39 @@ class StokerApp(FastAPI):
     (the browser guard, API keys, body limits, tracing where on), whose innermost
     (``InferFastPath``) answers the infer path and hands the rest to FastAPI's own stack
     (``routed``). The layers are those ``add_middleware`` would put inside FastAPI's, in the
-    same order, outside it instead, so the busiest path pays for no layer it does not use."""
+    same order, outside it instead, so the busiest path pays for no layer it does not use.
+
+    What FastAPI's ``ServerErrorMiddleware`` did for the layers when they were inside it,
+    ``__call__`` does: an exception out of the door before a response began is answered as
+    the exception handlers answer it (``handler_of``: a JSON 500 for the unexpected, logged),
+    not left to the server's plain-text one. The infer path does not pass ``FastAPI.__call__``,
+    so FastAPI's own telemetry (spans and metrics it records where a global OpenTelemetry
+    provider is set from outside) does not see it; Stoker's tracing (``app.tracing``) does."""
 
     door: ASGIApp | None = None
     layers: tuple[str, ...] = ()
     """The door's layers, outermost first, by class name (what a request passes)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.door is None:
+        door = self.door
+        if door is None or scope["type"] != "http":  # the lifespan: FastAPI's
             await super().__call__(scope, receive, send)
-        else:
-            await self.door(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await door(scope, receive, sending)
+        except Exception as error:
+            if started:  # half an answer is out: the server closes the connection
+                raise
+            request = Request(scope, receive)
+            response = await handler_of(error)(request, error)
+            await response(scope, receive, send)
 
     async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
         """FastAPI's own stack: its middleware, exception handlers and router."""

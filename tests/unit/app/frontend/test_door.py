@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.frontend.server import create_app
 from app.settings import Settings
@@ -43,3 +44,31 @@ def test_the_infer_path_is_refused_by_the_door_as_the_routed_paths_are() -> None
     assert (infer.status_code, routed.status_code) == (401, 401)
     assert infer.json() == routed.json() and set(infer.json()) == {"error"}
     assert (big_infer.status_code, big_routed.status_code) == (413, 413)
+
+
+def test_an_error_in_a_door_layer_is_a_json_500_and_a_bad_origin_a_403() -> None:
+    """The door's layers are outside FastAPI's error middleware: an exception out of one before
+    the answer began is still answered as the handlers answer it (a JSON 500, logged); a
+    malformed ``Origin`` (which ``urlsplit`` cannot read) is a foreign origin, 403."""
+    app = create_app(Settings())
+
+    class Broken:
+        def __init__(self, inner: ASGIApp) -> None:
+            self.inner = inner
+
+        async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+            raise RuntimeError("a fault in a layer")
+
+    async def call(path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.post(path, json={}, headers=headers)
+
+    for path in ("/v2/models/m/infer", "/v2/repository/models/m/load"):
+        bad_origin = asyncio.run(call(path, {"Origin": "http://[x"}))
+        assert bad_origin.status_code == 403 and set(bad_origin.json()) == {"error"}
+    app.open_door(Broken)
+    for path in ("/v2/models/m/infer", "/v2/repository/models/m/load"):
+        broken = asyncio.run(call(path))
+        assert broken.status_code == 500
+        assert broken.json() == {"error": "internal server error"}

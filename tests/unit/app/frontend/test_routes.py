@@ -5,6 +5,7 @@ with what arrives rather than with what is declared.
 from __future__ import annotations
 
 import asyncio
+from typing import Any, ClassVar
 
 import pytest
 
@@ -105,8 +106,10 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection(watch: str) -
         seen.append(weakref.ref(document))
         raise BadRequest("no such input")
 
+    disconnect = Disconnect()
+
     class Connected:
-        scope = {"extensions": {ON_DISCONNECT: Disconnect()}} if watch == "protocol" else {}
+        scope = {"extensions": {ON_DISCONNECT: disconnect}} if watch == "protocol" else {}
 
         async def receive(self) -> dict[str, str]:
             await asyncio.sleep(3600)  # the client stays connected
@@ -120,5 +123,44 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection(watch: str) -
     try:
         asyncio.run(request())
         assert seen and seen[0]() is None
+        assert disconnect.callback is None  # nothing of the request left on the connection
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("lost", ["while it runs", "before it began"])
+def test_a_lost_connection_told_by_the_protocol_drops_the_work(lost: str) -> None:
+    """The protocol's ``Disconnect`` (``connection_lost``) cancels the request's work and
+    answers None, whether the connection goes while the work waits or went before the
+    request watched for it; no task waits on ``receive`` for it."""
+    from app.frontend.body_sink import ON_DISCONNECT, Disconnect
+    from app.frontend.routes import unless_disconnected
+
+    disconnect = Disconnect()
+    cancelled = asyncio.Event()
+
+    async def work() -> str:
+        try:
+            await asyncio.sleep(3600)  # a queued request
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return "answered"
+
+    class Watched:
+        scope: ClassVar[dict[str, Any]] = {"extensions": {ON_DISCONNECT: disconnect}}
+
+        async def receive(self) -> dict[str, str]:
+            raise AssertionError("the protocol says when the client goes: receive is not read")
+
+    async def request() -> str | None:
+        if lost == "before it began":
+            disconnect.connection_lost()
+        else:
+            asyncio.get_running_loop().call_later(0.01, disconnect.connection_lost)
+        answer = await asyncio.wait_for(unless_disconnected(Watched(), work()), 60)  # type: ignore[arg-type]
+        assert cancelled.is_set()
+        return answer
+
+    assert asyncio.run(request()) is None
+    assert disconnect.callback is None
