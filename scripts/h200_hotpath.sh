@@ -21,7 +21,8 @@
 # probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
 # JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
 # tree named NAME=DIR@jpeg runs only the photos whatever JPEG_ONLY says (for "this" too: then
-# no pool, gRPC or metrics either).
+# no pool, gRPC or metrics either); NAME=DIR#fN starts that tree's server with N front ends
+# (e.g. "f8=.#f8": this tree with 8). WORKERS: the client's processes (4).
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -43,7 +44,7 @@ bench() {  # name, limit, arguments: this tree's bench, against the server at $u
     shift 2
     (cd "$root" && PYTHONPATH="$site${site:+:}$root" timeout "$limit" python3 -m bench \
         --url "$url" --backend torch --model resnet50 --repository "$repo" --model-version fp16 --uint8 \
-        --payload v2-binary --workers 4 --duration "${DURATION:-5}" --warmup "${WARMUP:-1.5}" \
+        --payload v2-binary --workers "${WORKERS:-4}" --duration "${DURATION:-5}" --warmup "${WARMUP:-1.5}" \
         --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1)
     echo "$name exit $?"
 }
@@ -56,9 +57,16 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         only=1
         spec=${spec%@jpeg}
     fi
+    fronts=""
+    if [[ $spec == *#f* ]]; then  # DIR#fN: this server with N front ends
+        fronts=${spec##*#f}
+        spec=${spec%#f*}
+    fi
     dir=$root/$spec
     extra=()
-    if [ "$tree" != this ]; then
+    if [ -n "$fronts" ]; then
+        extra=(--front-ends "$fronts")
+    elif [ "$tree" != this ]; then
         extra=(--front-ends 4)
     fi
     repo=/tmp/stoker-repo-$tree
