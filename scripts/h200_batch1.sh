@@ -42,6 +42,20 @@ python3 scripts/gpu_repo.py "$repo" --compile default >"$work/repo.log" 2>&1
 
 descendants() { local p; for p in $(pgrep -P "$1"); do echo "$p"; descendants "$p"; done; }
 
+served() { curl -s "$url/metrics" | awk '/^stoker_inference_count_total/ {s += $2} END {print s + 0}'; }
+
+busy() {  # returns once the server answers more than 100 rows in half a second (30 s at most):
+    # the client's processes take seconds to start, so a fixed sleep sampled their start-up
+    local before now
+    for _ in $(seq 1 60); do
+        before=$(served)
+        sleep 0.5
+        now=$(served)
+        awk -v a="$before" -v b="$now" 'BEGIN {exit !(b - a > 100)}' && return 0
+    done
+    return 1
+}
+
 run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherwise)
     local name=$1
     shift
@@ -50,7 +64,8 @@ run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherw
         --concurrency 256 --duration "$duration" --warmup "$warmup" --workers "${WORKERS:-1}" \
         --json "$work/$name.json" "$@" >"$work/$name.log" 2>&1 &
     local client=$!
-    sleep 4
+    busy
+    sleep "$warmup"  # inside the measured seconds
     { echo $client; descendants $client; } >"$work/$name.clients.txt"
     python3 scripts/cpu_shares.py --seconds 3 --min-cores 0.02 >"$work/$name.cores.txt" 2>&1
     wait $client
@@ -79,7 +94,7 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     done
     echo "front ends $fe: ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
     if [ "${PYSPY:-0}" = 1 ] && [ $first = 1 ] && command -v py-spy >/dev/null; then
-        (sleep 2.5 && py-spy record --pid $server --subprocesses --threads --nonblocking \
+        (busy && sleep "$warmup" && py-spy record --pid $server --subprocesses --threads --nonblocking \
             --rate 97 --duration 3 --format raw -o "$work/pyspy_b1.txt" >"$work/pyspy.log" 2>&1) &
         spy=$!
         run "http_$server_name"
