@@ -263,15 +263,15 @@ class Span:
 class Incoming:
     """An inference request as its transport received it: what the data plane's trace of
     it starts from, and what the transport ends it with. ``carrier``: its ``traceparent``
-    and ``tracestate``, where it came with them; ``started_ns``: when it arrived (its
-    ``receive`` lasts until the data plane takes it, its body read)."""
+    and ``tracestate``, where it came with them; ``started_ns``: when it arrived, by default
+    now (its ``receive`` lasts until the data plane takes it, its body read)."""
 
     __slots__ = ("carrier", "name", "started_ns", "trace")
 
-    def __init__(self, name: str, carrier: dict[str, str]) -> None:
+    def __init__(self, name: str, carrier: dict[str, str], started_ns: int | None = None) -> None:
         self.name = name
         self.carrier = carrier
-        self.started_ns = time.time_ns()
+        self.started_ns = time.time_ns() if started_ns is None else started_ns
         self.trace: RequestTrace | None = None
 
     def finish(self, error: str | None = None) -> None:

@@ -8,12 +8,14 @@
   JSON error naming it (gRPC's UNIMPLEMENTED), not a bare 404.
 
 A change goes through the data plane to the engine client, so it reaches every process.
-``TraceRequests`` is the middleware that receives an inference request for ``app.tracing``:
-installed only where tracing is on.
+``TraceRequests`` is the middleware that receives an inference request for ``app.tracing``,
+its span from the request's first bytes read (``http_limits.BEGAN``): installed only where
+tracing is on.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -22,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import tracing
 from app.errors import NotImplementedHere
 from app.frontend.control_parameters import json_object
+from app.frontend.http_limits import BEGAN
 from app.frontend.routes import ERROR_RESPONSE, control_body, json_response, plane_of
 
 router = APIRouter(responses={"default": ERROR_RESPONSE})
@@ -103,7 +106,11 @@ class TraceRequests:
             for key, value in scope["headers"]
             if key in (b"traceparent", b"tracestate")
         }
-        incoming = tracing.Incoming(f"POST {scope['path']}", carrier)
+        # From its first bytes read (the protocol's stamp), not from this call: the parse
+        # and the wait for the request's task's first turn are the request's time too.
+        began = scope.get(BEGAN)
+        arrived = None if began is None else time.time_ns() - int((time.monotonic() - began) * 1e9)
+        incoming = tracing.Incoming(f"POST {scope['path']}", carrier, arrived)
         status = 500
 
         async def sent(message: Message) -> None:
