@@ -164,6 +164,11 @@ def carried(metadata: Iterable[tuple[str, str | bytes]] | None) -> dict[str, str
     }
 
 
+def wall_ns(monotonic_s: float) -> int:
+    """The wall clock (ns, as spans are stamped) of a ``time.monotonic()`` reading."""
+    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+
+
 def traceparent_of(span: Span) -> str:
     return f"00-{span.trace_id:032x}-{span.span_id:016x}-01"
 
@@ -430,9 +435,9 @@ class Tracing:
         traced = [span for pending in requests for span in pending.traced]
         if not traced:
             return None
-        now, clock = time.time_ns(), time.monotonic()
+        now = time.time_ns()
         for pending in requests:
-            start = now - int((clock - pending.enqueued) * 1e9)
+            start = wall_ns(pending.enqueued)
             for span in pending.traced:
                 span.child("queue", start).end(now)
         attributes = {"batch.size": rows, "batch.requests": sum(p.requests for p in requests)}

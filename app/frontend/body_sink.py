@@ -21,7 +21,6 @@ length, or one the application wants as ``bytes``, is read through ``receive`` a
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -29,8 +28,6 @@ from starlette.requests import ClientDisconnect
 
 BODY_INTO = "stoker.body_into"
 """The scope's ``extensions`` key of the reader: ``(buffer: memoryview) -> Awaitable[int]``."""
-ON_DISCONNECT = "stoker.on_disconnect"
-"""The scope's ``extensions`` key of the request's ``Disconnect``."""
 
 ReadInto = Callable[[memoryview], Awaitable[int]]
 
@@ -70,37 +67,6 @@ class BodySink:
             self.buffer[self.filled : end] = chunk
         self.filled = end
         return True
-
-
-class Disconnect:
-    """What the protocol calls when a request's connection is lost before its answer is
-    complete (``extensions[ON_DISCONNECT]``): one callback at a time, set with ``watch``.
-    It replaces a task per request that waits on ``receive`` for ``http.disconnect`` (a task
-    created, started and cancelled for every request: BENCHMARKS.md, "A request's budget"),
-    where the server is ours (``app.frontend.http_limits.GuardedHttpTools``)."""
-
-    __slots__ = ("callback", "lost")
-
-    def __init__(self) -> None:
-        self.callback: Callable[[], None] | None = None
-        self.lost = False
-
-    def watch(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback`` once the connection is lost (at once, in the next turn of the
-        loop, if it already was); None: no longer."""
-        self.callback = callback
-        if callback is not None and self.lost:
-            asyncio.get_running_loop().call_soon(self._fire)
-
-    def connection_lost(self) -> None:
-        """The protocol's: the connection went away."""
-        self.lost = True
-        self._fire()
-
-    def _fire(self) -> None:
-        callback, self.callback = self.callback, None
-        if callback is not None:
-            callback()
 
 
 class BodyReader:

@@ -41,14 +41,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from app.frontend.body_sink import (
-    BODY_INTO,
-    ON_DISCONNECT,
-    SCRATCH_BYTES,
-    BodyReader,
-    BodySink,
-    Disconnect,
-)
+from app.frontend.body_sink import BODY_INTO, SCRATCH_BYTES, BodyReader, BodySink
+from app.frontend.disconnect import ON_DISCONNECT, Disconnect
 from app.frontend.http_write import HeadHeld
 from app.frontend.refusal import refusal
 from app.metrics import http_refused

@@ -15,7 +15,6 @@ tracing is on.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -109,7 +108,7 @@ class TraceRequests:
         # From its first bytes read (the protocol's stamp), not from this call: the parse
         # and the wait for the request's task's first turn are the request's time too.
         began = scope.get(BEGAN)
-        arrived = None if began is None else time.time_ns() - int((time.monotonic() - began) * 1e9)
+        arrived = None if began is None else tracing.wall_ns(began)
         incoming = tracing.Incoming(f"POST {scope['path']}", carrier, arrived)
         status = 500
 

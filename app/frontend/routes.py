@@ -7,10 +7,8 @@ uploads; ``GET /metrics``. (The trace and logging extensions are in ``observabil
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import orjson
@@ -21,20 +19,20 @@ from starlette.datastructures import UploadFile
 
 from app import __version__
 from app.errors import BadRequest, PayloadTooLarge
-from app.frontend.body_sink import BODY_INTO, ON_DISCONNECT, Disconnect, ReadInto
+from app.frontend.body_sink import BODY_INTO, ReadInto
 from app.frontend.control_parameters import (
     LOAD_PARAMETERS,
     UNLOAD_PARAMETERS,
     config_override,
     control_parameters,
 )
+from app.frontend.disconnect import unless_disconnected
 from app.frontend.http_limits import BEGAN, Saturation
 from app.frontend.plane import DataPlane
 from app.frontend.protocol_schema import INFER_REQUEST_SCHEMA, INFER_RESPONSE_SCHEMA
 from app.metrics import http_refused
 from app.protocol import HEADER_LENGTH
 
-T = TypeVar("T")
 # Every status other than 200 carries {"error": message}; documented once for every route.
 ERROR_RESPONSE: dict[str, Any] = {
     "description": "400 bad input, 401 no or wrong API key, 403 a browser's cross-origin "
@@ -75,53 +73,6 @@ def client_of(request: Request) -> str:
 def plane_of(request: Request) -> DataPlane:
     plane: DataPlane = request.app.state.plane
     return plane
-
-
-async def until_disconnected(request: Request) -> None:
-    """Returns when the client goes away (the body has been read, so only that is left)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run ``work`` in this task; if the client disconnects first, cancel it (dropping its
-    queued request before any compute) and return None. Awaited here rather than in a task
-    of its own: a task and the wait on two of them cost more than the work of a small
-    request's data plane (BENCHMARKS.md, "A request's budget"). Where the protocol is ours
-    it says when the connection is lost (``extensions[ON_DISCONNECT]``); elsewhere (another
-    ASGI server, a test transport) a task waits on ``receive`` for it."""
-    this = asyncio.current_task()
-    assert this is not None
-    gone = finished = False
-
-    def disconnected() -> None:
-        nonlocal gone
-        # A callback already scheduled when the work finished must not cancel what follows.
-        if not finished:
-            gone = True
-            this.cancel()
-
-    extensions = request.scope.get("extensions") or {}
-    watch: Disconnect | None = extensions.get(ON_DISCONNECT)
-    watcher: asyncio.Task[None] | None = None
-    if watch is not None:
-        watch.watch(disconnected)
-    else:
-        watcher = asyncio.create_task(until_disconnected(request))
-        watcher.add_done_callback(lambda task: None if task.cancelled() else disconnected())
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        this.uncancel()
-        return None
-    finally:
-        finished = True
-        if watch is not None:
-            watch.watch(None)
-        if watcher is not None:
-            watcher.cancel()
 
 
 CLIENT_GONE = Response(status_code=499)

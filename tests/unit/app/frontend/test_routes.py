@@ -93,8 +93,7 @@ def test_a_failed_request_keeps_nothing_alive_without_a_collection(watch: str) -
     import gc
     import weakref
 
-    from app.frontend.body_sink import ON_DISCONNECT, Disconnect
-    from app.frontend.routes import unless_disconnected
+    from app.frontend.disconnect import ON_DISCONNECT, Disconnect, unless_disconnected
 
     class Document:
         """Stands for a parsed request body."""
@@ -133,8 +132,7 @@ def test_a_lost_connection_told_by_the_protocol_drops_the_work(lost: str) -> Non
     """The protocol's ``Disconnect`` (``connection_lost``) cancels the request's work and
     answers None, whether the connection goes while the work waits or went before the
     request watched for it; no task waits on ``receive`` for it."""
-    from app.frontend.body_sink import ON_DISCONNECT, Disconnect
-    from app.frontend.routes import unless_disconnected
+    from app.frontend.disconnect import ON_DISCONNECT, Disconnect, unless_disconnected
 
     disconnect = Disconnect()
     cancelled = asyncio.Event()
