@@ -13,7 +13,9 @@
 #   FRONT_ENDS_LIST="4 1" bash scripts/h200_batch1.sh     (carry .whl)
 #
 # An entry of FRONT_ENDS_LIST may name server.frames_in_flight too: "4f0" is 4 front ends, no
-# limit on frames in flight. WORKERS: the client's processes (bench --workers, default 1);
+# limit on frames in flight; and settings for its server after a colon, NAME=VALUE joined by
+# commas: "4:STOKER_UPLOADS__DECODE_PROCESSES=0" (its runs are named by a short form of them).
+# JPEG_ALL=1: every server takes the photos, not only the first. WORKERS: the client's processes (bench --workers, default 1);
 # EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs. JPEG_IMAGES (a folder
 # of real photos): the first server also takes one photo a request at c=256 (4 client
 # processes), its spans budgeted like the others.
@@ -77,11 +79,20 @@ run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherw
 
 first=1
 for entry in ${FRONT_ENDS_LIST:-4 1}; do
+    extra=()
+    if [[ $entry == *:* ]]; then
+        IFS=, read -r -a extra <<<"${entry#*:}"
+        entry=${entry%%:*}
+    fi
     fe=${entry%%f*}
     frames=$([[ $entry == *f* ]] && echo "${entry#*f}" || echo 4)
     server_name=fe$entry
+    for setting in "${extra[@]}"; do  # STOKER_UPLOADS__DECODE_PROCESSES=0 -> _decode_processes0
+        short=${setting#STOKER_*__}
+        server_name+=_$(echo "${short/=/}" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9_.\n' '_')
+    done
     t0=$(date +%s.%N)
-    STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+    env "${extra[@]}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
         OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
         STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$repo" \
         --model resnet50 --port $port --front-ends "$fe" \
@@ -103,7 +114,7 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
         run "http_$server_name"
     fi
     run "rows32_$server_name" --rows 32 --concurrency 32
-    if [ $first = 1 ] && [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, c=256
+    if { [ $first = 1 ] || [ "${JPEG_ALL:-0}" = 1 ]; } && [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, c=256
         run "jpeg_$server_name" --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --workers 4
     fi
     if [ $first = 1 ] && [ "${EXTRAS:-1}" = 1 ]; then
