@@ -72,9 +72,22 @@ run() {  # name, then bench's arguments (batch 1 at c=256 unless they say otherw
     python3 scripts/cpu_shares.py --seconds 3 --min-cores 0.02 >"$work/$name.cores.txt" 2>&1
     wait $client
     echo "$name exit $?"
+    curl -s "$url/metrics" >"$work/metrics_after_$name.prom"  # a run's share: after - before
     # The traced requests of the measured seconds: those before the client's report.
     python3 -c "import time; t = time.time() - 0.5; print(f'$name={t - $duration:.3f},{t:.3f}')" \
         >>"$work/windows_$server_name.txt"
+}
+
+spied() {  # run, with py-spy over the first server's processes (PYSPY=1) for 3 s of it
+    if [ "${PYSPY:-0}" = 1 ] && [ $first = 1 ] && command -v py-spy >/dev/null; then
+        (busy && sleep "$warmup" && py-spy record --pid $server --subprocesses --threads --nonblocking \
+            --rate 97 --duration 3 --format raw -o "$work/pyspy_$1.txt" >"$work/pyspy_$1.log" 2>&1) &
+        local spy=$!
+        run "$@"
+        wait $spy
+    else
+        run "$@"
+    fi
 }
 
 first=1
@@ -104,18 +117,10 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
         sleep 0.2
     done
     echo "front ends $fe: ready in $(python3 -c "import time; print(f'{time.time() - $t0:.1f}')") s"
-    if [ "${PYSPY:-0}" = 1 ] && [ $first = 1 ] && command -v py-spy >/dev/null; then
-        (busy && sleep "$warmup" && py-spy record --pid $server --subprocesses --threads --nonblocking \
-            --rate 97 --duration 3 --format raw -o "$work/pyspy_b1.txt" >"$work/pyspy.log" 2>&1) &
-        spy=$!
-        run "http_$server_name"
-        wait $spy
-    else
-        run "http_$server_name"
-    fi
+    spied "http_$server_name"
     run "rows32_$server_name" --rows 32 --concurrency 32
     if { [ $first = 1 ] || [ "${JPEG_ALL:-0}" = 1 ]; } && [ -n "${JPEG_IMAGES:-}" ]; then  # one photo a request, c=256
-        run "jpeg_$server_name" --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --workers 4
+        spied "jpeg_$server_name" --payload jpeg --images "$JPEG_IMAGES" --distinct 48 --workers 4
     fi
     if [ $first = 1 ] && [ "${EXTRAS:-1}" = 1 ]; then
         run "grpc_$server_name" --protocol grpc
@@ -129,8 +134,9 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     wait $server
     first=0
 done
-[ -f "$work/pyspy_b1.txt" ] && python3 scripts/pyspy_summary.py "$work/pyspy_b1.txt" --top 50 \
-    >"$work/pyspy_summary.txt" 2>&1
+for spy in "$work"/pyspy_*.txt; do
+    [ -f "$spy" ] && python3 scripts/pyspy_summary.py "$spy" --top 50 >"${spy%.txt}.summary" 2>&1
+done
 for windows in "$work"/windows_*.txt; do
     name=$(basename "$windows" .txt)
     name=${name#windows_}
