@@ -30,6 +30,9 @@ def main() -> None:
     parser.add_argument(
         "--runners", type=int, default=0, help="runners (0: unset, the GPU default)"
     )
+    parser.add_argument(
+        "--queue-delay-us", type=int, default=2000, help="dynamic_batching.max_queue_delay_us"
+    )
     args = parser.parse_args()
     folder = args.repository / "resnet50"
     folder.mkdir(parents=True, exist_ok=True)
@@ -39,7 +42,7 @@ def main() -> None:
         default_precision="fp16",
         max_batch_size=256,
         accuracy={"evaluation_samples": 16, "override": True},
-        dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": 2000},
+        dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": args.queue_delay_us},
         gpu={"compile": args.compile},
     )
     config.pop("runners", None)

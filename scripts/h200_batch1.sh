@@ -15,7 +15,9 @@
 # An entry of FRONT_ENDS_LIST may name server.frames_in_flight too: "4f0" is 4 front ends, no
 # limit on frames in flight; and settings for its server after a colon, NAME=VALUE joined by
 # commas: "4:STOKER_UPLOADS__DECODE_PROCESSES=0" (its runs are named by a short form of them).
-# JPEG_ALL=1: every server takes the photos, not only the first. WORKERS: the client's processes (bench --workers, default 1);
+# QUEUE_DELAY_US=N there serves a copy of the model repository whose max_queue_delay_us is N
+# (the engine store is shared: the batching is not in its keys). JPEG_ALL=1: every server
+# takes the photos, not only the first. WORKERS: the client's processes (bench --workers, default 1);
 # EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs. JPEG_IMAGES (a folder
 # of real photos): the first server also takes one photo a request at c=256 (4 client
 # processes), its spans budgeted like the others.
@@ -100,14 +102,20 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     fe=${entry%%f*}
     frames=$([[ $entry == *f* ]] && echo "${entry#*f}" || echo 4)
     server_name=fe$entry
+    served_repo=$repo
     for setting in "${extra[@]}"; do  # STOKER_UPLOADS__DECODE_PROCESSES=0 -> _decode_processes0
         short=${setting#STOKER_*__}
         server_name+=_$(echo "${short/=/}" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9_.\n' '_')
+        if [[ $setting == QUEUE_DELAY_US=* ]]; then  # the model's max_queue_delay_us: a repo of its own
+            served_repo=$repo-d${setting#*=}
+            python3 scripts/gpu_repo.py "$served_repo" --compile default --queue-delay-us "${setting#*=}" \
+                >>"$work/repo.log" 2>&1
+        fi
     done
     t0=$(date +%s.%N)
-    env "${extra[@]}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+    env "${extra[@]/#QUEUE_DELAY_US=*/STOKER_QUEUE_DELAY_US_NOTE=1}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
         OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
-        STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$repo" \
+        STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$served_repo" \
         --model resnet50 --port $port --front-ends "$fe" \
         >"$work/spans_$server_name.log" 2>"$work/server_$server_name.log" &
     server=$!
