@@ -308,6 +308,9 @@ class Classified:
     model: str
     version: str
     answers: list[list[Any] | StokerError]
+    received_ns: int = 0
+    """When a front end read the engine's answer (wall clock; 0 in one process): a traced
+    request's ``engine call`` span notes it."""
 
 
 @dataclass(frozen=True)
@@ -319,6 +322,9 @@ class Ran:
     version: str
     outputs: list[list[tuple[RequestedOutput, np.ndarray]]]
     engine: str = ""
+    received_ns: int = 0
+    """When a front end read the engine's last answer to the frame (wall clock; 0 in one
+    process): a traced request's ``engine call`` span notes it."""
 
 
 def validate_inputs(

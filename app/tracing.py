@@ -82,6 +82,11 @@ REQUESTS: contextvars.ContextVar[tuple[Span | None, ...]] = contextvars.ContextV
     "stoker_requests", default=()
 )
 """In the engine: each request's ``engine`` span, by its place in the frame (None: untraced)."""
+CROSSED: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
+    "stoker_crossed", default=None
+)
+"""In the engine: when the front end wrote the call this task answers and when the engine's
+link read it (wall clock ns; ``wire.Run.sent_ns``), which its ``engine`` spans note."""
 
 PARENT_BASED = "parentbased_"
 
@@ -294,6 +299,10 @@ class RequestTrace:
         self.root = root
         self._stage: Span | None = None
 
+    def note(self, key: str, value: Any) -> None:
+        """An attribute of the running stage (of the request's span before any)."""
+        (self._stage if self._stage is not None else self.root).set_attribute(key, value)
+
     def stage(self, name: str) -> None:
         """The stage ``name`` starts now (the one before it ends)."""
         now = time.time_ns()
@@ -414,6 +423,11 @@ class Tracing:
         spans = tuple(span for span in each if span is not None)
         if not spans:
             return await work
+        crossed = CROSSED.get()
+        if crossed is not None:
+            for span in spans:
+                span.set_attribute("stoker.sent_ns", crossed[0])
+                span.set_attribute("stoker.read_ns", crossed[1])
         token, by_request = FRAME.set(spans), REQUESTS.set(each)
         failed = None
         try:

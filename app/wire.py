@@ -192,6 +192,9 @@ class Run(_Message, frozen=True, tag=Op.RUN.value):
     serial: int = 0
     """The serial of the contract its requests were decoded against (``Contract.serial``):
     one a reload replaced is refused, to be decoded again."""
+    sent_ns: int = 0
+    """When the front end wrote it (wall clock): a traced request's ``engine`` span notes
+    it, so its way to the engine splits into the front end's, the link's and the engine's."""
 
 
 class Infer(_Message, frozen=True, tag=Op.INFER.value):
@@ -224,6 +227,8 @@ class Classify(_Message, frozen=True, tag=Op.CLASSIFY.value):
     used (``ImagePreprocess`` as JSON), each image then a UINT8 row."""
     traceparents: tuple[str | None, ...] = ()
     """Each request's trace context where any is traced (as ``RunItem.traceparent``)."""
+    sent_ns: int = 0
+    """When the front end wrote it (as ``Run.sent_ns``)."""
 
 
 class Control(_Message, frozen=True, tag=Op.CONTROL.value):

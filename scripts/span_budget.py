@@ -101,6 +101,10 @@ STAGES = (
     "decode",
     "engine call",
     "  to the engine (gather, cross, pick up)",
+    "    of it: held, gathered and written in the front end",
+    "    of it: the link (written to read by the engine)",
+    "    of it: the engine's pick-up (read to its span)",
+    "  decode (uploads: the decode queue and batch)",
     "  queue (batcher)",
     "  run (runner)",
     "    of it: compute input",
@@ -108,6 +112,8 @@ STAGES = (
     "    of it: compute output",
     "  in the engine after the run",
     "  back to the front end",
+    "    of it: the link back (the engine's end to the front end's read)",
+    "    of it: the request's turn (read to its task)",
     "encode and write",
     "rest of the request span",
     "request (front end, first byte to answer)",
@@ -150,6 +156,30 @@ def budgets(
         there = (engine.start_ns - call.start_ns) / 1000
         found["  to the engine (gather, cross, pick up)"].append(there)
         found["  back to the front end"].append((call.end_ns - engine.end_ns) / 1000)
+        # Stamps of the crossing where the tree sets them (wire.Run.sent_ns, contract.Ran).
+        sent = engine.attributes.get("stoker.sent_ns")
+        read = engine.attributes.get("stoker.read_ns")
+        if sent and read:
+            found["    of it: held, gathered and written in the front end"].append(
+                (int(sent) - call.start_ns) / 1000
+            )
+            found["    of it: the link (written to read by the engine)"].append(
+                (int(read) - int(sent)) / 1000
+            )
+            found["    of it: the engine's pick-up (read to its span)"].append(
+                (engine.start_ns - int(read)) / 1000
+            )
+        received = call.attributes.get("stoker.received_ns")
+        if received:
+            found["    of it: the link back (the engine's end to the front end's read)"].append(
+                (int(received) - engine.end_ns) / 1000
+            )
+            found["    of it: the request's turn (read to its task)"].append(
+                (call.end_ns - int(received)) / 1000
+            )
+        decode = next((s for s in children.get(engine.span_id, ()) if s.name == "decode"), None)
+        if decode is not None:
+            found["  decode (uploads: the decode queue and batch)"].append(decode.us)
         queue = next((s for s in children.get(engine.span_id, ()) if s.name == "queue"), None)
         if queue is not None:
             found["  queue (batcher)"].append(queue.us)

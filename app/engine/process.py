@@ -188,6 +188,8 @@ class EngineServer:
                     if task is not None:
                         task.cancel()
                     continue
+                if tracing.tracer is not None:  # the task's context: its engine spans note it
+                    tracing.CROSSED.set((getattr(call, "sent_ns", 0), time.time_ns()))
                 task = asyncio.create_task(self._answer(connection, number, call, payload))
                 connection.tasks[number] = task
                 task.add_done_callback(partial(finished, connection, number))

@@ -11,6 +11,7 @@ first error.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -56,7 +57,7 @@ class Pieces:
             return
         ran = [self.ran[i] for i in sorted(self.ran)]
         outputs = [one for each in ran for one in each.outputs]
-        self.deliver(Ran(ran[0].model, ran[0].version, outputs, self.label))
+        self.deliver(Ran(ran[0].model, ran[0].version, outputs, self.label, time.time_ns()))
 
 
 def send_frame(
@@ -117,7 +118,7 @@ def send_uploads(
         except Exception as error:
             deliver(error)
             return
-        deliver(Classified(classified.model, classified.version, answers))
+        deliver(Classified(classified.model, classified.version, answers, time.time_ns()))
 
     try:
         call, payload = classify_call(uploads, slot)

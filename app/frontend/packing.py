@@ -73,6 +73,7 @@ def run_call(frame: Frame) -> tuple[wire.Run, bytes]:
         tuple(items),
         spent,
         frame.serial,
+        time.time_ns(),
     )
     return call, b"".join(payloads)
 
@@ -130,6 +131,7 @@ def classify_call(uploads: Uploads, slot: Slot | None) -> tuple[wire.Classify, b
         uploads.counts,
         row_preprocess,
         uploads.traceparents,
+        time.time_ns(),
     )
     return call, payload
 

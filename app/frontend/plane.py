@@ -309,6 +309,8 @@ class DataPlane:
                 self._count(contract, error, started)
                 raise
             if trace is not None:
+                if ran.received_ns:
+                    trace.note("stoker.received_ns", ran.received_ns)
                 trace.stage("encode and write")
             content, headers = encode_response(ran.model, ran.version, request.id, shaped)
             self.client.request_timed(
@@ -364,6 +366,8 @@ class DataPlane:
                     name, version, uploads, k, client, traceparent=traceparent
                 )
             if trace is not None:
+                if classified.received_ns:
+                    trace.note("stoker.received_ns", classified.received_ns)
                 trace.stage("encode and write")
             answer = classified.answers[index]
             if isinstance(answer, StokerError):

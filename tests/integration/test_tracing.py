@@ -696,8 +696,19 @@ def test_console_spans_are_one_export_a_line_and_give_each_requests_stages(
     found, facts = budgets(spans, name="infer")
     assert facts["requests"] == 12 and facts["batches"] >= 1
     for stage in STAGES:
-        if "compute" not in stage:  # the ONNX Runtime runner times no compute parts
+        # The ONNX Runtime runner times no compute parts; these requests are no uploads.
+        if "compute" not in stage and "uploads" not in stage:
             assert len(found[stage]) == 12, stage
     request = found["request (front end, first byte to answer)"]
     for stage in ("engine call", "  queue (batcher)", "  run (runner)"):
         assert all(0 <= part <= whole for part, whole in zip(found[stage], request, strict=True))
+    # The crossing's stamps (the front end's write, the engine's read, the front end's read
+    # of the answer) split each way into parts that tile it, none negative.
+    for whole, parts in (
+        ("  to the engine (gather, cross, pick up)", ("held", "the link (", "pick-up")),
+        ("  back to the front end", ("the link back", "the request's turn")),
+    ):
+        pieces = [next(v for k, v in found.items() if "of it" in k and p in k) for p in parts]
+        for at, total in enumerate(found[whole]):
+            each = [piece[at] for piece in pieces]
+            assert min(each) >= 0 and abs(sum(each) - total) < 2, (whole, each, total)
