@@ -16,17 +16,21 @@ channel.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import struct
+from collections.abc import Callable
+from typing import Protocol, cast
 
 from app.errors import PayloadTooLarge
+
+log = logging.getLogger(__name__)
 
 _LENGTHS = struct.Struct("!II")
 # A frame's header is a descriptor, never data: anything larger is a bug or a hostile peer.
 MAX_HEADER_BYTES = 1 << 20
 # A header starts with its frame's number (``app.wire.CallHeader``/``ReplyHeader``: ``[id, ...``).
 _NUMBER = re.compile(rb"\[(\d{1,20}),")
-_DISCARD_BYTES = 64 * 1024
 
 
 class ChannelClosed(ConnectionError):
@@ -45,6 +49,16 @@ class FrameTooLarge(PayloadTooLarge):
         self.number = number
 
 
+class Writable(Protocol):
+    """Where a ``Sender`` writes: a transport (``Frames.transport``) or a stream writer."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
 class Sender:
     """The frames of one turn of the event loop, written in one go at its end.
 
@@ -54,7 +68,7 @@ class Sender:
     what is queued now, where a turn is a round trip's cost (a front end's loop under load
     turns in milliseconds)."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: Writable) -> None:
         self.writer = writer
         self._parts: list[bytes] = []
         self._scheduled = False
@@ -88,31 +102,94 @@ class Sender:
         self.writer.close()
 
 
-async def receive(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """The next frame's header and payload; ``ChannelClosed`` at the end of the stream;
-    ``FrameTooLarge`` for a frame with a header over ``MAX_HEADER_BYTES``, once it has been
-    read past (``ChannelClosed`` if it does not begin with a frame's number)."""
-    try:
-        header_bytes, payload_bytes = _LENGTHS.unpack(await reader.readexactly(_LENGTHS.size))
-        if header_bytes > MAX_HEADER_BYTES:
-            raise await _skipped(reader, header_bytes, payload_bytes)
-        header = await reader.readexactly(header_bytes)
-        payload = await reader.readexactly(payload_bytes) if payload_bytes else b""
-    except (asyncio.IncompleteReadError, ConnectionError) as gone:
-        raise ChannelClosed(str(gone)) from None
-    return header, payload
+class Frames(asyncio.Protocol):
+    """One end of a channel as the event loop reads it: each whole frame handed to
+    ``on_frame(header, payload)`` in the turn its last bytes are read, with no task woken
+    first (a reader task took a turn of the loop a burst of frames, and under load a turn
+    is a millisecond); a frame whose header is over ``MAX_HEADER_BYTES`` read past and
+    handed to ``on_refused`` (its number, to refuse it by). ``closed`` is done when the
+    channel ends, with ``ChannelClosed``: the other side hung up or sent what is not a
+    Stoker frame, or ``on_frame`` raised (a bug, logged; the channel is then closed, as
+    a reader task's error ended it)."""
 
+    def __init__(
+        self,
+        on_frame: Callable[[bytes, bytes], None],
+        on_refused: Callable[[FrameTooLarge], None] | None = None,
+    ) -> None:
+        self.on_frame = on_frame
+        self.on_refused = on_refused
+        self.transport: asyncio.Transport | None = None
+        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._buffer = bytearray()
+        self._skip = 0  # bytes of a refused frame still to read past
 
-async def _skipped(
-    reader: asyncio.StreamReader, header_bytes: int, payload_bytes: int
-) -> Exception:
-    """Read past a frame whose header is too large, a piece at a time: what it is refused
-    with."""
-    start = await reader.readexactly(min(32, header_bytes))
-    number = _NUMBER.match(start)
-    if number is None:
-        return ChannelClosed(f"a {header_bytes}-byte frame header: not a Stoker peer")
-    left = header_bytes - len(start) + payload_bytes
-    while left:
-        left -= len(await reader.readexactly(min(left, _DISCARD_BYTES)))
-    return FrameTooLarge(header_bytes, int(number[1]))
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is none by class
+
+    def data_received(self, data: bytes) -> None:
+        if self._skip:
+            skipped = min(self._skip, len(data))
+            self._skip -= skipped
+            data = data[skipped:]
+        if not data:
+            return
+        buffer = self._buffer
+        buffer += data
+        at = 0
+        try:
+            while len(buffer) - at >= _LENGTHS.size:
+                header_bytes, payload_bytes = _LENGTHS.unpack_from(buffer, at)
+                start = at + _LENGTHS.size
+                if header_bytes > MAX_HEADER_BYTES:
+                    if len(buffer) - start < min(32, header_bytes):
+                        break  # its number is not here yet
+                    at = self._refuse(buffer, start, header_bytes, payload_bytes)
+                    continue
+                end = start + header_bytes + payload_bytes
+                if len(buffer) < end:
+                    break
+                header = bytes(buffer[start : start + header_bytes])
+                payload = b""
+                if payload_bytes:
+                    with memoryview(buffer) as view:  # one copy (released before the del)
+                        payload = bytes(view[start + header_bytes : end])
+                at = end
+                self.on_frame(header, payload)
+        except ChannelClosed as gone:
+            self._end(gone)
+        except Exception as error:
+            log.error("a frame's handler failed: %r", error, exc_info=error)
+            self._end(ChannelClosed(f"a frame's handler failed: {error!r}"))
+        finally:
+            del buffer[:at]
+
+    def _refuse(self, buffer: bytearray, start: int, header_bytes: int, payload_bytes: int) -> int:
+        """Read past a frame whose header is too large: where the next frame starts in
+        ``buffer`` (its end, where the rest of it is still to come)."""
+        number = _NUMBER.match(bytes(buffer[start : start + min(32, header_bytes)]))
+        if number is None:
+            raise ChannelClosed(f"a {header_bytes}-byte frame header: not a Stoker peer")
+        end = start + header_bytes + payload_bytes
+        if end > len(buffer):
+            self._skip, end = end - len(buffer), len(buffer)
+        refused = FrameTooLarge(header_bytes, int(number[1]))
+        if self.on_refused is None:
+            raise ChannelClosed(str(refused))
+        self.on_refused(refused)
+        return end
+
+    def _end(self, gone: ChannelClosed) -> None:
+        if not self.closed.done():
+            self.closed.set_exception(gone)
+            self.closed.exception()  # retrieved: whoever awaits it sees it, nobody must
+        if self.transport is not None:
+            self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        return None  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        left = f", {len(self._buffer)} bytes of a frame unread" if self._buffer else ""
+        self._end(ChannelClosed(f"{exc or 'the other side hung up'}{left}"))
+        self._buffer.clear()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import ctypes
 import logging
 import mmap
@@ -36,7 +37,7 @@ from typing import Any
 import orjson
 
 from app import observed, tracing, wire
-from app.channel import ChannelClosed, FrameTooLarge, Sender, receive
+from app.channel import Frames, FrameTooLarge, Sender, Writable
 from app.child import profiled, supervised, watch_loading
 from app.contract import Frame, Part, Raw, Uploads
 from app.engine.local import CONTROL, LocalEngine
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 class Connection:
     """One front end: its arena, its calls in progress."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, writer: Writable) -> None:
         self.writer = Sender(writer)
         self.arena: mmap.mmap | None = None
         self.slot_bytes = 0
@@ -142,6 +143,37 @@ Handled = tuple[wire.Reply, bytes]
 Handler = Callable[[Connection, Any, bytes], Awaitable[Handled]]
 
 
+class FrontEndLink(Frames):
+    """One front end's control channel as the engine reads it (``EngineServer.listen``)."""
+
+    def __init__(self, server: EngineServer) -> None:
+        super().__init__(self._frame, self._refused)
+        self._server = server
+        self.connection: Connection | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert self.transport is not None
+        self.connection = Connection(self.transport)
+        self._server.opened(self.connection)
+
+    def _frame(self, header: bytes, payload: bytes) -> None:
+        assert self.connection is not None
+        self._server.dispatch(self.connection, header, payload)
+
+    def _refused(self, too_large: FrameTooLarge) -> None:
+        assert self.connection is not None
+        log.error("a call from a front end was refused: %s", too_large)
+        reply = wire.Failure(too_large.message, too_large.status, too_large.reason)
+        self.connection.send(too_large.number, reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.connection is not None:
+            gone = self.closed.exception() if self.closed.done() else exc
+            self._server.lost(self.connection, gone)
+
+
 class EngineServer:
     """The engine's side of the control channel: each call decoded as its ``app.wire`` type
     and dispatched by a table to the ``LocalEngine`` the data plane calls in one process."""
@@ -154,6 +186,7 @@ class EngineServer:
         self.connections: set[Connection] = set()
         self.none_connected = asyncio.Event()
         self.none_connected.set()
+        self._ending: set[asyncio.Task[None]] = set()  # closed links' calls being let go
         self.handlers: dict[type[Any], Handler] = {
             wire.Hello: self._hello,
             wire.State: self._state,
@@ -164,48 +197,59 @@ class EngineServer:
             wire.Control: self._control,
         }
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = Connection(writer)
+    async def listen(self, path: str) -> asyncio.Server:
+        """Serve the control channel on the Unix socket ``path``: each front end's calls
+        dispatched in the turn they are read (``FrontEndLink``)."""
+        loop = asyncio.get_running_loop()
+        return await loop.create_unix_server(partial(FrontEndLink, self), path=path)
+
+    def opened(self, connection: Connection) -> None:
         self.connections.add(connection)
         self.none_connected.clear()
+
+    def dispatch(self, connection: Connection, header: bytes, payload: bytes) -> None:
+        """One call read: a task answers it (a cancel cancels the task of the call it names)."""
         try:
-            while True:
-                try:
-                    header, payload = await receive(reader)
-                except FrameTooLarge as too_large:
-                    log.error("a call from a front end was refused: %s", too_large)
-                    reply = wire.Failure(too_large.message, too_large.status, too_large.reason)
-                    connection.send(too_large.number, reply)
-                    continue
-                try:
-                    number, call = wire.decode_call(header)
-                except wire.BadFrame as bad:
-                    log.error("a call from a front end was refused: %s", bad)
-                    connection.send(bad.number, wire.Failure(str(bad), 500))
-                    continue
-                if isinstance(call, wire.Cancel):
-                    task = connection.tasks.get(call.of)
-                    if task is not None:
-                        task.cancel()
-                    continue
-                if tracing.tracer is not None:  # the task's context: its engine spans note it
-                    tracing.CROSSED.set((getattr(call, "sent_ns", 0), time.time_ns()))
-                task = asyncio.create_task(self._answer(connection, number, call, payload))
-                connection.tasks[number] = task
-                task.add_done_callback(partial(finished, connection, number))
-        except ChannelClosed as gone:
-            # A front end that exits hangs up so too; a frame that is not a Stoker peer's
-            # ends its link here, and either is said once.
-            log.info("a front end's link closed: %s", gone)
-        finally:
-            self.connections.discard(connection)
-            if not self.connections:
-                self.none_connected.set()
-            for task in list(connection.tasks.values()):
+            number, call = wire.decode_call(header)
+        except wire.BadFrame as bad:
+            log.error("a call from a front end was refused: %s", bad)
+            connection.send(bad.number, wire.Failure(str(bad), 500))
+            return
+        if isinstance(call, wire.Cancel):
+            task = connection.tasks.get(call.of)
+            if task is not None:
                 task.cancel()
-            await asyncio.gather(*connection.tasks.values(), return_exceptions=True)
+            return
+        answer = self._answer(connection, number, call, payload)
+        loop = asyncio.get_running_loop()
+        if tracing.tracer is None:
+            task = loop.create_task(answer)
+        else:  # the task's context: its engine spans note when the call was sent and read
+            context = contextvars.copy_context()
+            context.run(tracing.CROSSED.set, (getattr(call, "sent_ns", 0), time.time_ns()))
+            task = loop.create_task(answer, context=context)
+        connection.tasks[number] = task
+        task.add_done_callback(partial(finished, connection, number))
+
+    def lost(self, connection: Connection, gone: BaseException | None) -> None:
+        """A front end's channel ended: its calls still running are cancelled and, once
+        they end, its arena let go. A front end that exits hangs up so too; a frame that
+        is not a Stoker peer's ends its link here, and either is said once."""
+        log.info("a front end's link closed: %s", gone)
+        self.connections.discard(connection)
+        if not self.connections:
+            self.none_connected.set()
+        tasks = list(connection.tasks.values())
+        for task in tasks:
+            task.cancel()
+
+        async def closed() -> None:
+            await asyncio.gather(*tasks, return_exceptions=True)
             connection.close()
-            writer.close()
+
+        ending = asyncio.get_running_loop().create_task(closed())
+        self._ending.add(ending)
+        ending.add_done_callback(self._ending.discard)
 
     async def _answer(
         self, connection: Connection, number: int, call: wire.Call, payload: bytes
@@ -391,7 +435,7 @@ async def run(settings: Settings, control: Path, one_device: bool = False) -> in
 
     channel = EngineServer(engine, fault)
     await asyncio.to_thread(control.unlink, missing_ok=True)
-    server = await asyncio.start_unix_server(channel.serve, path=str(control))
+    server = await channel.listen(str(control))
     loop = asyncio.get_running_loop()
 
     def on_signal() -> None:

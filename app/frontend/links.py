@@ -10,11 +10,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 from app import wire
-from app.channel import Sender, receive
+from app.channel import Frames, Sender
 from app.errors import StokerError, Unavailable
 from app.metrics import CountedSeries
 
@@ -63,34 +64,41 @@ class EngineLink:
     sent to it with the poll, so each engine's histogram holds the requests it served."""
     reconnecting: bool = False
 
-    async def open(self, deadline: float) -> asyncio.StreamReader:
+    async def open(self, deadline: float) -> Frames:
         """Connect to its control socket, trying until ``deadline`` (``time.monotonic``)
-        while the engine is not listening yet; the reader its replies come from."""
+        while the engine is not listening yet. Each reply is handled in the turn it is read
+        (``reply``); what ``read_replies`` waits on is returned."""
+        loop = asyncio.get_running_loop()
         while True:
             try:
-                reader, writer = await asyncio.open_unix_connection(str(self.control))
+                _, frames = await loop.create_unix_connection(
+                    partial(Frames, self.reply), str(self.control)
+                )
                 break
             except (FileNotFoundError, ConnectionRefusedError):
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
-        self.writer = Sender(writer)
-        return reader
+        assert frames.transport is not None
+        self.writer = Sender(frames.transport)
+        return frames
 
-    async def read_replies(self, reader: asyncio.StreamReader) -> None:
-        """Resolve each waiting call with its reply until the channel closes
-        (``ChannelClosed``); then it is gone, and every call still waiting fails with 503."""
+    def reply(self, header: bytes, payload: bytes) -> None:
+        """One reply read: to its call's handler (``request``'s ``then``), or its future."""
+        answer = wire.decode_answer(header)
+        then = self.then.pop(answer.id, None)
+        if then is not None:
+            handed(then, (answer.reply, payload))
+            return
+        future = self.waiting.pop(answer.id, None)
+        if future is not None and not future.done():
+            future.set_result((answer.reply, payload))
+
+    async def read_replies(self, frames: Frames) -> None:
+        """Until the channel closes (``ChannelClosed``), while its replies are handled as they
+        are read; then it is gone, and every call still waiting fails with 503."""
         try:
-            while True:
-                header, payload = await receive(reader)
-                answer = wire.decode_answer(header)
-                then = self.then.pop(answer.id, None)
-                if then is not None:
-                    handed(then, (answer.reply, payload))
-                    continue
-                future = self.waiting.pop(answer.id, None)
-                if future is not None and not future.done():
-                    future.set_result((answer.reply, payload))
+            await frames.closed
         finally:
             self.state = wire.GONE
             self.close()  # no request is sent into a channel nobody reads

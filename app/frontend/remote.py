@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from app import observed, wire
-from app.channel import ChannelClosed
+from app.channel import ChannelClosed, Frames
 from app.contract import Answer, Classified, Contract, Frame, Ran, Raw, Uploads, draining
 from app.errors import NotImplementedHere, Reloaded, StokerError
 from app.frontend.arena import Arena, ArenaShare, Slot, slot_of
@@ -147,7 +147,7 @@ class RemoteEngine:
         self._tasks = [task for task in self._tasks if not task.done()]
         self._tasks.append(asyncio.create_task(work, name=name))
 
-    async def _read(self, link: EngineLink, reader: asyncio.StreamReader) -> None:
+    async def _read(self, link: EngineLink, reader: Frames) -> None:
         try:
             await link.read_replies(reader)
         except ChannelClosed as gone:

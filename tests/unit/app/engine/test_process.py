@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from app import wire
-from app.channel import MAX_HEADER_BYTES, FrameTooLarge, Sender, receive
+from app.channel import MAX_HEADER_BYTES, Frames, FrameTooLarge, Sender
 from app.engine.local import LocalEngine
 from app.engine.process import EngineServer, visible_device
 from app.settings import Settings
@@ -34,7 +34,15 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
-async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.ReplyHeader]:
+Incoming = asyncio.Queue[tuple[bytes, bytes]]
+"""The frames a test's end of the channel read, in order."""
+
+
+async def receive(reader: Incoming) -> tuple[bytes, bytes]:
+    return await reader.get()
+
+
+async def replies(reader: Incoming, count: int) -> dict[int, wire.ReplyHeader]:
     """The next ``count`` answers, by call number (they may come in any order)."""
     found: dict[int, wire.ReplyHeader] = {}
     while len(found) < count:
@@ -46,7 +54,7 @@ async def replies(reader: asyncio.StreamReader, count: int) -> dict[int, wire.Re
 
 def with_engine(
     tmp_path: Path,
-    talk: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[T]],
+    talk: Callable[[Incoming, asyncio.Transport], Awaitable[T]],
 ) -> T:
     folder = tmp_path / "repo" / "tiny"
     folder.mkdir(parents=True)
@@ -61,9 +69,15 @@ def with_engine(
     async def main() -> T:
         engine = LocalEngine(settings)
         await engine.start()
-        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=path)
+        server = await EngineServer(engine).listen(path)
         try:
-            reader, writer = await asyncio.open_unix_connection(path)
+            reader: Incoming = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            _, frames = await loop.create_unix_connection(
+                lambda: Frames(lambda header, payload: reader.put_nowait((header, payload))), path
+            )
+            writer = frames.transport
+            assert writer is not None
             try:
                 return await asyncio.wait_for(talk(reader, writer), 20)
             finally:
@@ -78,7 +92,7 @@ def with_engine(
 def test_an_inference_is_answered_with_its_encoded_response(tmp_path: Path) -> None:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
 
-    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         out.send(wire.encode_call(7, wire.Infer("tiny", None, None, "")), body(x))
         return await receive(reader)
@@ -97,7 +111,7 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
     """The request and its cancel in one write: the engine reads both in one turn, so the
     request's task is cancelled before it ever ran; the front end must still hear of it."""
 
-    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         x = np.ones((1, 4), np.float32)
         out.send(wire.encode_call(1, wire.Infer("tiny", None, None, "")), body(x))
@@ -117,7 +131,7 @@ def test_errors_keep_their_status_and_foreign_frames_are_refused_with_why(
 ) -> None:
     lengths = struct.Struct("!II")
 
-    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         out.send(wire.encode_call(1, wire.Infer("nope", None, None, "")), b"{}")
         out.send(f'[2,{wire.WIRE_VERSION},{{"op":"teleport"}}]'.encode())
@@ -158,7 +172,7 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
         payload += x.tobytes()
         at += x.nbytes
 
-    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
         out = Sender(writer)  # the frames of one turn in one write
         call = wire.Run("tiny", "fp32", None, 0, "", tuple(items))
         out.send(wire.encode_call(3, call), payload)
@@ -214,7 +228,7 @@ def test_a_frame_too_large_is_refused_by_its_number_and_the_channel_keeps_servin
     header = wire.encode_call(1, wire.Control("load", ("tiny", config)))
     assert len(header) > MAX_HEADER_BYTES
 
-    async def talk(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> Any:
+    async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
         with pytest.raises(FrameTooLarge) as refused:
             Sender(writer).send(header)
         assert refused.value.status == 413

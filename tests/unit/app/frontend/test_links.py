@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from app import wire
-from app.channel import ChannelClosed
+from app.channel import ChannelClosed, Frames
 from app.errors import NotFound, Unavailable
 from app.frontend.links import EngineLink, RemoteError, every_engine, merged_index
 
@@ -83,13 +83,14 @@ def test_a_reply_goes_to_its_handler_as_it_is_read_and_a_closed_link_fails_the_r
         bad = link.request(wire.Cancel(1), then=broken)
         answered = link.request(wire.Cancel(2), then=keep("answered"))
         link.request(wire.Cancel(3), then=keep("open"))
-        reader = asyncio.StreamReader()
+        frames = Frames(link.reply)
         for number, data in ((bad, b""), (answered, b"rows")):
             header = wire.encode_answer(number, wire.CANCELLED)
-            reader.feed_data(struct.pack("!II", len(header), len(data)) + header + data)
-        reader.feed_eof()
+            frames.data_received(struct.pack("!II", len(header), len(data)) + header + data)
+        assert "answered" in got  # in the step that read it, before any task ran
+        frames.connection_lost(None)
         with pytest.raises(ChannelClosed):  # the end of the stream: the engine went away
-            await link.read_replies(reader)
+            await link.read_replies(frames)
         assert link.then == {} and link.waiting == {}
 
     asyncio.run(main())

@@ -421,7 +421,7 @@ async def plane_before_engine(
     a ``RemoteEngine`` to it and a ``DataPlane`` over that; all stopped at the end."""
     engine = LocalEngine(settings)
     await engine.start()
-    server = await asyncio.start_unix_server(server_class(engine).serve, path=str(control))
+    server = await server_class(engine).listen(str(control))
     remote = RemoteEngine(settings, [("", control)])
     front = DataPlane(settings, remote, across=True)
     try:
@@ -663,7 +663,7 @@ def test_a_request_goes_to_the_engine_with_the_least_work_ahead(tmp_path: Path) 
             await engine.start()
             path = str(tmp_path / f"engine-{label}.sock")
             channel = Counted(engine, label, hold=label == "0")
-            servers.append(await asyncio.start_unix_server(channel.serve, path=path))
+            servers.append(await channel.listen(path))
         links = [("0", tmp_path / "engine-0.sock"), ("1", tmp_path / "engine-1.sock")]
         front = DataPlane(settings, RemoteEngine(settings, links), across=True)
         await front.start()
@@ -935,7 +935,7 @@ def test_every_front_end_learns_of_a_reload_another_one_asked_for(tmp_path: Path
     async def main() -> tuple[int, int, int, list[str]]:
         engine = LocalEngine(settings)
         await engine.start()
-        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        server = await EngineServer(engine).listen(str(control))
         one = RemoteEngine(settings, [("", control)], "stoker-test-one")
         other = RemoteEngine(settings, [("", control)], "stoker-test-other")
         planes = [DataPlane(settings, one, across=True), DataPlane(settings, other, across=True)]
@@ -1006,7 +1006,7 @@ def test_a_new_control_operation_is_its_engine_method_alone(tmp_path: Path) -> N
     async def main() -> None:
         engine = Echoing(settings)
         await engine.start()
-        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        server = await EngineServer(engine).listen(str(control))
         front = RemoteEngine(settings, [("", control)], "stoker-test-echo")
         try:
             await front.start()
@@ -1123,7 +1123,7 @@ def test_a_request_in_the_moment_a_front_end_starts_waits_for_its_first_link(
         assert not asked.done() and not checked.done() and not described.done()
         upload = Uploads("tiny", None, [b"\xff\xd8"], 1, "")
         assert remote.submit_uploads(upload, lambda _: None) is None  # nothing sent
-        server = await asyncio.start_unix_server(EngineServer(engine).serve, path=str(control))
+        server = await EngineServer(engine).listen(str(control))
         try:
             contract = await asyncio.wait_for(asked, 60)
             await asyncio.wait_for(checked, 60)
