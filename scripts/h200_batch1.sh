@@ -16,7 +16,9 @@
 # limit on frames in flight; and settings for its server after a colon, NAME=VALUE joined by
 # commas: "4:STOKER_UPLOADS__DECODE_PROCESSES=0" (its runs are named by a short form of them).
 # QUEUE_DELAY_US=N there serves a copy of the model repository whose max_queue_delay_us is N
-# (the engine store is shared: the batching is not in its keys). JPEG_ALL=1: every server
+# (the engine store is shared: the batching is not in its keys); TREE=DIR serves the tree
+# carried in DIR (e.g. .gpu/base: `git archive BASE | tar -x -C .gpu/base`), sharing the store,
+# against this tree's client. JPEG_ALL=1: every server
 # takes the photos, not only the first. WORKERS: the client's processes (bench --workers, default 1);
 # EXTRAS=0 leaves out the first server's gRPC and 8- and 16-process runs. JPEG_IMAGES (a folder
 # of real photos): the first server also takes one photo a request at c=256 (4 client
@@ -27,7 +29,8 @@ work=/tmp/stoker-batch1
 mkdir -p "$OUT" "$work"
 source "$(dirname "$0")/h200_wheels.sh"
 root=$PWD
-export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$root"
+site=${PYTHONPATH:-}
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=0 PYTHONPATH="${site:+$site:}$root"
 {
     date -u
     python3 -V
@@ -103,6 +106,7 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     frames=$([[ $entry == *f* ]] && echo "${entry#*f}" || echo 4)
     server_name=fe$entry
     served_repo=$repo
+    tree=$root
     for setting in "${extra[@]}"; do  # STOKER_UPLOADS__DECODE_PROCESSES=0 -> _decode_processes0
         short=${setting#STOKER_*__}
         server_name+=_$(echo "${short/=/}" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9_.\n' '_')
@@ -111,9 +115,10 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
             python3 scripts/gpu_repo.py "$served_repo" --compile default --queue-delay-us "${setting#*=}" \
                 >>"$work/repo.log" 2>&1
         fi
+        [[ $setting == TREE=* ]] && tree=$root/${setting#*=}
     done
     t0=$(date +%s.%N)
-    env "${extra[@]/#QUEUE_DELAY_US=*/STOKER_QUEUE_DELAY_US_NOTE=1}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+    env -C "$tree" PYTHONPATH="${site:+$site:}$tree" "${extra[@]/#QUEUE_DELAY_US=*/STOKER_QUEUE_DELAY_US_NOTE=1}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
         OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
         STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$served_repo" \
         --model resnet50 --port $port --front-ends "$fe" \
