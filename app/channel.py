@@ -60,13 +60,16 @@ class Writable(Protocol):
 
 
 class Sender:
-    """The frames of one turn of the event loop, written in one go at its end.
+    """A channel's frames: the first of a turn of the event loop written at once, those
+    after it in the same turn in one go at the turn's end.
 
     A batch's answers are set in one turn; sent one by one, each would be a system call of
-    its own (the engine spent more on them than on batching). Order is kept, and a frame
-    goes out at the latest in the next turn, so nothing waits for a timer; ``flush`` writes
-    what is queued now, where a turn is a round trip's cost (a front end's loop under load
-    turns in milliseconds)."""
+    its own (the engine spent more on them than on batching). But a frame held to the turn's
+    end waits a turn, and under load a loop turns in milliseconds: the engine's answer to a
+    front end's frame is mostly the only one to it in its turn, and waited a turn for
+    nothing. So the first goes now and the rest of the turn's are gathered: at most two
+    writes a turn. Order is kept, nothing waits for a timer, and ``flush`` writes what is
+    queued now."""
 
     def __init__(self, writer: Writable) -> None:
         self.writer = writer
@@ -77,15 +80,17 @@ class Sender:
         return self.writer.is_closing()
 
     def send(self, header: bytes, payload: bytes = b"") -> None:
-        """Queue one frame: an encoded header (``app.wire``) and its payload;
-        ``FrameTooLarge`` for a header the other side would not take."""
+        """Send one frame (at once, or queued for the turn's end): an encoded header
+        (``app.wire``) and its payload; ``FrameTooLarge`` for a header the other side
+        would not take."""
         if len(header) > MAX_HEADER_BYTES:
             raise FrameTooLarge(len(header))
         self._parts.append(_LENGTHS.pack(len(header), len(payload)) + header)
         if payload:
             self._parts.append(payload)
-        if not self._scheduled:
+        if not self._scheduled:  # the turn's first: now, and the rest at the turn's end
             self._scheduled = True
+            self.flush()
             asyncio.get_running_loop().call_soon(self._scheduled_flush)
 
     def _scheduled_flush(self) -> None:

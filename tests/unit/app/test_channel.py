@@ -1,7 +1,8 @@
-"""The control channel's framing as the event loop reads it (``app.channel.Frames``): whole
+"""The control channel's framing. As the event loop reads it (``app.channel.Frames``): whole
 frames handed on in the read that completes them, however the bytes are cut; a frame with a
 header over the bound read past and refused by its number; the end of the channel, a
-foreign frame or a failing handler end it with ``ChannelClosed``."""
+foreign frame or a failing handler end it with ``ChannelClosed``. As it is written
+(``Sender``): a turn's first frame at once, the rest of the turn's in one write."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from app.channel import MAX_HEADER_BYTES, ChannelClosed, Frames, FrameTooLarge
+from app.channel import MAX_HEADER_BYTES, ChannelClosed, Frames, FrameTooLarge, Sender
 
 LENGTHS = struct.Struct("!II")
 
@@ -113,3 +114,44 @@ def test_a_frame_too_large_without_a_refusal_handler_closes_the_channel() -> Non
     frames = asyncio.run(main())
     with pytest.raises(ChannelClosed, match=f"exceeds the {MAX_HEADER_BYTES} bytes"):
         frames.closed.result()
+
+
+class Written:
+    """A writer that keeps each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_turns_first_frame_is_written_at_once_and_the_rest_in_one_write_at_its_end() -> None:
+    async def main() -> list[list[bytes]]:
+        written = Written()
+        out = Sender(written)
+        seen = []
+        out.send(b"[1,a]")
+        seen.append(list(written.writes))  # the first: before the turn ends
+        out.send(b"[2,b]", b"payload")
+        out.send(b"[3,c]")
+        seen.append(list(written.writes))  # the others wait for the turn's end
+        await asyncio.sleep(0)
+        seen.append(list(written.writes))
+        out.send(b"[4,d]")  # a new turn's first
+        seen.append(list(written.writes))
+        await asyncio.sleep(0)
+        seen.append(list(written.writes))
+        return seen
+
+    first, same_turn, turn_end, next_first, quiet = asyncio.run(main())
+    assert first == same_turn == [frame(b"[1,a]")]
+    assert turn_end == [frame(b"[1,a]"), frame(b"[2,b]", b"payload") + frame(b"[3,c]")]
+    assert next_first == [*turn_end, frame(b"[4,d]")]
+    assert quiet == next_first  # nothing queued: nothing more written

@@ -34,6 +34,11 @@ def body(x: np.ndarray) -> bytes:
     return orjson.dumps({"inputs": [tensor]})
 
 
+def framed(header: bytes, payload: bytes = b"") -> bytes:
+    """A frame's bytes as the channel carries them."""
+    return struct.pack("!II", len(header), len(payload)) + header + payload
+
+
 Incoming = asyncio.Queue[tuple[bytes, bytes]]
 """The frames a test's end of the channel read, in order."""
 
@@ -93,7 +98,7 @@ def test_an_inference_is_answered_with_its_encoded_response(tmp_path: Path) -> N
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
 
     async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
-        out = Sender(writer)  # the frames of one turn in one write
+        out = Sender(writer)
         out.send(wire.encode_call(7, wire.Infer("tiny", None, None, "")), body(x))
         return await receive(reader)
 
@@ -112,11 +117,12 @@ def test_a_request_cancelled_before_it_ran_is_still_answered(tmp_path: Path) -> 
     request's task is cancelled before it ever ran; the front end must still hear of it."""
 
     async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
-        out = Sender(writer)  # the frames of one turn in one write
         x = np.ones((1, 4), np.float32)
-        out.send(wire.encode_call(1, wire.Infer("tiny", None, None, "")), body(x))
-        out.send(wire.encode_call(0, wire.Cancel(1)))
-        out.send(wire.encode_call(2, wire.State()))
+        writer.write(
+            framed(wire.encode_call(1, wire.Infer("tiny", None, None, "")), body(x))
+            + framed(wire.encode_call(0, wire.Cancel(1)))
+            + framed(wire.encode_call(2, wire.State()))
+        )
         return await replies(reader, 2)
 
     answers = with_engine(tmp_path, talk)
@@ -132,7 +138,7 @@ def test_errors_keep_their_status_and_foreign_frames_are_refused_with_why(
     lengths = struct.Struct("!II")
 
     async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
-        out = Sender(writer)  # the frames of one turn in one write
+        out = Sender(writer)
         out.send(wire.encode_call(1, wire.Infer("nope", None, None, "")), b"{}")
         out.send(f'[2,{wire.WIRE_VERSION},{{"op":"teleport"}}]'.encode())
         newer = f'[3,{wire.WIRE_VERSION + 1},{{"op":"metrics"}}]'.encode()
@@ -173,7 +179,7 @@ def test_gathered_requests_run_as_one_and_each_gets_its_own_rows(tmp_path: Path)
         at += x.nbytes
 
     async def talk(reader: Incoming, writer: asyncio.Transport) -> Any:
-        out = Sender(writer)  # the frames of one turn in one write
+        out = Sender(writer)
         call = wire.Run("tiny", "fp32", None, 0, "", tuple(items))
         out.send(wire.encode_call(3, call), payload)
         reply = await receive(reader)
