@@ -8,7 +8,9 @@
 # with the cores of every process beside (scripts/cpu_shares.py: the front ends, the
 # engine, the clients), and 32 rows at c=32; against the first also gRPC at batch 1 and
 # the client with 8 and 16 processes (is the client the bound?); py-spy over the server's
-# processes with PYSPY=1. Tables last; the logs, JSON and spans in $OUT/batch1.tar.gz.
+# processes with PYSPY=1. Tables last; the logs, JSON and spans in $OUT/batch1.tar.gz. POOL=1:
+# the in-process pool at 32 rows (c = POOL_CONCURRENCY, 32) over the filled store, last;
+# BUDGET_S (400): no server starts after this many seconds, so what ran comes back whole.
 #
 #   FRONT_ENDS_LIST="4 1" bash scripts/h200_batch1.sh     (carry .whl)
 #
@@ -96,7 +98,12 @@ spied() {  # run, with py-spy over the first server's processes (PYSPY=1) for 3 
 }
 
 first=1
+began=$(date +%s)
 for entry in ${FRONT_ENDS_LIST:-4 1}; do
+    if (($(date +%s) - began > ${BUDGET_S:-400})); then  # what is done still comes back whole
+        echo "skipped $entry: past ${BUDGET_S:-400} s"
+        continue
+    fi
     extra=()
     if [[ $entry == *:* ]]; then
         IFS=, read -r -a extra <<<"${entry#*:}"
@@ -147,6 +154,13 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     wait $server
     first=0
 done
+if [ "${POOL:-0}" = 1 ]; then  # the in-process pool over the store the servers filled, 32 rows
+    STOKER_MODELS__BACKEND=torch timeout 150 python3 -m bench --in-process --backend torch \
+        --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
+        --workers 4 --rows 32 --concurrency "${POOL_CONCURRENCY:-32}" --duration "$duration" \
+        --warmup "$warmup" --json "$work/pool_rows32.json" >"$work/pool.log" 2>&1
+    echo "pool exit $?"
+fi
 for spy in "$work"/pyspy_*.txt; do
     [ -f "$spy" ] && python3 scripts/pyspy_summary.py "$spy" --top 50 >"${spy%.txt}.summary" 2>&1
 done
@@ -190,4 +204,5 @@ grep -h -E "front-end.*(frame|a frame)|sent .* frame" "$work"/server_*.log | tai
 tar -czf "$OUT/batch1.tar.gz" -C "$work" .
 cp "$work/table.txt" "$OUT/"
 cat "$work"/budget_*.txt
+[ -f "$work/pool.log" ] && grep -E "in-process|target" "$work/pool.log" | tail -3
 cat "$work/table.txt"
