@@ -22,7 +22,9 @@
 # JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
 # tree named NAME=DIR@jpeg runs only the photos whatever JPEG_ONLY says (for "this" too: then
 # no pool, gRPC or metrics either); NAME=DIR#fN starts that tree's server with N front ends
-# (e.g. "f8=.#f8": this tree with 8). WORKERS: the client's processes (4).
+# (e.g. "f8=.#f8": this tree with 8); NAME=DIR:NAME=VALUE,... gives that server settings
+# (e.g. "dt=.:STOKER_UPLOADS__DECODE_PROCESSES=0,STOKER_UPLOADS__DECODE_WORKERS=2"; after
+# any @jpeg or #fN). WORKERS: the client's processes (4).
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -52,6 +54,11 @@ bench() {  # name, limit, arguments: this tree's bench, against the server at $u
 for entry in ${TREES:-base=.gpu/$base this=.}; do
     tree=${entry%%=*}
     spec=${entry#*=}
+    settings=()
+    if [[ $spec == *:* ]]; then  # DIR:NAME=VALUE,...: its server's settings
+        IFS=, read -r -a settings <<<"${spec#*:}"
+        spec=${spec%%:*}
+    fi
     only=${JPEG_ONLY:-0}
     if [[ $spec == *@jpeg ]]; then  # this tree's server takes only the photos
         only=1
@@ -76,7 +83,7 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         --compile default >"$OUT/repo_$tree.log" 2>&1)
     t0=$(date +%s.%N)
     (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" STOKER_MODELS__BACKEND=torch \
-        exec timeout 500 python3 -m app serve --repository "$repo" --model resnet50 \
+        exec env "${settings[@]}" timeout 500 python3 -m app serve --repository "$repo" --model resnet50 \
         --port $port "${extra[@]}") >"$OUT/server_$tree.log" 2>&1 &
     server=$!
     for _ in $(seq 1 1200); do
