@@ -22,9 +22,12 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from app.protocol import MAX_JSON_DEPTH
 from engines.store import default_root
 
-FRONT_ENDS_PER_GPU = 4
-"""Front ends per GPU for ``front_ends: auto``: the most images/s and batch-1 requests/s of
-2, 4 and 8 in front of one H200 (BENCHMARKS.md, runs 6-13)."""
+FRONT_ENDS_PER_GPU = 8
+"""Front ends per GPU for ``front_ends: auto``. Once the engine read its control channel by a
+protocol (f314aea) and answered in the turn (5a0c316), four front ends' loops were the bound
+of batch 1 (0.90-0.96 of a core each): eight served 1.22x the batch-1 requests/s of four, p99
+32 ms against 41, and the same 32-row and photo rates (one H100, one call; BENCHMARKS.md,
+"Eight front ends"). Before them, runs 6-13 on an H200 had found 4 best of 2, 4 and 8."""
 AUTO_FRONT_ENDS: str | None = None
 """What ``front_ends: auto`` last chose and why (the server logs it at start)."""
 
@@ -107,9 +110,10 @@ class ServerSettings(BaseModel):
     authenticate, apply the limits and read bodies, and one engine process runs the models;
     bodies cross in shared memory (``/dev/shm``: give containers ``shm_slots x
     shm_slot_bytes`` per front end). One event loop takes in about 2 GB/s of bodies (a
-    2-core EPYC) and 1,000 requests/s: a GPU wants 2 to 4. ``auto`` (the default): 4 per
-    visible GPU (the number measured best on an H200), at most half the cores; 1 where no
-    GPU is visible.
+    2-core EPYC) and 1,000 requests/s: a GPU wants 4 to 8. ``auto`` (the default): 8 per
+    visible GPU (``FRONT_ENDS_PER_GPU``: the number measured best on an H100), at most half
+    the cores; 1 where no GPU is visible. ``auto`` counts the machine's cores, not a
+    container's CPU limit: in a pod or container, set the number.
     What ``auto`` chose, and why, is logged at start."""
 
     @field_validator("front_ends", mode="before")

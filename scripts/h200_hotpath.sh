@@ -2,7 +2,7 @@
 # Issue 42's A/B in one call on the GPU machine: the served default (ResNet-50 FP16 from
 # scripts/gpu_repo.py, gpu.compile default, 4 runners, decode processes, front_ends auto)
 # started from the last verified tree (carried in .gpu/$BASE: `git archive $BASE | tar -x -C
-# .gpu/$BASE`; it is started with --front-ends 4, what auto chooses on this 16-core machine)
+# .gpu/$BASE`; it is started with --front-ends 4, what its auto chose on this 16-core machine)
 # and then from this tree, each with an engine store of its own, and the same client (this
 # tree's bench) against each: UINT8 32 rows a request at c = U8_CONCURRENCY, batch 1 at
 # c=256, and on this tree gRPC at both loads and the in-process pool (Stoker's batcher and

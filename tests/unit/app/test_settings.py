@@ -261,9 +261,11 @@ def test_front_ends_auto_counts_the_visible_gpus(
     for visible, count in (("1", 1), ("0,1", 2), ("", 0), ("-1", 0), ("0,-1,1", 1)):
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
         assert module.visible_gpus(str(gpus)) == count, visible
-    assert module.auto_front_ends(gpus=1, cores=16)[0] == 4
-    assert module.auto_front_ends(gpus=2, cores=64)[0] == 8
-    assert module.auto_front_ends(gpus=1, cores=4)[0] == 2  # half the cores
+    assert module.auto_front_ends(gpus=1, cores=16)[0] == 8
+    assert module.auto_front_ends(gpus=1, cores=64)[0] == 8
+    assert module.auto_front_ends(gpus=2, cores=64)[0] == 16
+    assert module.auto_front_ends(gpus=1, cores=12)[0] == 6  # half the cores
+    assert module.auto_front_ends(gpus=1, cores=4)[0] == 2
     assert module.auto_front_ends(gpus=1, cores=2)[0] == 1
     assert module.auto_front_ends(gpus=0, cores=128) == (
         1,
@@ -272,11 +274,13 @@ def test_front_ends_auto_counts_the_visible_gpus(
     # The setting: "auto" (the default) becomes a number, and the choice is kept for the log.
     monkeypatch.setattr(module, "visible_gpus", lambda: 1)
     monkeypatch.setattr("os.cpu_count", lambda: 16)
-    assert Settings().server.front_ends == 4
+    assert Settings().server.front_ends == 8
     assert (
         module.AUTO_FRONT_ENDS
-        == "front_ends auto: 4 (1 GPU(s), 16 cores: 4 per GPU, at most half the cores)"
+        == "front_ends auto: 8 (1 GPU(s), 16 cores: 8 per GPU, at most half the cores)"
     )
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert Settings().server.front_ends == 4
     monkeypatch.setenv("STOKER_SERVER__FRONT_ENDS", "2")
     assert Settings().server.front_ends == 2
     with pytest.raises(ValidationError):
