@@ -247,7 +247,7 @@ def test_every_section_is_documented() -> None:
 def test_front_ends_auto_counts_the_visible_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``auto``: four front ends per GPU the driver lists and ``CUDA_VISIBLE_DEVICES``
+    """``auto``: eight front ends per GPU the driver lists and ``CUDA_VISIBLE_DEVICES``
     leaves, at most half the cores; one process where no GPU is visible."""
     from app import settings as module
 
