@@ -3,7 +3,7 @@
 ``STOKER_SERVER__PORT=9000`` sets ``settings.server.port``; the flat aliases listed in the
 README (``STOKER_PORT``...) are not provided on purpose: one spelling per field.
 
-Kept in one module (~560 lines): each group is a small class whose field docs are the
+Kept in one module (~600 lines): each group is a small class whose field docs are the
 reference for its variables, and what reads across groups (``front_ends: auto`` from the
 cores and GPUs, the refusal of a moved setting naming its new place) sits beside them;
 split, the one reference would be scattered.
@@ -12,6 +12,7 @@ split, the one reference would be scattered.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -50,11 +51,27 @@ def visible_gpus(root: str = "/proc/driver/nvidia/gpus") -> int:
     return min(found, len(wanted))
 
 
+def usable_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """The cores this process may use, not the machine's: its affinity (a container's
+    cpuset), cut to its cgroup's CPU limit where one is set (cgroup v2 ``cpu.max``, quota
+    over period, rounded up: a container's ``--cpus``, a pod's CPU limit)."""
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path(cpu_max).read_text().split()[:2]
+        limit = math.ceil(int(quota) / int(period))
+    except (OSError, ValueError, ZeroDivisionError):  # none read, or "max": no limit
+        return cores
+    return max(1, min(cores, limit))
+
+
 def auto_front_ends(gpus: int | None = None, cores: int | None = None) -> tuple[int, str]:
     """The front ends ``auto`` gives, and why: ``FRONT_ENDS_PER_GPU`` per visible GPU, at
-    most half the cores (the engine needs the rest); 1 without a GPU."""
+    most half the usable cores (the engine needs the rest); 1 without a GPU."""
     gpus = visible_gpus() if gpus is None else gpus
-    cores = (os.cpu_count() or 1) if cores is None else cores
+    cores = usable_cores() if cores is None else cores
     if gpus == 0:
         return 1, "no GPU visible: one process, the fastest on a CPU machine"
     count = max(1, min(FRONT_ENDS_PER_GPU * gpus, cores // 2, 64))
@@ -112,8 +129,8 @@ class ServerSettings(BaseModel):
     shm_slot_bytes`` per front end). One event loop takes in about 2 GB/s of bodies (a
     2-core EPYC) and 1,000 requests/s: a GPU wants 4 to 8. ``auto`` (the default): 8 per
     visible GPU (``FRONT_ENDS_PER_GPU``: the number measured best on an H100), at most half
-    the cores; 1 where no GPU is visible. ``auto`` counts the machine's cores, not a
-    container's CPU limit: in a pod or container, set the number.
+    the cores this process may use (``usable_cores``: its cpuset and its cgroup's CPU limit;
+    a pod's CPU request alone sets neither); 1 where no GPU is visible.
     What ``auto`` chose, and why, is logged at start."""
 
     @field_validator("front_ends", mode="before")

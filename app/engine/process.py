@@ -15,6 +15,10 @@ SIGTERM drains: readiness turns false at once; the requests the front ends accep
 their own drains closed their doors are taken until they hang up, within
 ``server.drain_timeout_s``; then new requests get 503, what is left is answered or failed,
 and the process stops.
+
+Kept in one module (~540 lines): the channel's engine end (a connection's arena, the
+dispatch table and its handlers, the table's rows) and the process's life (start, drain,
+stop) share ``EngineServer``'s state.
 """
 
 from __future__ import annotations

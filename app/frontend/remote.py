@@ -10,6 +10,10 @@ Health comes from the engines: a background task asks each for its state every `
 and a front end that reaches none answers not live and not ready. With one engine process per
 GPU (``server.engine_gpus``) a front end holds a link to each, sends each frame to the ready
 one with the least work ahead of it, and labels their metrics by GPU (``labelled_metrics``).
+
+Kept in one module (~520 lines): it is one class, the multiprocess side of the engine client,
+whose methods answer ``LocalEngine``'s one for one; what it stands on (the arena, the links,
+the packing of frames) are modules of their own.
 """
 
 from __future__ import annotations

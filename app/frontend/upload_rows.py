@@ -13,24 +13,15 @@ the front end.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from app.settings import Settings
+from app.settings import Settings, usable_cores
 from engines.preprocess import ImagePreprocess
 
 # Threads a front end decodes in at most: each holds one decoded image (and Pillow's RGB
 # copy of it) until its row is cut, up to 2 x 3 x ``limits.max_image_pixels`` bytes.
 MAX_THREADS = 8
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a container's cpuset), not the
-    machine's."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 class RowMaker:

@@ -244,6 +244,25 @@ def test_every_section_is_documented() -> None:
     assert {info.annotation for info in Settings.model_fields.values()} == set(SECTIONS)
 
 
+def test_usable_cores_are_the_affinity_cut_to_the_cgroups_cpu_limit(tmp_path: Path) -> None:
+    """``auto`` counts what a container may use: its cpuset (the affinity), and its CPU
+    limit (cgroup v2 ``cpu.max``: quota over period, rounded up) where one is set."""
+    from app import settings as module
+
+    affinity = len(os.sched_getaffinity(0))
+    cpu_max = tmp_path / "cpu.max"
+    assert module.usable_cores(str(tmp_path / "none")) == affinity  # no cgroup v2 file
+    cpu_max.write_text("max 100000\n")  # no limit
+    assert module.usable_cores(str(cpu_max)) == affinity
+    cpu_max.write_text("50000 100000\n")  # half a core: one
+    assert module.usable_cores(str(cpu_max)) == 1
+    cpu_max.write_text(f"{affinity * 100000 + 1} 100000\n")  # above the cpuset: the cpuset
+    assert module.usable_cores(str(cpu_max)) == affinity
+    if affinity > 1:
+        cpu_max.write_text(f"{(affinity - 1) * 100000} 100000\n")
+        assert module.usable_cores(str(cpu_max)) == affinity - 1
+
+
 def test_front_ends_auto_counts_the_visible_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -273,13 +292,13 @@ def test_front_ends_auto_counts_the_visible_gpus(
     )
     # The setting: "auto" (the default) becomes a number, and the choice is kept for the log.
     monkeypatch.setattr(module, "visible_gpus", lambda: 1)
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr(module, "usable_cores", lambda: 16)
     assert Settings().server.front_ends == 8
     assert (
         module.AUTO_FRONT_ENDS
         == "front_ends auto: 8 (1 GPU(s), 16 cores: 8 per GPU, at most half the cores)"
     )
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr(module, "usable_cores", lambda: 8)
     assert Settings().server.front_ends == 4
     monkeypatch.setenv("STOKER_SERVER__FRONT_ENDS", "2")
     assert Settings().server.front_ends == 2
