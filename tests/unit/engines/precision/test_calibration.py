@@ -239,12 +239,45 @@ def photos() -> np.ndarray:
     return calibration_sets.augmented_builtin_set(ImagePreprocess(), samples=40, seed=0)
 
 
+@pytest.fixture(scope="module")
+def calibrated(
+    efficientnet: onnx.ModelProto, photos: np.ndarray
+) -> tuple[Ranges, np.ndarray, np.ndarray]:
+    """Ranges from the first 16 photos, FP32's logits of the other 24 and the 24 themselves:
+    one calibration for every recipe (the recipes differ in what they make of the ranges)."""
+    calibrate, evaluate = photos[:16], photos[16:]
+    ranges = calibration.collect_ranges(efficientnet, calibrate, "input", "percentile")
+    return ranges, accuracy.run_onnx(efficientnet, evaluate, "input"), evaluate
+
+
+def int8_agreement(
+    efficientnet: onnx.ModelProto,
+    calibrated: tuple[Ranges, np.ndarray, np.ndarray],
+    ranges: Ranges,
+    reduce_range: bool,
+    integer_kernels: bool,
+) -> float:
+    _, reference, evaluate = calibrated
+    quantized = int8.to_int8(
+        efficientnet,
+        ranges,
+        form="u8s8",
+        reduce_range=reduce_range,
+        keep_first_and_last=reduce_range,
+    )
+    got = accuracy.run_onnx(quantized, evaluate, "input", optimize=integer_kernels)
+    return accuracy.top1_agreement(reference, got)
+
+
 @pytest.mark.parametrize(
     "integer_kernels", [True, False], ids=["fused-integer-kernels", "qdq-in-float"]
 )
 @pytest.mark.parametrize("reduce_range", [False, True], ids=["8-bit", "7-bit+edges-in-float"])
-def test_calibrated_int8_agrees_with_fp32_and_an_over_quantized_one_does_not(
-    efficientnet: onnx.ModelProto, photos: np.ndarray, reduce_range: bool, integer_kernels: bool
+def test_calibrated_int8_agrees_with_fp32(
+    efficientnet: onnx.ModelProto,
+    calibrated: tuple[Ranges, np.ndarray, np.ndarray],
+    reduce_range: bool,
+    integer_kernels: bool,
 ) -> None:
     """Both recipes, run as ONNX Runtime serves them (Q/DQ fused into this CPU's integer
     kernels) and as written (Q/DQ in float, what a GPU computes)."""
@@ -253,20 +286,15 @@ def test_calibrated_int8_agrees_with_fp32_and_an_over_quantized_one_does_not(
             f"this CPU ({cpu.integer_kernels().name}) has no VNNI: its integer kernels saturate "
             "with 8-bit weights, which is why it is given 7-bit weights"
         )
-    calibrate, evaluate = photos[:16], photos[16:]
-    ranges = calibration.collect_ranges(efficientnet, calibrate, "input", "percentile")
-    reference = accuracy.run_onnx(efficientnet, evaluate, "input")
+    ranges = calibrated[0]
+    assert int8_agreement(efficientnet, calibrated, ranges, reduce_range, integer_kernels) >= 0.9
 
-    def agreement(ranges: Ranges) -> float:
-        quantized = int8.to_int8(
-            efficientnet,
-            ranges,
-            form="u8s8",
-            reduce_range=reduce_range,
-            keep_first_and_last=reduce_range,
-        )
-        got = accuracy.run_onnx(quantized, evaluate, "input", optimize=integer_kernels)
-        return accuracy.top1_agreement(reference, got)
 
-    assert agreement(ranges) >= 0.9
-    assert agreement(ranges.scaled(0.01)) < 0.5
+def test_an_over_quantized_int8_does_not_agree(
+    efficientnet: onnx.ModelProto, calibrated: tuple[Ranges, np.ndarray, np.ndarray]
+) -> None:
+    """The measure above can fail: ranges a hundredth of the calibrated ones clip nearly
+    every activation, and the served recipe (7-bit weights, edges in float, Q/DQ in float so
+    that the result is the same on every CPU) then agrees with FP32 on under half the rows."""
+    ranges = calibrated[0].scaled(0.01)
+    assert int8_agreement(efficientnet, calibrated, ranges, True, False) < 0.5
