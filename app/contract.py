@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from app.decode_plans import MAX_HEADER_BYTES, DecodePlans, Plan, PlanKey
 from app.errors import BadRequest, Forbidden, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
@@ -26,6 +27,10 @@ from engines.spec import ModelSpec, TensorSpec, v2_datatype
 
 # Bodies above this are decoded on a worker thread so a large JSON tensor never stalls the loop.
 THREADED_DECODE_BYTES = 256 * 1024
+
+PLANS = DecodePlans()
+"""The process's plans of binary requests' JSON (``app.decode_plans``), shared by its models:
+a plan's key names its model's terms."""
 
 
 def draining() -> Unavailable:
@@ -164,10 +169,23 @@ def decode_infer(
 ) -> Decoded:
     """Decode a V2 request and check it against the model: inputs, rows, outputs,
     priority. Every refusal is a ``BadRequest`` (``PayloadTooLarge`` for JSON that holds
-    more than the model can take, before it is parsed)."""
-    check_json_size(contract.spec, json_part(body, header_length))
+    more than the model can take, before it is parsed). A binary request whose JSON a
+    request of the same terms sent before is read by that decode's plan (``PLANS``)."""
+    header = json_part(body, header_length)
+    key: PlanKey | None = None
+    if header_length and contract.serial and len(header) <= MAX_HEADER_BYTES:
+        key = (contract.serial, max_json_depth, bytes(header), len(body) - header_length)
+        plan = PLANS.get(key)
+        if plan is not None:
+            return Decoded(*plan.decode(memoryview(body)[header_length:]))
+    check_json_size(contract.spec, header)
     request = decode_request(body, header_length, contract.spec, max_json_depth, regions)
-    return checked(contract, request)
+    decoded = checked(contract, request)
+    if key is not None and not elementwise(header):
+        plan = Plan.of(request, decoded.rows, decoded.wanted, memoryview(body)[header_length:])
+        if plan is not None:
+            PLANS.keep(key, plan)
+    return decoded
 
 
 def checked(contract: Contract, request: InferRequest) -> Decoded:
