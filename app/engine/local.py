@@ -75,19 +75,6 @@ def operation(
     return mark
 
 
-def contract_of(model: LoadedModel) -> Contract:
-    levels = model.entry.config.dynamic_batching.priority_levels
-    return Contract(
-        model.name,
-        model.version,
-        model.spec,
-        model.inputs.pixels,
-        levels,
-        model.serial,
-        model.row_preprocess,
-    )
-
-
 class LocalEngine:
     def __init__(self, settings: Settings, one_device: bool = False) -> None:
         self.settings = settings
@@ -182,7 +169,7 @@ class LocalEngine:
 
     async def contract(self, name: str | None, version: str | None = None) -> Contract:
         """The model version's contract (``name`` None: the default model's, for uploads)."""
-        return contract_of(self._upload_model(name, version))
+        return self._upload_model(name, version).contract
 
     def admit(self, contract: Contract, requests: int = 1) -> None:
         """Refuse now (503, 429) what the model's batcher would refuse, before decoding."""
@@ -447,7 +434,7 @@ class LocalEngine:
         request's 400, counted as such)."""
         model = self.models.get(raw.name, raw.version)
         body, header_length, client = raw.body, raw.header_length, raw.client
-        contract = contract_of(model)
+        contract = model.contract
 
         async def work() -> Answer:
             arrived = time.monotonic()

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 import zoo
-from app.contract import Part, serial_of, validate_inputs
+from app.contract import Contract, Part, serial_of, validate_inputs
 from app.engine import images
 from app.engine.batcher import Batcher
 from app.engine.decoders import decode_queue, describe_decoding
@@ -345,6 +345,14 @@ class LoadedModel:
         tensors, max batch, pixel input and priority levels."""
         levels = self.entry.config.dynamic_batching.priority_levels
         return serial_of(self.spec, self.inputs.pixels, levels)
+
+    @functools.cached_property
+    def contract(self) -> Contract:
+        """What a request for it is decoded and checked against, made once: its terms
+        never change while it is loaded."""
+        levels = self.entry.config.dynamic_batching.priority_levels
+        pixels, preprocess = self.inputs.pixels, self.row_preprocess
+        return Contract(self.name, self.version, self.spec, pixels, levels, self.serial, preprocess)
 
     def fits(self, parts: Sequence[Part]) -> bool:
         """Whether requests decoded against another contract (of a version a reload
