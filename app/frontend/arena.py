@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -297,7 +298,13 @@ def shm_bytes_free(root: str | os.PathLike[str] = SHM_ROOT) -> int:
 
 
 def address(buffer: bytes | memoryview) -> int:
-    return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
+    """Where ``buffer``'s first byte lies in this process's memory: through ctypes for a
+    writable buffer (a slot and the views of it: ~1 us on a 2-core EPYC), through numpy
+    (3-5 us there) for a read-only or empty one."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    except (TypeError, ValueError):
+        return int(np.frombuffer(buffer, dtype=np.uint8).ctypes.data)
 
 
 def place_inputs(

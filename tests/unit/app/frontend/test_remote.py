@@ -26,7 +26,7 @@ from app.contract import Contract, Frame, Part, Uploads, decode_infer
 from app.engine.local import CONTROL, LocalEngine, operation
 from app.engine.process import EngineServer
 from app.errors import BadRequest, NotImplementedHere, Unavailable
-from app.frontend.arena import PAGE, Arena, ArenaShare, place_inputs
+from app.frontend.arena import PAGE, Arena, ArenaShare, address, place_inputs
 from app.frontend.links import EngineLink
 from app.frontend.plane import ENGINE_REGIONS, DataPlane, ForwardToEngine
 from app.frontend.remote import RemoteEngine
@@ -295,6 +295,16 @@ def test_binary_inputs_stay_where_the_body_put_them(arena: Arena) -> None:
     got = engine_reads(described, slot.view)
     np.testing.assert_array_equal(got["a"], a)
     np.testing.assert_array_equal(got["b"], b)
+
+
+def test_an_address_is_where_numpy_sees_the_first_byte_writable_or_not(arena: Arena) -> None:
+    slot = arena.lend(4096)
+    assert slot is not None
+    frozen = bytes(64)
+    for buffer in (slot.view, slot.view[100:200], memoryview(frozen), memoryview(frozen)[8:]):
+        assert address(buffer) == np.frombuffer(buffer, np.uint8).ctypes.data
+    assert address(slot.view[100:]) == address(slot.view) + 100
+    assert address(np.frombuffer(slot.view, np.float32, 4, 64).data) == address(slot.view) + 64
 
 
 def test_json_inputs_are_copied_into_the_slot_over_the_body(arena: Arena) -> None:
