@@ -2,8 +2,9 @@
 # Issue 42's A/B in one call on the GPU machine: the served default (ResNet-50 FP16 from
 # scripts/gpu_repo.py, gpu.compile default, 4 runners, decode processes, front_ends auto)
 # started from the last verified tree (carried in .gpu/$BASE: `git archive $BASE | tar -x -C
-# .gpu/$BASE`; it is started with --front-ends 4, what its auto chose on this 16-core machine)
-# and then from this tree, each with an engine store of its own, and the same client (this
+# .gpu/$BASE`; a tree other than this one is started with --front-ends 4, since a833e8c has no
+# auto and serves one front end by default: name a later tree NAME=DIR#f8 to give it the 8 its
+# own auto picks on 16 cores) and then from this tree, each with an engine store of its own, and the same client (this
 # tree's bench) against each: UINT8 32 rows a request at c = U8_CONCURRENCY, batch 1 at
 # c=256, and on this tree gRPC at both loads and the in-process pool (Stoker's batcher and
 # runner pool, no HTTP, loaded from the store this tree's server filled) at the 32-row
