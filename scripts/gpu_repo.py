@@ -6,8 +6,9 @@ The repo's ``models/resnet50`` config with: FP16 as the only version; its accura
 measured on 16 images and overridden, because seeded random weights give near-uniform
 logits whose top-1 means nothing (the FP16 variant itself is built and measured as for any
 model); the GPU default of runners (`--runners N` sets them); batches up to 256, preferred
-64, 128 and 256; a 2 ms delay;
-``--compile MODE`` sets ``gpu.compile``.
+64, 128 and 256 (``--preferred 32,64,...`` sets others: every power of two cuts a batch that
+waited out its delay to the largest CUDA graph it fills, instead of padding it to the next);
+a 2 ms delay (``--queue-delay-us``); ``--compile MODE`` sets ``gpu.compile``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ def main() -> None:
     parser.add_argument(
         "--queue-delay-us", type=int, default=2000, help="dynamic_batching.max_queue_delay_us"
     )
+    parser.add_argument(
+        "--preferred",
+        default="64,128,256",
+        help="dynamic_batching.preferred_batch_size, comma-separated",
+    )
     args = parser.parse_args()
+    preferred = [int(size) for size in args.preferred.split(",") if size]
     folder = args.repository / "resnet50"
     folder.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((ROOT / "models" / "resnet50" / "config.yaml").read_text())
@@ -42,7 +49,10 @@ def main() -> None:
         default_precision="fp16",
         max_batch_size=256,
         accuracy={"evaluation_samples": 16, "override": True},
-        dynamic_batching={"preferred_batch_size": [64, 128, 256], "max_queue_delay_us": args.queue_delay_us},
+        dynamic_batching={
+            "preferred_batch_size": preferred,
+            "max_queue_delay_us": args.queue_delay_us,
+        },
         gpu={"compile": args.compile},
     )
     config.pop("runners", None)

@@ -17,8 +17,10 @@
 # An entry of FRONT_ENDS_LIST may name server.frames_in_flight too: "4f0" is 4 front ends, no
 # limit on frames in flight; and settings for its server after a colon, NAME=VALUE joined by
 # commas: "4:STOKER_UPLOADS__DECODE_PROCESSES=0" (its runs are named by a short form of them).
-# QUEUE_DELAY_US=N there serves a copy of the model repository whose max_queue_delay_us is N
-# (the engine store is shared: the batching is not in its keys); TREE=DIR serves the tree
+# QUEUE_DELAY_US=N there serves a copy of the model repository whose max_queue_delay_us is N,
+# PREFERRED=32.64.128 one whose preferred batch sizes are those (dots between them: every power
+# of two to 256 cuts a batch to the largest CUDA graph it fills instead of padding it), RUNNERS=N
+# one with N runners (the engine store is shared: none of these is in its keys); TREE=DIR serves the tree
 # carried in DIR (e.g. .gpu/base: `git archive BASE | tar -x -C .gpu/base`), sharing the store,
 # against this tree's client. JPEG_ALL=1: every server
 # takes the photos, not only the first. WORKERS: the client's processes (bench --workers, default 1);
@@ -113,19 +115,29 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
     frames=$([[ $entry == *f* ]] && echo "${entry#*f}" || echo 4)
     server_name=fe$entry
     served_repo=$repo
+    repo_args=()
     tree=$root
     for setting in "${extra[@]}"; do  # STOKER_UPLOADS__DECODE_PROCESSES=0 -> _decode_processes0
         short=${setting#STOKER_*__}
         server_name+=_$(echo "${short/=/}" | tr 'A-Z' 'a-z' | tr -c 'a-z0-9_.\n' '_')
-        if [[ $setting == QUEUE_DELAY_US=* ]]; then  # the model's max_queue_delay_us: a repo of its own
-            served_repo=$repo-d${setting#*=}
-            python3 scripts/gpu_repo.py "$served_repo" --compile default --queue-delay-us "${setting#*=}" \
-                >>"$work/repo.log" 2>&1
-        fi
+        case $setting in  # the model's config: a repo of its own (the store is shared)
+            QUEUE_DELAY_US=*) repo_args+=(--queue-delay-us "${setting#*=}") ;;
+            PREFERRED=*) repo_args+=(--preferred "$(echo "${setting#*=}" | tr . ,)") ;;
+            RUNNERS=*) repo_args+=(--runners "${setting#*=}") ;;
+        esac
         [[ $setting == TREE=* ]] && tree=$root/${setting#*=}
     done
+    if ((${#repo_args[@]})); then
+        served_repo=$repo-$server_name
+        python3 scripts/gpu_repo.py "$served_repo" --compile default "${repo_args[@]}" >>"$work/repo.log" 2>&1
+    fi
     t0=$(date +%s.%N)
-    env -C "$tree" PYTHONPATH="${site:+$site:}$tree" "${extra[@]/#QUEUE_DELAY_US=*/STOKER_QUEUE_DELAY_US_NOTE=1}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
+    settings=()
+    for setting in "${extra[@]}"; do  # what went into the repo copy, or chose the tree, is no setting
+        [[ $setting == QUEUE_DELAY_US=* || $setting == PREFERRED=* || $setting == RUNNERS=* || $setting == TREE=* ]] ||
+            settings+=("$setting")
+    done
+    env -C "$tree" PYTHONPATH="${site:+$site:}$tree" "${settings[@]}" STOKER_SERVER__FRAMES_IN_FLIGHT=$frames STOKER_SERVER__GATHERING_LOG_S=4 OTEL_TRACES_EXPORTER=console OTEL_TRACES_SAMPLER=traceidratio \
         OTEL_TRACES_SAMPLER_ARG=${TRACE_RATIO:-0.02} OTEL_BSP_SCHEDULE_DELAY=1000 \
         STOKER_MODELS__BACKEND=torch timeout 400 python3 -m app serve --repository "$served_repo" \
         --model resnet50 --port $port --front-ends "$fe" \
