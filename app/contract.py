@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from app.decode_plans import MAX_HEADER_BYTES, DecodePlans, Plan, PlanKey
+from app.decode_plans import MAX_HEADER_BYTES, DecodePlans, Plan, PlanKey, planned_header
 from app.errors import BadRequest, Forbidden, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
@@ -173,16 +173,18 @@ def decode_infer(
     request of the same terms sent before is read by that decode's plan (``PLANS``)."""
     header = json_part(body, header_length)
     key: PlanKey | None = None
-    if header_length and contract.serial and len(header) <= MAX_HEADER_BYTES:
-        key = (contract.serial, max_json_depth, bytes(header), len(body) - header_length)
+    binary = memoryview(body)[len(header) :]  # what follows the JSON (a binary request's tensors)
+    planned = header_length is not None and header_length > 0 and len(header) <= MAX_HEADER_BYTES
+    if planned and contract.serial:
+        key = (contract.serial, max_json_depth, bytes(header), len(binary))
         plan = PLANS.get(key)
         if plan is not None:
-            return Decoded(*plan.decode(memoryview(body)[header_length:]))
+            return Decoded(*plan.decode(binary))
     check_json_size(contract.spec, header)
     request = decode_request(body, header_length, contract.spec, max_json_depth, regions)
     decoded = checked(contract, request)
-    if key is not None and not elementwise(header):
-        plan = Plan.of(request, decoded.rows, decoded.wanted, memoryview(body)[header_length:])
+    if key is not None and PLANS.again(key) and planned_header(key[2]):
+        plan = Plan.of(request, decoded.rows, decoded.wanted, binary)
         if plan is not None:
             PLANS.keep(key, plan)
     return decoded

@@ -13,17 +13,20 @@ request, rows and outputs, and each input the same datatype, shape and offset in
 
 So a decode that passed is kept as a ``Plan`` when every input it made is a view of the
 body's binary part (not JSON data, not BOOL or BYTES, which are converted element by element,
-not a shared-memory region), keyed by the terms of the model (``Contract.serial``), the JSON's
-bytes and the binary part's length. A header that names a datatype decoded element by element,
-an escape or a shared-memory region is never planned (``contract.elementwise``), nor is one
-over ``MAX_HEADER_BYTES``, nor a contract without a serial. ``DecodePlans`` holds at most
-``limit`` plans, dropping the oldest: a client that sends a new ``id`` with every request
-misses every time and costs a plan's making (a few microseconds) and a bounded dict.
+not a shared-memory region), keyed by the terms of the model (``Contract.serial``), the JSON
+depth bound, the JSON's bytes and the binary part's length; it is made at a header's second
+sighting, so a header sent once (a client that gives every request a new ``id``, a gRPC call
+with a deadline) costs its key and a place among the ``limit`` keys seen once, not a plan
+(some 8 us on the 2-core EPYC, against the 40 a plan saves), and pushes no kept plan out.
+Never planned: a header that names a datatype decoded element by element, an escape or
+shared memory (``planned_header``), one over ``MAX_HEADER_BYTES``, a contract without a
+serial. ``DecodePlans`` holds at most ``limit`` plans, dropping the oldest.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,18 @@ from app.protocol import InferRequest, RequestedOutput
 
 MAX_HEADER_BYTES = 4096
 """The longest JSON header a plan is kept for (a request of a few tensors takes 200-400)."""
+
+UNPLANNED = (b"BYTES", b"BOOL", b"\\u", b"shared_memory")
+"""What in a header keeps it from a plan: the element-wise datatypes, an escape that could
+spell one, and any shared-memory parameter (whether one is taken depends on the regions the
+caller has, which the key does not name)."""
+
+
+def planned_header(header: bytes) -> bool:
+    """Whether a decode of ``header`` may be kept as a plan (a byte search: a false alarm
+    costs a plan)."""
+    return all(word not in header for word in UNPLANNED)
+
 
 PlanKey = tuple[int, int, bytes, int]
 """(the contract's serial, the JSON depth bound, the JSON's bytes, the binary part's length)."""
@@ -81,16 +96,15 @@ class Plan:
         ``binary`` in one piece."""
         if not len(binary):
             return None
-        start = np.frombuffer(binary, np.uint8).ctypes.data
+        start = np.frombuffer(binary, np.uint8).__array_interface__["data"][0]
         end = start + len(binary)
         inputs = []
         for name, array in request.inputs.items():
-            at = array.ctypes.data
+            at = array.__array_interface__["data"][0]
             if (
                 array.dtype.kind in "bOUS"  # converted element by element, or not of fixed size
                 or not array.size
                 or not array.flags.c_contiguous
-                or array.flags.owndata
                 or not start <= at <= end - array.nbytes
             ):
                 return None
@@ -107,23 +121,39 @@ class Plan:
 
 
 class DecodePlans:
-    """At most ``limit`` plans, the oldest dropped first; safe from several threads (a
-    decode may run on a worker thread)."""
+    """At most ``limit`` plans and ``limit`` keys seen once, the oldest dropped first; safe
+    from several threads (a decode may run on a worker thread)."""
 
     def __init__(self, limit: int = 256) -> None:
         self.limit = limit
-        self._plans: dict[PlanKey, Plan] = {}
+        # OrderedDict: a dict's first key, after many deletions at its front, is found by a
+        # scan over their dummy entries; ``popitem(last=False)`` is O(1).
+        self._plans: OrderedDict[PlanKey, Plan] = OrderedDict()
+        self._once: OrderedDict[PlanKey, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._plans)
 
+    def __contains__(self, key: PlanKey) -> bool:
+        return key in self._plans
+
     def get(self, key: PlanKey) -> Plan | None:
         return self._plans.get(key)
 
+    def again(self, key: PlanKey) -> bool:
+        """Whether ``key`` was seen before without a plan (then it is due one); notes it
+        as seen once otherwise."""
+        with self._lock:
+            if self._once.pop(key, 0) is None:
+                return True
+            self._once[key] = None
+            if len(self._once) > self.limit:
+                self._once.popitem(last=False)
+            return False
+
     def keep(self, key: PlanKey, plan: Plan) -> None:
         with self._lock:
-            plans = self._plans
-            plans[key] = plan
-            while len(plans) > self.limit:
-                del plans[next(iter(plans))]
+            self._plans[key] = plan
+            if len(self._plans) > self.limit:
+                self._plans.popitem(last=False)

@@ -1,6 +1,7 @@
 """What a batch-1 binary V2 request's decoding and placing cost a front end's loop, in
 microseconds: ``decode_infer`` read by the request's plan (the JSON seen before) and decoded
-whole (a contract without a serial is never planned), ``place_inputs`` over a slot of a real
+whole (a contract without a serial is never planned), decoded whole where each request's JSON
+is its own (an id a request: seen once, never planned), ``place_inputs`` over a slot of a real
 arena, and ``encode_response`` of one [1, 1000] FP32 output. Median of ``--rounds`` timings
 of ``--calls`` calls each.
 
@@ -60,9 +61,24 @@ def main() -> None:
     body[: len(header)] = header
     inputs = decode_infer(planned, body, len(header), 64, None).request.inputs
     output = [(RequestedOutput("output", True), np.zeros((1, 1000), np.float32))]
+    # Requests whose JSON is each its own (an id a request): never read by a plan.
+    fresh = [header.replace(b"{", b'{"id":"r%d",' % i, 1) for i in range(args.calls)]
+    room = memoryview(bytearray(max(map(len, fresh)) + size))
+    turn = iter(fresh)
+
+    def once() -> None:
+        nonlocal turn
+        head = next(turn, None)
+        if head is None:
+            turn = iter(fresh)
+            head = next(turn)
+        room[: len(head)] = head
+        decode_infer(planned, room[: len(head) + size], len(head), 64, None)
+
     cases = {
         "decode_infer, planned": lambda: decode_infer(planned, body, len(header), 64, None),
         "decode_infer, whole": lambda: decode_infer(whole, body, len(header), 64, None),
+        "decode_infer, a JSON of its own each request": once,
         "place_inputs (one input in the slot)": lambda: place_inputs(inputs, slot, len(body)),
         "encode_response ([1, 1000] FP32, binary)": lambda: encode_response(
             "resnet50", "fp16", None, output

@@ -302,7 +302,7 @@ def test_an_address_is_where_numpy_sees_the_first_byte_writable_or_not(arena: Ar
     assert slot is not None
     frozen = bytes(64)
     for buffer in (slot.view, slot.view[100:200], memoryview(frozen), memoryview(frozen)[8:]):
-        assert address(buffer) == np.frombuffer(buffer, np.uint8).ctypes.data
+        assert address(buffer) == np.frombuffer(buffer, np.uint8).__array_interface__["data"][0]
     assert address(slot.view[100:]) == address(slot.view) + 100
     assert address(np.frombuffer(slot.view, np.float32, 4, 64).data) == address(slot.view) + 64
 
