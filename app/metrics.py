@@ -64,6 +64,13 @@ INFERENCE_COUNT = Counter(
     "stoker_inference_count", "Rows inferred (the batch dimension, not requests).", LABELS
 )
 EXECUTION_COUNT = Counter("stoker_inference_exec_count", "Batches executed by a runner.", LABELS)
+PADDED_ROWS = Counter(
+    "stoker_inference_padded_rows",
+    "Rows runners computed beyond their batches' own: batches padded up to the CUDA graph "
+    "captured for their bucket (the torch backend). Over this plus stoker_inference_count, "
+    "the share of the device's rows that were padding.",
+    LABELS,
+)
 PENDING_REQUESTS = Gauge(
     "stoker_inference_pending_request_count",
     "Requests accepted by the batcher and not yet answered (queued or executing).",
@@ -273,6 +280,8 @@ class BatchTimes:
     compute_input: float
     compute_infer: float
     compute_output: float
+    padded: int = 0
+    """Rows the runner computed beyond the batch's own (up to its CUDA graph's bucket)."""
 
 
 @dataclass
@@ -302,6 +311,7 @@ class ModelMetrics:
         self._success = REQUEST_SUCCESS.labels(*labels)
         self._inference_count = INFERENCE_COUNT.labels(*labels)
         self._exec_count = EXECUTION_COUNT.labels(*labels)
+        self._padded = PADDED_ROWS.labels(*labels)
         self._pending = PENDING_REQUESTS.labels(*labels)
         self._request = REQUEST_DURATION.labels(*labels)
         self._queue = QUEUE_DURATION.labels(*labels)
@@ -338,6 +348,7 @@ class ModelMetrics:
             REQUEST_SUCCESS,
             INFERENCE_COUNT,
             EXECUTION_COUNT,
+            PADDED_ROWS,
             PENDING_REQUESTS,
             BATCH_SIZE,
             DECODE_BATCH_SIZE,
@@ -428,6 +439,8 @@ class ModelMetrics:
     def batch_executed(self, times: BatchTimes) -> None:
         self._exec_count.inc()
         self._inference_count.inc(times.rows)
+        if times.padded:
+            self._padded.inc(times.padded)
         self._batch.observe(times.rows)
         self._input.observe(times.compute_input, times.requests)
         self._infer.observe(times.compute_infer, times.requests)

@@ -43,6 +43,16 @@ class BlockRunner(Runner, Protocol):
         ...
 
 
+@runtime_checkable
+class PaddingRunner(Runner, Protocol):
+    """A runner that may run a batch as a larger one: a CUDA graph captured for a bucket of
+    rows runs a batch's rows padded up to that bucket."""
+
+    def rows_run(self, rows: int) -> int:
+        """The rows a batch of ``rows`` costs the device (``rows`` where none is padded)."""
+        ...
+
+
 class Engine(Protocol):
     """Loaded weights for one model and precision; makes runners that share them."""
 

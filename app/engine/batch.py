@@ -17,7 +17,7 @@ import numpy as np
 
 from app.errors import DeadlineExceeded
 from app.metrics import BatchTimes
-from engines.base import BlockRunner, Runner
+from engines.base import BlockRunner, PaddingRunner, Runner
 
 Tensors = dict[str, np.ndarray]
 
@@ -118,10 +118,13 @@ def run_batch(
     else:
         split = [outputs]
     finished = time.perf_counter()
+    total = sum(rows)
+    padded = runner.rows_run(total) - total if batched and isinstance(runner, PaddingRunner) else 0
     return split, BatchTimes(
-        rows=sum(rows),
+        rows=total,
         requests=len(rows),  # entries; ``_execute`` counts the requests they stand for
         compute_input=ran - start,
         compute_infer=done - ran,
         compute_output=finished - done,
+        padded=padded,
     )

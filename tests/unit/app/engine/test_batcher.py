@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from app.engine.batcher import Batcher
 from app.engine.pool import RunnerPool
@@ -488,3 +489,44 @@ def test_a_runner_that_stages_blocks_gets_each_request_unjoined() -> None:
     asyncio.run(main())
     assert engine.blocks == [[1, 2, 3]]  # the lone blocker ran as one block, through run
     assert batch_sizes(engine) == [1, 6]
+
+
+class PaddingRunner(FakeRunner):
+    """A stand-in for a runner of CUDA graphs captured at powers of two: a batch costs its
+    next power of two."""
+
+    def rows_run(self, rows: int) -> int:
+        return 1 << (rows - 1).bit_length()
+
+
+class PaddingEngine(FakeEngine):
+    def new_runner(self) -> FakeRunner:
+        return PaddingRunner(self)
+
+
+@pytest.mark.parametrize("engine", [PaddingEngine(), FakeEngine()], ids=["graphs", "exact"])
+def test_rows_a_runner_pads_a_batch_with_are_counted_beside_the_rows_inferred(
+    engine: FakeEngine,
+) -> None:
+    model = f"fake{next(_models)}"
+
+    async def main() -> None:
+        pool = await RunnerPool.create(engine, 1, "test")
+        batcher = Batcher(
+            pool, DynamicBatching(max_queue_delay_us=0), ModelMetrics(model, "fp32"), 8
+        )
+        batcher.start()
+        try:
+            for n in (3, 5, 8, 1):  # one at a time: a batch each
+                np.testing.assert_array_equal(await infer(batcher, rows(n)), rows(n) * 2)
+        finally:
+            await batcher.close(drain_timeout_s=5)
+            pool.close()
+
+    asyncio.run(main())
+    labels = {"model": model, "version": "fp32"}
+    padded = REGISTRY.get_sample_value("stoker_inference_padded_rows_total", labels)
+    inferred = REGISTRY.get_sample_value("stoker_inference_count_total", labels)
+    assert batch_sizes(engine) == [3, 5, 8, 1]
+    assert inferred == 17
+    assert padded == ((4 - 3) + (8 - 5) if isinstance(engine, PaddingEngine) else 0)
