@@ -48,7 +48,7 @@ class PaddingRunner(Runner, Protocol):
     """A runner that may run a batch as a larger one: a CUDA graph captured for a bucket of
     rows runs a batch's rows padded up to that bucket."""
 
-    def rows_run(self, rows: int) -> int:
+    def rows_padded_to(self, rows: int) -> int:
         """The rows a batch of ``rows`` costs the device (``rows`` where none is padded)."""
         ...
 

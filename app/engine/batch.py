@@ -119,7 +119,9 @@ def run_batch(
         split = [outputs]
     finished = time.perf_counter()
     total = sum(rows)
-    padded = runner.rows_run(total) - total if batched and isinstance(runner, PaddingRunner) else 0
+    padded = 0
+    if batched and isinstance(runner, PaddingRunner):
+        padded = runner.rows_padded_to(total) - total
     return split, BatchTimes(
         rows=total,
         requests=len(rows),  # entries; ``_execute`` counts the requests they stand for

@@ -66,6 +66,12 @@ def response_of(sock: socket.socket) -> bytes:
     return data
 
 
+PROBE_S = 0.5
+"""A probe's median time that says the server was not held up: well under the 1.5 s header
+and body timeouts a held-up loop would show, and above what a probe takes on 2 cores shared
+with another test worker (0.12 s seen in CI)."""
+
+
 def live(server: Server) -> float:
     """The median time of five liveness probes, each on a new connection, in seconds."""
     times = []
@@ -85,7 +91,7 @@ def test_a_huge_header_is_refused_as_it_arrives(server: Server) -> None:
     answer = response_of(sock)
     assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
     assert b'"error":"the request line and headers exceed 65536 bytes"' in answer
-    assert live(server) < 0.1
+    assert live(server) < PROBE_S
 
 
 def test_too_many_headers_are_refused(server: Server) -> None:
@@ -136,7 +142,7 @@ def test_bodies_in_flight_are_bounded_together(server: Server) -> None:
     second.sendall(head % (3 * 1024 * 1024))
     answer = response_of(second)
     assert b" 503 " in answer.split(b"\r\n")[0] and b"being received already" in answer
-    assert live(server) < 0.1
+    assert live(server) < PROBE_S
     first.close()
     time.sleep(0.3)
     third = connect(server)
@@ -161,7 +167,7 @@ def test_a_full_server_refuses_requests_but_answers_probes(server: Server) -> No
         time.sleep(0.2)
         refused = httpx.get(f"{server.url}/v2/models/tiny", timeout=5)
         assert refused.status_code == 503 and "connections" in refused.json()["error"]
-        assert live(server) < 0.1
+        assert live(server) < PROBE_S
         assert httpx.get(f"{server.url}/v2/health/ready", timeout=5).status_code == 200
     finally:
         for sock in held:
@@ -203,7 +209,7 @@ def test_one_address_cannot_take_every_connection(server: Server) -> None:
         assert refused.status_code == 503 and "share" in refused.json()["error"]
         assert request_from(server, "127.0.0.2", "/v2/models/tiny") == 200
         assert request_from(server, "127.0.0.2", "/v2/health/ready") == 200
-        assert live(server) < 0.1
+        assert live(server) < PROBE_S
     finally:
         for sock in held:
             sock.close()

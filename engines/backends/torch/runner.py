@@ -251,7 +251,7 @@ class TorchRunner:
                 return size
         raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
 
-    def rows_run(self, rows: int) -> int:
+    def rows_padded_to(self, rows: int) -> int:
         """The rows a batch of ``rows`` runs as: its bucket's with CUDA graphs, its own eagerly
         (``engines.base.PaddingRunner``)."""
         return self.bucket(rows) if self.engine.cuda_graphs and self._spec.batched else rows

@@ -495,7 +495,7 @@ class PaddingRunner(FakeRunner):
     """A stand-in for a runner of CUDA graphs captured at powers of two: a batch costs its
     next power of two."""
 
-    def rows_run(self, rows: int) -> int:
+    def rows_padded_to(self, rows: int) -> int:
         return 1 << (rows - 1).bit_length()
 
 
