@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from app.decode_plans import MAX_HEADER_BYTES, DecodePlans, Plan, PlanKey, planned_header
+from app.decode_plans import MAX_HEADER_BYTES, DecodePlans, Plan, PlanKey
 from app.errors import BadRequest, Forbidden, StokerError, Unavailable, client_text
 from app.json_bounds import LARGE_DECODES, check_json_size, json_part
 from app.protocol import InferRequest, Regions, RequestedOutput, decode_request
@@ -183,7 +183,7 @@ def decode_infer(
     check_json_size(contract.spec, header)
     request = decode_request(body, header_length, contract.spec, max_json_depth, regions)
     decoded = checked(contract, request)
-    if key is not None and PLANS.again(key) and planned_header(key[2]):
+    if key is not None and PLANS.again(key) and plannable(key[2]):
         plan = Plan.of(request, decoded.rows, decoded.wanted, binary)
         if plan is not None:
             PLANS.keep(key, plan)
@@ -244,6 +244,13 @@ ELEMENTWISE = (b"BYTES", b"BOOL", b"\\u", b"shared_memory_region")
 """What in a V2 body's JSON makes its decoding work in proportion to its bytes: the two
 element-wise datatypes, an escape that could spell one, and a system shared-memory region
 (the engine reads a region's bytes out of its file)."""
+
+
+def plannable(header: bytes) -> bool:
+    """Whether a decode of ``header`` may be kept as a plan (``app.decode_plans``): nothing
+    decoded element by element (``elementwise``) and no shared-memory parameter at all
+    (whether one is taken depends on the caller's regions, which no plan's key names)."""
+    return not elementwise(memoryview(header)) and b"shared_memory" not in header
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ sighting, so a header sent once (a client that gives every request a new ``id``,
 with a deadline) costs its key and a place among the ``limit`` keys seen once, not a plan
 (some 8 us on the 2-core EPYC, against the 40 a plan saves), and pushes no kept plan out.
 Never planned: a header that names a datatype decoded element by element, an escape or
-shared memory (``planned_header``), one over ``MAX_HEADER_BYTES``, a contract without a
+shared memory (``contract.plannable``), one over ``MAX_HEADER_BYTES``, a contract without a
 serial. ``DecodePlans`` holds at most ``limit`` plans, dropping the oldest.
 """
 
@@ -37,18 +37,6 @@ from app.protocol import InferRequest, RequestedOutput
 
 MAX_HEADER_BYTES = 4096
 """The longest JSON header a plan is kept for (a request of a few tensors takes 200-400)."""
-
-UNPLANNED = (b"BYTES", b"BOOL", b"\\u", b"shared_memory")
-"""What in a header keeps it from a plan: the element-wise datatypes, an escape that could
-spell one, and any shared-memory parameter (whether one is taken depends on the regions the
-caller has, which the key does not name)."""
-
-
-def planned_header(header: bytes) -> bool:
-    """Whether a decode of ``header`` may be kept as a plan (a byte search: a false alarm
-    costs a plan)."""
-    return all(word not in header for word in UNPLANNED)
-
 
 PlanKey = tuple[int, int, bytes, int]
 """(the contract's serial, the JSON depth bound, the JSON's bytes, the binary part's length)."""
