@@ -10,6 +10,7 @@
 # the client with 8 and 16 processes (is the client the bound?); py-spy over the server's
 # processes with PYSPY=1. Tables last; the logs, JSON and spans in $OUT/batch1.tar.gz. POOL=1:
 # the in-process pool at 32 rows (c = POOL_CONCURRENCY, 32) over the filled store, last;
+# NAIVE=1: the naive server (bench --naive) at batch 1, c=256, over the filled store, last;
 # BUDGET_S (400): no server starts after this many seconds, so what ran comes back whole.
 #
 #   FRONT_ENDS_LIST="4 1" bash scripts/h200_batch1.sh     (carry .whl)
@@ -159,13 +160,20 @@ for entry in ${FRONT_ENDS_LIST:-4 1}; do
         run "http_${server_name}_clients8" --workers 8
         run "http_${server_name}_clients16" --workers 16
     fi
-    curl -s "$url/metrics" | grep -E "^stoker_inference_batch_size_(sum|count)" \
+    curl -s "$url/metrics" | grep -E "^stoker_inference_(batch_size_(sum|count)|padded_rows_total|count_total|exec_count_total)" \
         >"$work/metrics_$server_name.txt"
     sleep 1.5  # the last spans exported (OTEL_BSP_SCHEDULE_DELAY)
     kill -TERM $server 2>/dev/null
     wait $server
     first=0
 done
+if [ "${NAIVE:-0}" = 1 ]; then  # the naive server over the filled store, batch 1 at c=256
+    STOKER_MODELS__BACKEND=torch timeout 120 python3 -m bench --naive --backend torch \
+        --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
+        --rows 1 --concurrency 256 --duration "$duration" --warmup "$warmup" \
+        --json "$work/naive_rows1.json" >"$work/naive.log" 2>&1
+    echo "naive exit $?"
+fi
 if [ "${POOL:-0}" = 1 ]; then  # the in-process pool over the store the servers filled, 32 rows
     STOKER_MODELS__BACKEND=torch timeout 150 python3 -m bench --in-process --backend torch \
         --model resnet50 --repository "$repo" --model-version fp16 --uint8 --payload v2-binary \
@@ -194,7 +202,7 @@ for log in out.glob("server_*.log"):
 print("| run | req/s | img/s | p50 ms | p99 ms | client processes' cores | server's busiest processes (cores) | server: mean batch, queue ms, infer ms, request ms |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | --- | --- |")
 for path in sorted(out.glob("*.json")):
-    steps = [s for t in json.loads(path.read_text())["targets"] if t["name"].startswith("target") for s in t["steps"]]
+    steps = [s for t in json.loads(path.read_text())["targets"] if t["name"].startswith(("target", "naive")) for s in t["steps"]]
     cores = (out / f"{path.stem}.cores.txt").read_text() if (out / f"{path.stem}.cores.txt").exists() else ""
     pids = set((out / f"{path.stem}.clients.txt").read_text().split()) if (out / f"{path.stem}.clients.txt").exists() else set()
     rows = [r.split("|") for r in cores.splitlines() if r.startswith("| ") and "cores" not in r and "---" not in r]
@@ -210,7 +218,10 @@ for path in sorted(out.glob("*.json")):
 for m in sorted(out.glob("metrics_*.txt")):
     v = dict(line.rsplit(" ", 1) for line in m.read_text().splitlines() if " " in line)
     s = sum(float(x) for k, x in v.items() if "_sum" in k); c = sum(float(x) for k, x in v.items() if "_count" in k)
-    print(f"{m.stem}: mean model batch {s / max(c, 1):.1f} rows")
+    rows = sum(float(x) for k, x in v.items() if k.startswith("stoker_inference_count_total"))
+    padded = sum(float(x) for k, x in v.items() if k.startswith("stoker_inference_padded_rows_total"))
+    print(f"{m.stem}: mean model batch {s / max(c, 1):.1f} rows; padded rows {padded:,.0f} "
+          f"= {padded / max(rows, 1):.3f} of the {rows:,.0f} rows inferred")
 PY
 grep -h -E "front-end.*(frame|a frame)|sent .* frame" "$work"/server_*.log | tail -8
 tar -czf "$OUT/batch1.tar.gz" -C "$work" .
