@@ -9,8 +9,10 @@ but never echoes the payload. Checking an input against the model (names, dataty
 is the data plane's job; only Triton's raw binary form needs the model spec to be read at all.
 
 The request and response documents are read and written here (fields, parameters, shared
-memory); each tensor's data, JSON or binary, is converted by ``app.tensor_data``, and the
-documents' JSON Schemas for the OpenAPI description are ``app.frontend.protocol_schema``.
+memory; a large document's numeric arrays are lifted out of it before orjson parses the rest,
+``app.json_numbers``); each tensor's data, JSON or binary, is converted by
+``app.tensor_data``, and the documents' JSON Schemas for the OpenAPI description are
+``app.frontend.protocol_schema``.
 Decoder and encoder are fuzzed together (``tests/unit/app/test_protocol_properties.py``).
 """
 
@@ -25,6 +27,7 @@ import numpy as np
 import orjson
 from numpy.typing import NDArray
 
+from app import json_numbers
 from app.errors import BadRequest
 from app.tensor_data import (
     binary_chunk,
@@ -132,7 +135,7 @@ def decode_request(
         header, binary = body[:header_length], memoryview(body)[header_length:]
 
     try:
-        document = orjson.loads(header)
+        document, parsed = json_numbers.loads(header)
     except orjson.JSONDecodeError as exc:
         if "depth limit" in str(exc):
             raise BadRequest("request JSON nests deeper than 1024 levels") from None
@@ -155,13 +158,14 @@ def decode_request(
     if not _is_count(priority):
         raise BadRequest('"priority" must be a non-negative integer')
 
-    # A large JSON header with no JSON boolean anywhere lets numeric data take the fast path
+    # A large JSON text with no JSON boolean anywhere lets numeric data take the fast path
     # (``_numbers``): the one check numpy's own conversion cannot make is a boolean among
-    # numbers, and the text says there is none.
+    # numbers, and the text says there is none. (Arrays ``json_numbers`` lifted out of the
+    # text are not in it: simdjson read those, and refuses a boolean as a number.)
     plain = False
-    if len(header) >= _FAST_JSON_BYTES:
+    if len(parsed) >= _FAST_JSON_BYTES:
         # What is left once the characters of numbers go: "true" and "false" lose their "e".
-        rest = bytes(header).translate(None, _NUMBER_CHARACTERS)
+        rest = bytes(parsed).translate(None, _NUMBER_CHARACTERS)
         plain = b"tru" not in rest and b"fals" not in rest
     inputs = _decode_inputs(document.get("inputs"), binary, max_json_depth, regions, plain)
     outputs = _decode_outputs(document.get("outputs"), binary_data_output, regions)

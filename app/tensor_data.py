@@ -1,7 +1,8 @@
 """One tensor's V2 data, JSON or binary, to and from a numpy array.
 
 The element codec under ``app.protocol``: JSON ``data`` (nested lists, checked element by
-element, or converted by numpy in one call where that is exact) and Triton's binary form
+element, or converted by numpy in one call where that is exact; a large array lifted out of
+its document, ``app.json_numbers``, as the numbers simdjson read) and Triton's binary form
 (little-endian, BYTES elements length-prefixed), each way, for every V2 datatype. The
 protocol module reads and writes the documents around the tensors; how tensors cross between
 processes (``app.frontend.arena``, ``app.engine.process``) is ``pack_tensor`` and
@@ -20,6 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from app.errors import BadRequest, EngineError
+from app.json_numbers import Numbers, nesting
 from engines.spec import V2_TO_NUMPY, v2_datatype
 
 Array = NDArray[Any]
@@ -52,6 +54,11 @@ def unpack_tensor(name: str, datatype: str, shape: Sequence[int], chunk: memoryv
 def from_json(
     name: str, data: Any, datatype: str, count: int, max_depth: int, plain: bool = False
 ) -> Array:
+    if type(data) is Numbers:
+        lifted = _lifted(name, data, datatype, count, max_depth)
+        if lifted is not None:
+            return lifted
+        data, plain = data.json(), False
     if type(data) is not list:
         raise BadRequest(f'input {quote(name)}: "data" must be a list')
     if plain:
@@ -92,6 +99,29 @@ def from_json(
                 return np.array(floats, dtype=V2_TO_NUMPY[datatype])
     except OverflowError:
         raise BadRequest(f"input {quote(name)}: a value is out of range for {datatype}") from None
+
+
+def _lifted(name: str, data: Numbers, datatype: str, count: int, max_depth: int) -> Array | None:
+    """Numbers simdjson read (``app.json_numbers``) as an array of ``datatype``, checked in the
+    element-wise path's order (depth, element count, range) with its messages; None where that
+    path must read the data (``Numbers.values`` None, or a datatype without a buffer)."""
+    values = data.values
+    if values is None or datatype not in _FAST_TYPES:
+        return None
+    if nesting(data.text) > max_depth:
+        raise BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')
+    if values.size != count:
+        raise BadRequest(
+            f"input {quote(name)}: data holds {values.size} elements, the shape {count}"
+        )
+    target = V2_TO_NUMPY[datatype]
+    if values.dtype.kind != "f":
+        limits = np.iinfo(target.type)  # type: ignore[type-var]
+        if values.size and (values.min() < limits.min or values.max() > limits.max):
+            raise BadRequest(f"input {quote(name)}: a value is out of range for {datatype}")
+    # A float too large for FP16 rounds to infinity, as IEEE conversion does.
+    with np.errstate(over="ignore"):
+        return values.astype(target)
 
 
 def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Array | None:
