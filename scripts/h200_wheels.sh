@@ -1,8 +1,12 @@
 # Sourced by the GPU machine's scripts (h200.sh, h200_compare.sh, h200_ab.sh): install the
 # wheels carried in .whl/ for what the machine's image lacks into /tmp/site, put it on
-# PYTHONPATH, and exit if they do not install.
+# PYTHONPATH, and exit if they do not install or the service's modules do not import with them
+# (a core dependency added since the wheels were downloaded, e.g. pysimdjson for
+# app.json_numbers: download it as the others, cp312).
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
+PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 -c 'import app.frontend.server, app.engine.process' ||
+    { echo "h200_wheels: the service does not import: a wheel is missing from .whl/" >&2; exit 1; }

@@ -5,6 +5,8 @@
 #   bash scripts/mlserver_compare.sh                        (from anywhere; needs .venv)
 #   DURATION=3 WARMUP=1 bash scripts/mlserver_compare.sh    (a smoke run)
 #   STOKER_FLAGS='--front-ends 2' bash scripts/mlserver_compare.sh
+#   STOKER_AGAINST=/tmp/before bash scripts/mlserver_compare.sh   (another tree beside, e.g.
+#       `git archive COMMIT | tar -x -C /tmp/before`: a third target in the same bench)
 #
 # What it does: makes (if missing) MLServer's own venv at MLSERVER_VENV (default /tmp/mlsenv;
 # never the project's .venv) with mlserver==1.7.1, uvloop<0.22 (MLServer 1.7.1 does not start
@@ -34,7 +36,8 @@
 # (build/mlserver-compare: compare.json, throughput.png, latency.png, logs), STOKER_FLAGS
 # (extra `stoker serve` flags), STOKER_VENV (.venv), MLSERVER_VENV (/tmp/mlsenv),
 # MLSERVER_PYTHON (python3, to create it), MLSERVER_WORKERS (1), ORT_INTRA_OP_THREADS,
-# ORT_ALLOW_SPINNING (MLServer's runtime), READY_TIMEOUT (900 s: Stoker's first start builds
+# ORT_ALLOW_SPINNING (MLServer's runtime), STOKER_AGAINST (a second Stoker tree, served
+# from its own folder with this venv, this repository's models and no gRPC), READY_TIMEOUT (900 s: Stoker's first start builds
 # its INT8 version).
 set -euo pipefail
 
@@ -50,6 +53,7 @@ WARMUP=${WARMUP:-${W:-3}}
 CONCURRENCY=${CONCURRENCY:-8,32}
 OUT=${OUT:-$ROOT/build/mlserver-compare}
 STOKER_FLAGS=${STOKER_FLAGS:-}
+STOKER_AGAINST=${STOKER_AGAINST:-}
 READY_TIMEOUT=${READY_TIMEOUT:-900}
 PY=$STOKER_VENV/bin/python
 export PYTHONUNBUFFERED=1
@@ -94,6 +98,7 @@ ONNX=$ROOT/models/$MODEL/model.onnx
 WORK=$(mktemp -d -t mlserver-compare.XXXXXX)
 MLS_PID=
 STOKER_PID=
+AGAINST_PID=
 
 stop_server() {  # $1: pid (its own session: setsid), $2: name
     local pid=$1 name=$2 i
@@ -118,6 +123,7 @@ cleanup() {
     local rc=$?
     trap - EXIT INT TERM
     stop_server "$STOKER_PID" Stoker
+    stop_server "$AGAINST_PID" "Stoker ($STOKER_AGAINST)"
     stop_server "$MLS_PID" MLServer
     rm -rf "$WORK"
     exit "$rc"
@@ -126,9 +132,9 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-read -r MLS_HTTP MLS_GRPC MLS_METRICS STOKER_PORT < <("$PY" - <<'EOF'
+read -r MLS_HTTP MLS_GRPC MLS_METRICS STOKER_PORT AGAINST_PORT < <("$PY" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(4)]
+socks = [socket.socket() for _ in range(5)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
@@ -136,6 +142,7 @@ EOF
 )
 MLS_URL=http://127.0.0.1:$MLS_HTTP
 STOKER_URL=http://127.0.0.1:$STOKER_PORT
+AGAINST_URL=http://127.0.0.1:$AGAINST_PORT
 
 # MLServer's model repository: settings.json, and the model folder with the runtime beside
 # its model-settings.json (MLServer imports `runtime.OnnxRuntime` from there).
@@ -186,6 +193,18 @@ setsid "$STOKER_VENV/bin/stoker" serve --model "$MODEL" --port "$STOKER_PORT" \
     --log-level warning $STOKER_FLAGS >"$OUT/stoker.log" 2>&1 &
 STOKER_PID=$!
 wait_ready "$STOKER_URL" "$STOKER_PID" Stoker "$OUT/stoker.log"
+URLS=(--url "$STOKER_URL" --url "$MLS_URL")
+if [[ -n $STOKER_AGAINST ]]; then
+    AGAINST=$(cd "$STOKER_AGAINST" && pwd)
+    say "Stoker from $AGAINST at $AGAINST_URL"
+    # shellcheck disable=SC2086
+    (cd "$AGAINST" && PYTHONPATH=$AGAINST exec setsid "$PY" -m app serve --model "$MODEL" \
+        --repository "$ROOT/models" --port "$AGAINST_PORT" --grpc-port 0 \
+        --log-level warning $STOKER_FLAGS) >"$OUT/stoker-against.log" 2>&1 &
+    AGAINST_PID=$!
+    wait_ready "$AGAINST_URL" "$AGAINST_PID" "Stoker ($AGAINST)" "$OUT/stoker-against.log"
+    URLS+=(--url "$AGAINST_URL")
+fi
 
 # -- sanity: the same images give the same top class from both ----------------------------
 say "sanity check: same input, same top class"
@@ -259,11 +278,12 @@ EOF
     "$MLSERVER_VENV/bin/python" -m pip list 2>/dev/null |
         grep -i -E '^(mlserver|onnxruntime|numpy|uvloop|fastapi|uvicorn|pydantic|orjson) '
     echo "target1 = Stoker $STOKER_URL, target2 = MLServer $MLS_URL"
+    [[ -z $STOKER_AGAINST ]] || echo "target3 = Stoker from $AGAINST $AGAINST_URL"
 } >"$OUT/servers.txt"
 
 # -- one bench, the targets interleaved step by step ----------------------------------------
 say "stoker bench: target1 = Stoker, target2 = MLServer 1.7.1"
-"$STOKER_VENV/bin/stoker" bench --url "$STOKER_URL" --url "$MLS_URL" --model "$MODEL" \
+"$STOKER_VENV/bin/stoker" bench "${URLS[@]}" --model "$MODEL" \
     --payload v2-json --rows 1 --concurrency "$CONCURRENCY" --duration "$DURATION" \
     --warmup "$WARMUP" --json "$OUT/compare.json" --plots "$OUT" | tee "$OUT/bench.txt"
 
@@ -272,13 +292,13 @@ import json
 import sys
 
 document = json.load(open(sys.argv[1]))
-stoker, mlserver = (
+stoker, mlserver, *against = (
     {s["concurrency"]: s for s in t["steps"] if s["mode"] == "closed"}
     for t in document["targets"]
 )
 print("\nStoker vs MLServer 1.7.1 (adaptive batching 32 / 2 ms), V2 JSON, 1 image/request")
 print(f"{'clients':>7} {'Stoker req/s':>13} {'p99 ms':>8} {'MLServer req/s':>15} {'p99 ms':>8}"
-      f" {'ratio':>7} {'errors':>7}")
+      f" {'ratio':>7} {'errors':>7}" + ("  other tree req/s  p99 ms  this / other" if against else ""))
 
 
 def p99(step):
@@ -290,7 +310,12 @@ for c in sorted(set(stoker) & set(mlserver)):
     a, b = stoker[c], mlserver[c]
     ratio = a["throughput"] / b["throughput"] if b["throughput"] else float("inf")
     errors = f"{a['errors']}/{b['errors']}"
-    print(f"{c:>7} {a['throughput']:>13.1f} {p99(a):>8} {b['throughput']:>15.1f} {p99(b):>8}"
-          f" {ratio:>6.2f}x {errors:>7}")
+    line = (f"{c:>7} {a['throughput']:>13.1f} {p99(a):>8} {b['throughput']:>15.1f} {p99(b):>8}"
+            f" {ratio:>6.2f}x {errors:>7}")
+    if against and c in against[0]:
+        o = against[0][c]
+        line += (f"  {o['throughput']:>16.1f} {p99(o):>7} {a['throughput'] / o['throughput']:>12.2f}"
+                 f" ({o['errors']} errors)")
+    print(line)
 print(f"load average at the end {document['machine']['load_average']}")
 EOF

@@ -103,6 +103,7 @@ def run_batch(
     """Join (or hand the blocks to a runner that stages them itself), run, check and split
     one batch; runs on a runner's thread."""
     start = time.perf_counter()
+    total = sum(rows)
     blocks = [block for request in requests for block in request]
     takes_blocks, pads = abilities(type(runner))
     if batched and len(blocks) > 1 and takes_blocks:
@@ -116,7 +117,6 @@ def run_batch(
         outputs = runner.run(inputs)
     done = time.perf_counter()
     if batched:
-        total = sum(rows)
         for name, value in outputs.items():
             if value.ndim == 0 or value.shape[0] != total:
                 got = value.shape[0] if value.ndim else "no"
@@ -132,7 +132,6 @@ def run_batch(
     else:
         split = [outputs]
     finished = time.perf_counter()
-    total = sum(rows)
     padded = 0
     if batched and pads:
         padded = cast(PaddingRunner, runner).rows_padded_to(total) - total
