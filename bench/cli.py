@@ -60,7 +60,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "accuracy ... (stoker accuracy).",
     )
     targets = parser.add_argument_group("targets (in this order; at least one)")
-    targets.add_argument("--url", action="append", default=[], help="a V2 server (repeatable)")
+    targets.add_argument(
+        "--url",
+        action="append",
+        default=[],
+        help="a V2 server (repeatable); NAME=URL names it in the tables and plots",
+    )
     targets.add_argument("--serve", action="store_true", help="start Stoker and measure it")
     targets.add_argument("--naive", action="store_true", help="start the naive baseline server")
     targets.add_argument(
@@ -212,8 +217,9 @@ class TargetPlan:
 
 def plans(args: argparse.Namespace) -> list[TargetPlan]:
     result = []
-    for i, url in enumerate(args.url):
-        name = "target" if len(args.url) == 1 else f"target{i + 1}"
+    for i, given in enumerate(args.url):
+        name, _, url = given.partition("=") if "=" in given.split("://")[0] else ("", "", given)
+        name = name or ("target" if len(args.url) == 1 else f"target{i + 1}")
         host = urllib.parse.urlsplit(url).hostname or "127.0.0.1"
         address = f"{host}:{args.grpc_port}"
         result.append(TargetPlan(name, f"V2 server at {url}", url=url.rstrip("/"), grpc=address))

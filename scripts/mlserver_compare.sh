@@ -193,7 +193,7 @@ setsid "$STOKER_VENV/bin/stoker" serve --model "$MODEL" --port "$STOKER_PORT" \
     --log-level warning $STOKER_FLAGS >"$OUT/stoker.log" 2>&1 &
 STOKER_PID=$!
 wait_ready "$STOKER_URL" "$STOKER_PID" Stoker "$OUT/stoker.log"
-URLS=(--url "$STOKER_URL" --url "$MLS_URL")
+URLS=(--url "stoker=$STOKER_URL" --url "mlserver=$MLS_URL")
 if [[ -n $STOKER_AGAINST ]]; then
     AGAINST=$(cd "$STOKER_AGAINST" && pwd)
     say "Stoker from $AGAINST at $AGAINST_URL"
@@ -203,7 +203,7 @@ if [[ -n $STOKER_AGAINST ]]; then
         --log-level warning $STOKER_FLAGS) >"$OUT/stoker-against.log" 2>&1 &
     AGAINST_PID=$!
     wait_ready "$AGAINST_URL" "$AGAINST_PID" "Stoker ($AGAINST)" "$OUT/stoker-against.log"
-    URLS+=(--url "$AGAINST_URL")
+    URLS+=(--url "against=$AGAINST_URL")
 fi
 
 # -- sanity: the same images give the same top class from both ----------------------------
@@ -277,12 +277,12 @@ EOF
         "ORT_ALLOW_SPINNING=${ORT_ALLOW_SPINNING:-ORT default}"
     "$MLSERVER_VENV/bin/python" -m pip list 2>/dev/null |
         grep -i -E '^(mlserver|onnxruntime|numpy|uvloop|fastapi|uvicorn|pydantic|orjson) '
-    echo "target1 = Stoker $STOKER_URL, target2 = MLServer $MLS_URL"
-    [[ -z $STOKER_AGAINST ]] || echo "target3 = Stoker from $AGAINST $AGAINST_URL"
+    echo "stoker = Stoker $STOKER_URL, mlserver = MLServer $MLS_URL"
+    [[ -z $STOKER_AGAINST ]] || echo "against = Stoker from $AGAINST $AGAINST_URL"
 } >"$OUT/servers.txt"
 
 # -- one bench, the targets interleaved step by step ----------------------------------------
-say "stoker bench: target1 = Stoker, target2 = MLServer 1.7.1"
+say "stoker bench: stoker, mlserver (1.7.1)${STOKER_AGAINST:+, against ($AGAINST)}"
 "$STOKER_VENV/bin/stoker" bench "${URLS[@]}" --model "$MODEL" \
     --payload v2-json --rows 1 --concurrency "$CONCURRENCY" --duration "$DURATION" \
     --warmup "$WARMUP" --json "$OUT/compare.json" --plots "$OUT" | tee "$OUT/bench.txt"

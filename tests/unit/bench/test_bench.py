@@ -20,7 +20,7 @@ from app.frontend.grpc.codec import read_request, request_body
 from app.frontend.grpc.generated import grpc_service_pb2 as pb
 from app.protocol import decode_request
 from bench import payloads, report
-from bench.cli import levels, protocols
+from bench.cli import levels, parse_args, plans, protocols
 from bench.grpc_client import stream_failed
 from bench.loadgen import Samples, Step, StepResult, merge, split, summarize
 from bench.payloads import ModelInputs
@@ -68,6 +68,16 @@ def test_concurrency_levels_parse() -> None:
     assert levels("none") == []
     with pytest.raises(ValueError):
         levels("0,4")
+
+
+def test_a_url_may_carry_its_target_name() -> None:
+    args = parse_args(
+        ["--url", "this=http://127.0.0.1:1/?a=b", "--url", "http://h:2", "--model", "m"]
+    )
+    assert [(p.name, p.url) for p in plans(args)] == [
+        ("this", "http://127.0.0.1:1/?a=b"),
+        ("target2", "http://h:2"),
+    ]
 
 
 STOKER_BEFORE = """\
