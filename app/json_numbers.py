@@ -36,8 +36,9 @@ Array = NDArray[Any]
 LIFTED_BYTES = 64 * 1024
 """Smaller ``data`` arrays stay in the document: orjson reads them in microseconds."""
 _MOST_LIFTS = 64
+# orjson refuses a document nested past 1024 levels; an input's "data" sits three levels down.
+_DEEPEST = 1024 - 3
 _KEY = re.compile(rb'"data"[ \t\r\n]*:[ \t\r\n]*\[')
-_TRAILING = b" \t\r\n,"
 # A placeholder no client can send: the nonce is drawn once a process.
 _MARK = "\x00stoker-lifted-" + secrets.token_hex(16) + "-"
 # The buffer simdjson fills for each datatype it converts exactly as numpy converts the
@@ -54,10 +55,12 @@ class Numbers:
     """One input's lifted ``data``: its JSON text and, where simdjson read every element as
     the datatype's kind of number, those numbers flattened row-major."""
 
-    __slots__ = ("text", "values")
+    __slots__ = ("depth", "text", "values")
 
-    def __init__(self, text: memoryview, values: Array | None) -> None:
+    def __init__(self, text: memoryview, depth: int, values: Array | None) -> None:
         self.text = text
+        self.depth = depth
+        """How deep its lists nest (``nesting``)."""
         self.values = values
 
     def json(self) -> Any:
@@ -108,7 +111,7 @@ def nesting(text: memoryview) -> int:
 def _spans(whole: bytes) -> list[tuple[int, int]]:
     """Where the arrays after ``"data":`` keys lie, each of ``LIFTED_BYTES`` or more: from its
     ``[`` to the last ``]`` before the next quote or closing brace (which no array of numbers
-    holds). Each byte is searched about once, however many keys there are."""
+    holds). Each byte is searched about once, at C speed, however many keys there are."""
     spans: list[tuple[int, int]] = []
     size = len(whole)
     quote = brace = -1
@@ -124,9 +127,9 @@ def _spans(whole: bytes) -> list[tuple[int, int]]:
         if brace < start:
             brace = whole.find(b"}", start)
             brace = size if brace < 0 else brace
-        end = min(quote, brace)
-        while end > start and whole[end - 1] in _TRAILING:
-            end -= 1
+        # Its last "]" before them: what follows it (spaces, a comma, anything stray) stays
+        # in the text, where orjson judges it.
+        end = whole.rfind(b"]", start, min(quote, brace)) + 1
         if end - start >= LIFTED_BYTES:
             spans.append((start, end))
             at = end
@@ -153,6 +156,9 @@ def _restore(document: Any, texts: list[memoryview]) -> bool:
             return False
         if not isinstance(parsed, simdjson.Array):
             return False  # a span begins with "[": this is for the type checker
+        depth = nesting(texts[index])
+        if depth > _DEEPEST:
+            return False  # orjson refuses the whole document, with its own message
         datatype = entry.get("datatype")
         kind = _KINDS.get(datatype) if type(datatype) is str else None
         values: Array | None = None
@@ -160,6 +166,6 @@ def _restore(document: Any, texts: list[memoryview]) -> bool:
             # A non-number, or a number out of the kind's range: the element-wise path's.
             with suppress(TypeError, ValueError, RuntimeError):
                 values = np.frombuffer(parsed.as_buffer(of_type=kind[0]), kind[1])
-        entry["data"] = Numbers(texts[index], values)
+        entry["data"] = Numbers(texts[index], depth, values)
         found += 1
     return found == len(texts)

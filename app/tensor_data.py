@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from app.errors import BadRequest, EngineError
-from app.json_numbers import Numbers, nesting
+from app.json_numbers import Numbers
 from engines.spec import V2_TO_NUMPY, v2_datatype
 
 Array = NDArray[Any]
@@ -108,7 +108,7 @@ def _lifted(name: str, data: Numbers, datatype: str, count: int, max_depth: int)
     values = data.values
     if values is None or datatype not in _FAST_TYPES:
         return None
-    if nesting(data.text) > max_depth:
+    if data.depth > max_depth:
         raise BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')
     if values.size != count:
         raise BadRequest(
@@ -143,7 +143,10 @@ def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Arra
         if array.dtype.kind not in "if":
             return None
         with np.errstate(over="ignore"):
-            return array.astype(target).reshape(-1)
+            # Integers through a double, as the element-wise path converts each Python int
+            # (and simdjson each JSON integer): int64 straight to float32 rounds once, and
+            # 2**60 + 2**36 + 1 would come out one float32 step apart.
+            return array.astype(np.float64).astype(target).reshape(-1)
     if array.dtype.kind != "i":
         return None
     limits = np.iinfo(target.type)  # type: ignore[type-var]

@@ -198,12 +198,64 @@ def test_an_image_is_read_by_simdjson_to_the_same_array() -> None:
             "too deep",
         ),
         (b'{"inputs":[{"name":"x","datatype":[1],"shape":[1],"data":[1]}]}', "a list datatype"),
+        # Spaces after the array, before its object closes; and a stray number after it.
+        (
+            b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1]'
+            + b" " * 5000
+            + b"}]}",
+            "spaces after",
+        ),
+        (b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":[1] 2}]}', "a stray value"),
+        # Nested as deep as orjson takes a document (1021 levels at an input's data), and one
+        # deeper: orjson's refusal of the whole document, not the data's depth limit.
+        (
+            b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":'
+            + b"[" * 1021
+            + b"1"
+            + b"]" * 1021
+            + b"}]}",
+            "1021 levels",
+        ),
+        (
+            b'{"inputs":[{"name":"x","datatype":"FP32","shape":[1],"data":'
+            + b"[" * 1022
+            + b"1"
+            + b"]" * 1022
+            + b"}]}",
+            "1022 levels",
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) else "",
 )
 def test_documents_the_lifting_cannot_vouch_for_decode_as_whole(body: bytes, why: str) -> None:
     lifted, whole = both_ways(body, ANY_LENGTH)
     assert lifted == whole, why
+
+
+def test_integers_past_a_float32_step_round_alike_on_every_path() -> None:
+    """2**60 + 2**36 + 1 lies just past halfway between two float32 values, and its double
+    rounds to the halfway point: through a double it rounds down, straight to float32 up.
+    Every path goes through a double, as numpy converts a Python int: element by element
+    (a small document), numpy in one call (a large one without a boolean), and simdjson (a
+    lifted array), whichever other input of the document holds a boolean."""
+    n = 2**60 + 2**36 + 1
+    expected = np.float32(float(n))
+    filler = {"name": "f", "datatype": "FP32", "shape": [33_000], "data": [0] * 33_000}
+    flags = {"name": "b", "datatype": "BOOL", "shape": [33_000], "data": [True] * 33_000}
+    small = {"name": "x", "datatype": "FP32", "shape": [1], "data": [n]}
+    large = {"name": "x", "datatype": "FP32", "shape": [33_000], "data": [n] + [0] * 32_999}
+    spec = ModelSpec(
+        "m",
+        tuple(TensorSpec(name, datatype, (-1,)) for name, datatype in
+              (("x", "FP32"), ("f", "FP32"), ("b", "BOOL"))),
+        (TensorSpec("y", "FP32", (-1,)),),
+    )  # fmt: skip
+    for inputs in ([small], [large], [filler, small], [flags, large], [flags, small]):
+        body = dumps({"inputs": inputs})
+        for size in (1, json_numbers.LIFTED_BYTES, 1 << 62):
+            with lifted_from(size):
+                got = decode_request(body, None, spec).inputs["x"][0]
+            assert got == expected, (len(inputs), size, got)
 
 
 def test_a_lifted_array_is_refused_as_the_element_wise_path_refuses_it() -> None:
