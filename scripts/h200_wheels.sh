@@ -2,7 +2,14 @@
 # wheels carried in .whl/ for what the machine's image lacks into /tmp/site, put it on
 # PYTHONPATH, and exit if they do not install or the service's modules do not import with them
 # (a core dependency added since the wheels were downloaded, e.g. pysimdjson for
-# app.json_numbers: download it as the others, cp312).
+# app.json_numbers: download it as the others, cp312). The wheels, made on the development
+# machine (about 30 MB; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
+#   pip download --python-version 3.12 --only-binary=:all: --implementation cp \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux_2_28_x86_64 -d .whl fastapi 'uvicorn[standard]' httptools uvloop \
+#     pydantic pydantic-settings prometheus-client orjson msgspec pysimdjson pyyaml \
+#     python-multipart grpcio grpcio-health-checking 'protobuf>=6.33.5,<7' opentelemetry-sdk \
+#     opentelemetry-proto py-spy aiohttp pytest pytest-timeout httpx
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
