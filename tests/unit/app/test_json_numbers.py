@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from app import json_numbers
+from app import json_numbers, protocol
 from app.errors import BadRequest
 from app.json_numbers import Numbers, nesting
 from app.protocol import decode_request
@@ -74,11 +74,28 @@ def outcome(body: bytes, spec: ModelSpec, max_depth: int = 8) -> Any:
 
 
 def both_ways(body: bytes, spec: ModelSpec, max_depth: int = 8) -> tuple[Any, Any]:
-    with lifted_from(1):
-        lifted = outcome(body, spec, max_depth)
-    with lifted_from(1 << 62):
-        whole = outcome(body, spec, max_depth)
-    return lifted, whole
+    """The outcome lifted (every ``data`` array) and whole (none); each also with numpy's
+    one-call path taken at any size (as a large document takes it), which must not change
+    it either."""
+    found = []
+    for lifted in (1, 1 << 62):
+        for fast in (0, protocol._FAST_JSON_BYTES):
+            with lifted_from(lifted), fast_from(fast):
+                found.append(outcome(body, spec, max_depth))
+    assert found[0] == found[1] and found[2] == found[3], found
+    return found[0], found[2]
+
+
+@contextmanager
+def fast_from(size: int) -> Iterator[None]:
+    """Let numeric ``data`` take numpy's one-call path in documents of ``size`` bytes or more
+    (those without a boolean) within the block."""
+    kept = protocol._FAST_JSON_BYTES
+    protocol._FAST_JSON_BYTES = size
+    try:
+        yield
+    finally:
+        protocol._FAST_JSON_BYTES = kept
 
 
 def image_request(data: Any) -> bytes:
