@@ -11,9 +11,10 @@ in its place; after the parse the placeholders become ``Numbers``, which
 The lifting changes no answer. A lifted span is one whole JSON value, checked by simdjson,
 at a value's place (after ``"data":``), so the text with a string in its place is valid JSON
 exactly when the original is (a span inside a string would break that string). Where it
-cannot vouch for the document (a span that is not one valid value; a placeholder that does
-not end up as an input's ``data``, as with a duplicate key or a ``"data"`` key elsewhere),
-orjson parses the original whole, as before. ``Numbers.values`` is None where the
+cannot vouch for the document (a span that is not one valid value, holds a number simdjson
+cannot hold or nests deeper than orjson takes it in place; a placeholder that does not end up
+as an input's ``data``, as with a duplicate key or a ``"data"`` key elsewhere), orjson parses
+the original whole, as before. ``Numbers.values`` is None where the
 element-wise path must decide (a boolean, null or non-number, a float for an integer type, a
 number out of the buffer's range, a datatype simdjson has no buffer for); the property tests
 hold the two paths to the same arrays and refusals.
