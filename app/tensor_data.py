@@ -146,7 +146,7 @@ def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Arra
             # Integers through a double, as the element-wise path converts each Python int
             # (and simdjson each JSON integer): int64 straight to float32 rounds once, and
             # 2**60 + 2**36 + 1 would come out one float32 step apart.
-            return array.astype(np.float64).astype(target).reshape(-1)
+            return array.astype(np.float64, copy=False).astype(target).reshape(-1)
     if array.dtype.kind != "i":
         return None
     limits = np.iinfo(target.type)  # type: ignore[type-var]
