@@ -14,6 +14,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+    PYTHONPATH="/tmp/site:$PWD" python3 -c 'import app.frontend.server, app.engine.process' ||
+        { echo "h200_wheels: the service does not import: a wheel is missing from .whl/" >&2; exit 1; }
 fi
-PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" python3 -c 'import app.frontend.server, app.engine.process' ||
-    { echo "h200_wheels: the service does not import: a wheel is missing from .whl/" >&2; exit 1; }
