@@ -50,6 +50,9 @@ _KINDS: dict[str, tuple[Literal["d", "i", "u"], type[np.generic]]] = {
     **dict.fromkeys(("INT8", "INT16", "INT32", "INT64"), ("i", np.int64)),
     **dict.fromkeys(("UINT8", "UINT16", "UINT32", "UINT64"), ("u", np.uint64)),
 }
+# The datatypes whose JSON numbers numpy (or simdjson) converts in one call exactly as the
+# element-wise path converts each: ``app.tensor_data`` takes its one-call paths for these.
+CONVERTED = frozenset(_KINDS)
 
 
 class Numbers:

@@ -21,7 +21,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from app.errors import BadRequest, EngineError
-from app.json_numbers import Numbers
+from app.json_numbers import CONVERTED, Numbers
 from engines.spec import V2_TO_NUMPY, v2_datatype
 
 Array = NDArray[Any]
@@ -30,9 +30,9 @@ _BYTES_LENGTH = struct.Struct("<I")
 # The Python types orjson produces that each datatype accepts in JSON "data".
 _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
-# Numeric JSON data numpy converts exactly as the element-wise path does (BF16 is left out:
-# ml_dtypes rounds a float64 through float32, Python floats directly).
-_FAST_TYPES = (_INTEGERS | _FLOATS) - {"BF16"}
+# Numeric JSON data numpy converts exactly as the element-wise path does (all of
+# ``_INTEGERS | _FLOATS`` but BF16).
+_FAST_TYPES = CONVERTED
 
 
 def pack_tensor(name: str, array: Array) -> tuple[str, bytes | memoryview]:
@@ -105,8 +105,8 @@ def _lifted(name: str, data: Numbers, datatype: str, count: int, max_depth: int)
     """Numbers simdjson read (``app.json_numbers``) as an array of ``datatype``, checked in the
     element-wise path's order (depth, element count, range) with its messages; None where that
     path must read the data (``Numbers.values`` None, or a datatype without a buffer)."""
-    values = data.values
-    if values is None or datatype not in _FAST_TYPES:
+    values = data.values  # None for a datatype outside ``CONVERTED``
+    if values is None:
         return None
     if data.depth > max_depth:
         raise BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')

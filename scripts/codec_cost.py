@@ -25,6 +25,7 @@ from app.contract import Contract, decode_infer, serial_of
 from app.frontend.arena import Arena, place_inputs
 from app.protocol import RequestedOutput, encode_response
 from engines.spec import ModelSpec, TensorSpec
+from image_spec import image_spec
 
 
 def main() -> None:
@@ -32,12 +33,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    spec = ModelSpec(
-        "resnet50",
-        (TensorSpec("input", "FP32", (3, 224, 224)),),
-        (TensorSpec("output", "FP32", (1000,)),),
-        max_batch_size=256,
-    )
+    spec = image_spec(ModelSpec, TensorSpec, "resnet50", 256)
     planned = Contract("resnet50", "fp16", spec, "input", 1, serial_of(spec, "input", 1))
     whole = Contract("resnet50", "fp16", spec, "input", 1, 0)
     size = 3 * 224 * 224

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from image_spec import image_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,12 +30,7 @@ def measure(root: Path, calls: int) -> dict[str, float]:
     from app.contract import Contract, decode_infer, serial_of
     from engines.spec import ModelSpec, TensorSpec
 
-    spec = ModelSpec(
-        "image",
-        (TensorSpec("input", "FP32", (3, 224, 224)),),
-        (TensorSpec("output", "FP32", (1000,)),),
-        max_batch_size=32,
-    )
+    spec = image_spec(ModelSpec, TensorSpec, "image", 32)
     contract = Contract("image", "fp32", spec, "input", 1, serial_of(spec, "input", 1))
     image = np.random.default_rng(0).random((1, 3, 224, 224), dtype=np.float32)
     times = {}
