@@ -21,11 +21,12 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from image_spec import image_spec
+
 from app.contract import Contract, decode_infer, serial_of
 from app.frontend.arena import Arena, place_inputs
 from app.protocol import RequestedOutput, encode_response
 from engines.spec import ModelSpec, TensorSpec
-from image_spec import image_spec
 
 
 def main() -> None:

@@ -73,7 +73,9 @@ def main() -> None:
         line = f"| decode_infer, {case} | {mine:.2f} |"
         if args.against:
             other = statistics.median(r[case] for r in rounds[trees[1]])
-            ratios = [a[case] / b[case] for a, b in zip(rounds[ROOT], rounds[trees[1]], strict=True)]
+            ratios = [
+                a[case] / b[case] for a, b in zip(rounds[ROOT], rounds[trees[1]], strict=True)
+            ]
             line += f" {other:.2f} | {statistics.median(ratios):.2f} |"
         print(line)
 
