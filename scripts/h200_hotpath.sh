@@ -25,7 +25,10 @@
 # no pool, gRPC or metrics either); NAME=DIR#fN starts that tree's server with N front ends
 # (e.g. "f8=.#f8": this tree with 8); NAME=DIR:NAME=VALUE,... gives that server settings
 # (e.g. "dt=.:STOKER_UPLOADS__DECODE_PROCESSES=0,STOKER_UPLOADS__DECODE_WORKERS=2"; after
-# any @jpeg or #fN). WORKERS: the client's processes (4).
+# any @jpeg or #fN); REPO_ARGS_NAME (NAME a tree's) gives its model repository arguments of
+# scripts/gpu_repo.py, e.g. TREES="... r2=.#f8 this=." REPO_ARGS_r2="--runners 2" with
+# SHARED_STORE="r2 this" (runners and preferred sizes that are powers of two are not in the
+# store's keys). WORKERS: the client's processes (4).
 set -u
 OUT=${OUT:-/tmp/stoker-gpu}
 mkdir -p "$OUT"
@@ -80,8 +83,10 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
     repo=/tmp/stoker-repo-$tree
     export STOKER_STORE__PATH=/tmp/stoker-store-$tree
     [[ " ${SHARED_STORE:-} " == *" $tree "* ]] && export STOKER_STORE__PATH=/tmp/stoker-store-shared
+    repo_args_var=REPO_ARGS_$tree
+    read -r -a repo_args <<<"${!repo_args_var:-}"
     (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" python3 scripts/gpu_repo.py "$repo" \
-        --compile default >"$OUT/repo_$tree.log" 2>&1)
+        --compile default "${repo_args[@]}" >"$OUT/repo_$tree.log" 2>&1)
     t0=$(date +%s.%N)
     (cd "$dir" && PYTHONPATH="$site${site:+:}$dir" STOKER_MODELS__BACKEND=torch \
         exec env "${settings[@]}" timeout 500 python3 -m app serve --repository "$repo" --model resnet50 \
