@@ -53,6 +53,41 @@ class PaddingRunner(Runner, Protocol):
         ...
 
 
+# What one more graph a batch costs, in rows: a replay's launches and the smaller batch's
+# lower occupancy, taken as this many rows of work (a guess made in the open: measured on
+# the GPU only through the service's rate, BENCHMARKS.md "batch 1 as graphs of its rows").
+PIECE_ROWS = 8
+MAX_PIECES = 3
+
+
+def split_rows(rows: int, buckets: Sequence[int], max_pieces: int = MAX_PIECES) -> list[int]:
+    """The row counts of the graphs a batch of ``rows`` runs as, in order, where each graph
+    pads its rows up to the smallest bucket that holds them: the plan of at most
+    ``max_pieces`` graphs that costs the fewest rows, counting ``PIECE_ROWS`` a graph; every
+    piece but the last is a whole bucket (so the rows after it can be moved to the front of
+    the input in one copy that does not overlap). 45 rows with power-of-two buckets: 32 and
+    13 (48 rows, not 64); 60 rows: one graph of 64."""
+    sizes = sorted(buckets)
+    if not sizes or rows > sizes[-1]:
+        raise ValueError(f"batch of {rows} rows exceeds the buckets {sizes}")
+
+    def padded(n: int) -> int:
+        return next(size for size in sizes if size >= n)
+
+    def best(n: int, left: int, cap: int) -> tuple[int, list[int]] | None:
+        # No piece after the first larger than it: the rows moved never overlap their place.
+        plan = (padded(n) + PIECE_ROWS, [n]) if n <= cap else None
+        if left > 1:
+            for first in (size for size in sizes if 0 < size < n and size <= cap):
+                rest = best(n - first, left - 1, first)
+                if rest is not None and (plan is None or first + PIECE_ROWS + rest[0] < plan[0]):
+                    plan = (first + PIECE_ROWS + rest[0], [first, *rest[1]])
+        return plan
+
+    found = best(rows, max_pieces, rows) if rows > 0 else None
+    return found[1] if found is not None else [rows]
+
+
 class Engine(Protocol):
     """Loaded weights for one model and precision; makes runners that share them."""
 

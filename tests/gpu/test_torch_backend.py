@@ -107,6 +107,26 @@ def test_padding_never_reaches_a_response(efficientnet_onnx: Path) -> None:
         runner.close()
 
 
+def test_a_batch_split_into_graphs_answers_as_one_graph(efficientnet_onnx: Path) -> None:
+    """``gpu.split_batches``: 33, 40 and 45 rows run as graphs of 32 and the rest, the rest
+    moved to the front of the input on the device; every row's answer is the reference's
+    and in its place (a row answered from the wrong piece would not match)."""
+    split = engine(
+        efficientnet_onnx, 64, precision="fp32", gpu=GpuOptions(compile="none", split_batches=True)
+    ).new_runner()
+    try:
+        assert split.pieces(45) == [32, 13] and split.rows_padded_to(45) == 48
+        for rows in (33, 40, 45, 64):
+            batch = normalized(images(rows))
+            got = split.run({"input": batch})["logits"]
+            assert got.shape == (rows, 1000)
+            want = reference(efficientnet_onnx, batch)
+            for row in range(rows):  # each row its own answer, in its place
+                assert relative_error(got[row], want[row]) < 1e-4, row
+    finally:
+        split.close()
+
+
 def test_uint8_pixels_are_normalized_on_the_gpu(efficientnet_onnx: Path) -> None:
     runner = engine(efficientnet_onnx, precision="fp32", image=ImagePreprocess()).new_runner()
     try:

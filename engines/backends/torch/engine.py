@@ -100,6 +100,7 @@ class TorchEngine:
         self.pixel_input = spec.inputs[0].name if torch_options.image is not None else None
         self.devices = torch_options.devices or (0,)
         self.cuda_graphs = torch_options.cuda_graphs
+        self.split_batches = torch_options.gpu.split_batches and self.cuda_graphs
         if not spec.batched:
             self.buckets = [0]
         elif torch_options.batch_buckets:

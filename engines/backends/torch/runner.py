@@ -25,6 +25,7 @@ import torch
 from engines.backends.torch.images import DeviceRows
 from engines.backends.torch.precision import compute_dtype, tf32
 from engines.backends.torch.staging import staged_copy
+from engines.base import split_rows
 from engines.devices import cuda
 from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
@@ -114,6 +115,8 @@ class Engine(Protocol):
     def pixel_input(self) -> str | None: ...
     @property
     def cuda_graphs(self) -> bool: ...
+    @property
+    def split_batches(self) -> bool: ...
     def call(self, device: int) -> Any: ...
 
 
@@ -251,10 +254,19 @@ class TorchRunner:
                 return size
         raise ValueError(f"batch of {rows} rows exceeds the max batch size {self._max}")
 
+    def pieces(self, rows: int) -> list[int]:
+        """The rows of each graph a batch of ``rows`` runs as, in order (one graph but with
+        ``gpu.split_batches``)."""
+        if self.engine.split_batches and self._spec.batched:
+            return split_rows(rows, self._buckets)
+        return [rows]
+
     def rows_padded_to(self, rows: int) -> int:
-        """The rows a batch of ``rows`` runs as: its bucket's with CUDA graphs, its own eagerly
-        (``engines.base.PaddingRunner``)."""
-        return self.bucket(rows) if self.engine.cuda_graphs and self._spec.batched else rows
+        """The rows a batch of ``rows`` runs as: its graphs' buckets' with CUDA graphs, its own
+        eagerly (``engines.base.PaddingRunner``)."""
+        if not (self.engine.cuda_graphs and self._spec.batched):
+            return rows
+        return sum(self.bucket(piece) for piece in self.pieces(rows))
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self.run_blocks([inputs])
@@ -269,8 +281,8 @@ class TorchRunner:
         spec = self._spec
         name = spec.inputs[0].name
         rows = sum(int(block[name].shape[0]) for block in blocks) if spec.batched else 1
-        bucket = self.bucket(rows) if spec.batched else 0
         fmt = spec.inputs[0].datatype
+        staged: list[torch.Tensor] = []
         with torch.cuda.device(self.device):
             for slot in self._inputs:
                 arrays = [block[slot.spec.name] for block in blocks]
@@ -280,10 +292,19 @@ class TorchRunner:
                 if slot.spec.name == self._image_input:
                     fmt = datatype
                 self._stage(slot, datatype, arrays, rows)
+                staged.append(slot.device[datatype])
             if self.engine.cuda_graphs:
-                graph, outputs = self._graphs[(bucket, fmt)]
+                start = 0
                 with torch.cuda.stream(self._torch_stream):
-                    graph.replay()
+                    for size in self.pieces(rows) if spec.batched else [rows]:
+                        if start:  # this graph's rows to the front (pieces never grow)
+                            for buffer in staged:
+                                buffer[:size].copy_(buffer[start : start + size])
+                        bucket = self.bucket(size) if spec.batched else 0
+                        graph, outputs = self._graphs[(bucket, fmt)]
+                        graph.replay()
+                        self._copy_out(outputs, start, size)
+                        start += size
             else:
                 with (
                     torch.cuda.stream(self._torch_stream),
@@ -291,17 +312,24 @@ class TorchRunner:
                     tf32(self.engine.precision == "tf32"),
                 ):
                     outputs = self._forward(fmt, rows)
+                self._copy_out(outputs, 0, rows)
             views = {}
             for tensor, value in zip(spec.outputs, outputs, strict=True):
-                host = self._outputs[tensor.name]
-                nbytes = self._rows_bytes(tensor, rows)
-                cuda.copy_to_host(host.ptr, value.data_ptr(), nbytes, self._stream)
                 shape = (rows, *value.shape[1:]) if spec.batched else tuple(value.shape)
-                views[tensor.name] = host.array(tensor.dtype, shape)
+                views[tensor.name] = self._outputs[tensor.name].array(tensor.dtype, shape)
             self._done.record(self._stream)
             self._done.synchronize()
         # The pinned buffers are reused by the next batch: hand out copies.
         return {name: view.copy() for name, view in views.items()}
+
+    def _copy_out(self, outputs: Sequence[torch.Tensor], start: int, rows: int) -> None:
+        """A graph's (or the eager call's) first ``rows`` rows of each output into the pinned
+        output buffers at row ``start``, on the runner's stream."""
+        for tensor, value in zip(self._spec.outputs, outputs, strict=True):
+            host = self._outputs[tensor.name]
+            offset = self._rows_bytes(tensor, start) if start else 0
+            nbytes = self._rows_bytes(tensor, rows)
+            cuda.copy_to_host(host.ptr + offset, value.data_ptr(), nbytes, self._stream)
 
     def _stage(self, slot: _Input, datatype: str, arrays: list[Any], rows: int) -> None:
         """Request memory -> pinned staging -> device buffer, on the runner's stream;
