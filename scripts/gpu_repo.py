@@ -39,6 +39,11 @@ def main() -> None:
         default="64,128,256",
         help="dynamic_batching.preferred_batch_size, comma-separated",
     )
+    parser.add_argument(
+        "--split-batches",
+        action="store_true",
+        help="gpu.split_batches: a batch as graphs of its rows",
+    )
     args = parser.parse_args()
     preferred = [int(size) for size in args.preferred.split(",") if size]
     folder = args.repository / "resnet50"
@@ -53,7 +58,7 @@ def main() -> None:
             "preferred_batch_size": preferred,
             "max_queue_delay_us": args.queue_delay_us,
         },
-        gpu={"compile": args.compile},
+        gpu={"compile": args.compile, **({"split_batches": True} if args.split_batches else {})},
     )
     config.pop("runners", None)
     if args.runners:
