@@ -130,6 +130,7 @@ class TorchRunner:
         self._spec = spec
         self._module = engine.call(device)
         self._buckets = list(buckets)
+        self._plans: dict[int, list[int]] = {}
         self._max = max(1, self._buckets[-1]) if spec.batched else 1
         self._dtype = compute_dtype(engine.precision)
         image = engine.options.image
@@ -257,9 +258,12 @@ class TorchRunner:
     def pieces(self, rows: int) -> list[int]:
         """The rows of each graph a batch of ``rows`` runs as, in order (one graph but with
         ``gpu.split_batches``)."""
-        if self.engine.split_batches and self._spec.batched:
-            return split_rows(rows, self._buckets)
-        return [rows]
+        if not (self.engine.split_batches and self._spec.batched):
+            return [rows]
+        plan = self._plans.get(rows)
+        if plan is None:  # 14-40 us a plan: made once a row count
+            plan = self._plans[rows] = split_rows(rows, self._buckets)
+        return plan
 
     def rows_padded_to(self, rows: int) -> int:
         """The rows a batch of ``rows`` runs as: its graphs' buckets' with CUDA graphs, its own
