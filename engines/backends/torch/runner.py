@@ -285,6 +285,8 @@ class TorchRunner:
         spec = self._spec
         name = spec.inputs[0].name
         rows = sum(int(block[name].shape[0]) for block in blocks) if spec.batched else 1
+        if spec.batched:
+            self.bucket(rows)  # more rows than the max batch: refused before any is staged
         fmt = spec.inputs[0].datatype
         staged: list[torch.Tensor] = []
         with torch.cuda.device(self.device):
