@@ -67,7 +67,8 @@ EXECUTION_COUNT = Counter("stoker_inference_exec_count", "Batches executed by a 
 PADDED_ROWS = Counter(
     "stoker_inference_padded_rows",
     "Rows runners computed beyond their batches' own: batches padded up to the CUDA graph "
-    "captured for their bucket (the torch backend). Over this plus stoker_inference_count, "
+    "captured for their bucket, or each graph of a split batch up to its own (the torch "
+    "backend). Over this plus stoker_inference_count, "
     "the share of the device's rows that were padding.",
     LABELS,
 )

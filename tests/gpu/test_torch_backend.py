@@ -108,19 +108,25 @@ def test_padding_never_reaches_a_response(efficientnet_onnx: Path) -> None:
 
 
 def test_a_batch_split_into_graphs_answers_as_one_graph(efficientnet_onnx: Path) -> None:
-    """``gpu.split_batches``: 33, 40 and 45 rows run as graphs of 32 and the rest, the rest
-    moved to the front of the input on the device; every row's answer is the reference's
-    and in its place (a row answered from the wrong piece would not match)."""
+    """``gpu.split_batches``: 33, 45 and 100 rows run as two or three graphs (100: 64, 32
+    and 4), each later graph's rows moved to the front of the input on the device; every
+    row's answer is the reference's and in its place (a row answered from the wrong piece,
+    or before its move, would not match). UINT8 pixels, the image input's second buffer."""
     split = engine(
-        efficientnet_onnx, 64, precision="fp32", gpu=GpuOptions(compile="none", split_batches=True)
+        efficientnet_onnx,
+        128,
+        precision="fp32",
+        image=ImagePreprocess(),
+        gpu=GpuOptions(compile="none", split_batches=True),
     ).new_runner()
     try:
         assert split.pieces(45) == [32, 13] and split.rows_padded_to(45) == 48
-        for rows in (33, 40, 45, 64):
-            batch = normalized(images(rows))
-            got = split.run({"input": batch})["logits"]
+        assert split.pieces(100) == [64, 32, 4]
+        for rows in (33, 45, 100, 128):
+            pixels = images(rows)
+            got = split.run({"input": pixels})["logits"]
             assert got.shape == (rows, 1000)
-            want = reference(efficientnet_onnx, batch)
+            want = reference(efficientnet_onnx, normalized(pixels))
             for row in range(rows):  # each row its own answer, in its place
                 assert relative_error(got[row], want[row]) < 1e-4, row
     finally:
