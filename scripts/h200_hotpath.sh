@@ -29,9 +29,16 @@
 # scripts/gpu_repo.py, e.g. TREES="... r2=.#f8 this=." REPO_ARGS_r2="--runners 2" with
 # SHARED_STORE="r2 this" (runners and preferred sizes that are powers of two are not in the
 # store's keys). WORKERS: the client's processes (4).
+#
+# The device tool brings back at most 8 files of $OUT: every run's files are written to a
+# work folder and packed into $OUT/hotpath.tgz after each load, so a call cut at its limit
+# still brings back what ran (the 2026-12-07 call that wrote them into $OUT lost 30 of 38).
 set -u
-OUT=${OUT:-/tmp/stoker-gpu}
-mkdir -p "$OUT"
+RESULT=${OUT:-/tmp/stoker-gpu}
+OUT=/tmp/stoker-hotpath-work
+rm -rf "$OUT"
+mkdir -p "$OUT" "$RESULT"
+pack() { tar -czf "$RESULT/hotpath.tgz.part" -C "$OUT" . && mv "$RESULT/hotpath.tgz.part" "$RESULT/hotpath.tgz"; }
 source "$(dirname "$0")/h200_wheels.sh"
 root=$PWD
 base=${BASE:-a833e8c}
@@ -53,6 +60,7 @@ bench() {  # name, limit, arguments: this tree's bench, against the server at $u
         --payload v2-binary --workers "${WORKERS:-4}" --duration "${DURATION:-5}" --warmup "${WARMUP:-1.5}" \
         --json "$OUT/$name.json" "$@" >"$OUT/$name.log" 2>&1)
     echo "$name exit $?"
+    pack
 }
 
 for entry in ${TREES:-base=.gpu/$base this=.}; do
@@ -131,6 +139,7 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
             --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}" --duration "${DURATION:-5}" \
             --warmup "${WARMUP:-1.5}" --json "$OUT/pool_u8_rows32.json" >"$OUT/pool.log" 2>&1)
         echo "pool exit $?"
+        pack
     else
         bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256
         kill -TERM $server 2>/dev/null
@@ -144,11 +153,12 @@ if [ -n "${JPEG_IMAGES:-}" ] && [ "${CHAIN:-0}" = 1 ]; then
         "$JPEG_IMAGES" --batches 256 --processes "" --threads "" --no-profile \
         --chain "$STOKER_STORE__PATH" --json "$OUT/chain.json" >"$OUT/chain.log" 2>&1)
     echo "chain exit $?"
+    pack
     tail -4 "$OUT/chain.log"
 fi
 [ -f "$OUT/pyspy_rows32.txt" ] && python3 scripts/pyspy_summary.py "$OUT/pyspy_rows32.txt" \
     --top 40 >"$OUT/pyspy_summary.txt" 2>&1
-python3 - "$OUT" ${TREES:-base=.gpu/$base this=.} <<'PY'
+python3 - "$OUT" ${TREES:-base=.gpu/$base this=.} <<'PY' | tee "$OUT/table.md"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -189,3 +199,4 @@ for (s, t, c), (r, p99) in sorted(rates.items()):
     if "grpc" in s or t == "naive" or s.endswith("spied"):
         print(f"| {s} {t} | {c} | | {r:,.0f} | | | | p99 {p99:.0f} |")
 PY
+pack
