@@ -29,16 +29,11 @@
 # scripts/gpu_repo.py, e.g. TREES="... r2=.#f8 this=." REPO_ARGS_r2="--runners 2" with
 # SHARED_STORE="r2 this" (runners and preferred sizes that are powers of two are not in the
 # store's keys). WORKERS: the client's processes (4).
-#
-# The device tool brings back at most 8 files of $OUT: every run's files are written to a
-# work folder and packed into $OUT/hotpath.tgz after each load, so a call cut at its limit
-# still brings back what ran (the 2026-12-07 call that wrote them into $OUT lost 30 of 38).
+# Files: $OUT/h200_hotpath.tgz (scripts/h200_pack.sh; a 2026-12-07 call that wrote them into
+# $OUT itself lost 30 of 38 to the device tool's 8-file limit).
 set -u
-RESULT=${OUT:-/tmp/stoker-gpu}
-OUT=/tmp/stoker-hotpath-work
-rm -rf "$OUT"
-mkdir -p "$OUT" "$RESULT"
-pack() { tar -czf "$RESULT/hotpath.tgz.part" -C "$OUT" . && mv "$RESULT/hotpath.tgz.part" "$RESULT/hotpath.tgz"; }
+OUT=${OUT:-/tmp/stoker-gpu}
+source "$(dirname "$0")/h200_pack.sh"
 source "$(dirname "$0")/h200_wheels.sh"
 root=$PWD
 base=${BASE:-a833e8c}
@@ -199,4 +194,3 @@ for (s, t, c), (r, p99) in sorted(rates.items()):
     if "grpc" in s or t == "naive" or s.endswith("spied"):
         print(f"| {s} {t} | {c} | | {r:,.0f} | | | | p99 {p99:.0f} |")
 PY
-pack

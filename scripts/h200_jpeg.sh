@@ -30,12 +30,12 @@
 # PYSPY=1: py-spy samples every thread of every process of the first server for 6 s of the
 # load of one photo a request at c=256 (pyspy_summary.txt; py-spy travels in .whl).
 # DURATION (8) and WARMUP (2) seconds a load, OUT (/tmp/stoker-jpeg) for the logs, JSON and
-# metrics, STORE (/tmp/stoker-store) the engine store.
+# metrics (packed into $OUT/h200_jpeg.tgz by scripts/h200_pack.sh), STORE (/tmp/stoker-store)
+# the engine store.
 set -u
 OUT=${OUT:-/tmp/stoker-jpeg}
 STORE=${STORE:-/tmp/stoker-store}
-rm -rf "$OUT"
-mkdir -p "$OUT"
+source "$(dirname "$0")/h200_pack.sh"
 : "${JPEG_IMAGES:?set JPEG_IMAGES to a folder of real photos}"
 source "$(dirname "$0")/h200_wheels.sh"
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD" PYTHONUNBUFFERED=1
@@ -89,6 +89,7 @@ serve_and_load() {
         [ -n "$spy" ] && wait "$spy" && python3 scripts/pyspy_summary.py \
             "$OUT/pyspy_jpeg.txt" --top 40 >"$OUT/pyspy_summary.txt" 2>&1
         echo "$stem done"
+        pack
     done
     kill -TERM $server 2>/dev/null
     wait $server
@@ -110,7 +111,7 @@ timeout 150 python3 scripts/jpeg_decode_bench.py "$JPEG_IMAGES" --batches 128,25
     --processes "" --threads "" --no-profile --chain "$STORE" --json "$OUT/chain.json" \
     >"$OUT/chain.log" 2>&1 || tail -20 "$OUT/chain.log"
 echo "whole call: $(($(date +%s) - began)) s"
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" <<'PY' | tee "$OUT/table.md"
 import json, re, sys
 from pathlib import Path
 
