@@ -55,7 +55,7 @@ class PaddingRunner(Runner, Protocol):
 
 # What one more graph a batch costs, in rows: a replay's launches and the smaller batch's
 # lower occupancy, taken as this many rows of work (a guess made in the open: measured on
-# the GPU only through the service's rate, BENCHMARKS.md "batch 1 as graphs of its rows").
+# the GPU only through the service's rate, BENCHMARKS.md "Batch 1 as graphs of its rows").
 PIECE_ROWS = 8
 MAX_PIECES = 3
 
