@@ -30,9 +30,18 @@ _BYTES_LENGTH = struct.Struct("<I")
 # The Python types orjson produces that each datatype accepts in JSON "data".
 _INTEGERS = frozenset({"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"})
 _FLOATS = frozenset({"FP16", "FP32", "FP64", "BF16"})
-# Numeric JSON data numpy converts exactly as the element-wise path does (all of
-# ``_INTEGERS | _FLOATS`` but BF16).
-_FAST_TYPES = CONVERTED
+
+
+def _too_deep(name: str, max_depth: int) -> BadRequest:
+    return BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')
+
+
+def _wrong_count(name: str, got: int, count: int) -> BadRequest:
+    return BadRequest(f"input {quote(name)}: data holds {got} elements, the shape {count}")
+
+
+def _out_of_range(name: str, datatype: str) -> BadRequest:
+    return BadRequest(f"input {quote(name)}: a value is out of range for {datatype}")
 
 
 def pack_tensor(name: str, array: Array) -> tuple[str, bytes | memoryview]:
@@ -68,9 +77,7 @@ def from_json(
     values = _flatten(name, data, max_depth)
     kinds = set(map(type, values))
     if len(values) != count:
-        raise BadRequest(
-            f"input {quote(name)}: data holds {len(values)} elements, the shape {count}"
-        )
+        raise _wrong_count(name, len(values), count)
     if datatype == "BYTES":
         if not kinds <= {str}:
             raise BadRequest(f"input {quote(name)}: BYTES data must be strings")
@@ -98,7 +105,7 @@ def from_json(
                 floats = [float(v) for v in values]
                 return np.array(floats, dtype=V2_TO_NUMPY[datatype])
     except OverflowError:
-        raise BadRequest(f"input {quote(name)}: a value is out of range for {datatype}") from None
+        raise _out_of_range(name, datatype) from None
 
 
 def _lifted(name: str, data: Numbers, datatype: str, count: int, max_depth: int) -> Array | None:
@@ -109,16 +116,14 @@ def _lifted(name: str, data: Numbers, datatype: str, count: int, max_depth: int)
     if values is None:
         return None
     if data.depth > max_depth:
-        raise BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')
+        raise _too_deep(name, max_depth)
     if values.size != count:
-        raise BadRequest(
-            f"input {quote(name)}: data holds {values.size} elements, the shape {count}"
-        )
+        raise _wrong_count(name, values.size, count)
     target = V2_TO_NUMPY[datatype]
     if values.dtype.kind != "f":
         limits = np.iinfo(target.type)  # type: ignore[type-var]
         if values.size and (values.min() < limits.min or values.max() > limits.max):
-            raise BadRequest(f"input {quote(name)}: a value is out of range for {datatype}")
+            raise _out_of_range(name, datatype)
     # A float too large for FP16 rounds to infinity, as IEEE conversion does.
     with np.errstate(over="ignore"):
         return values.astype(target)
@@ -130,7 +135,7 @@ def _numbers(data: list[Any], datatype: str, count: int, max_depth: int) -> Arra
     the element-wise path then decodes or refuses with its own message. Only for data known
     to hold no boolean (numpy would read ``true`` as 1). Three to four times faster on an
     image's 150,528 numbers; the property tests check it against the element-wise path."""
-    if datatype not in _FAST_TYPES:
+    if datatype not in CONVERTED:
         return None
     try:
         array = np.array(data)
@@ -165,7 +170,7 @@ def _flatten(name: str, data: list[Any], max_depth: int) -> list[Any]:
     while kinds == {list}:
         depth += 1
         if depth > max_depth:
-            raise BadRequest(f'input {quote(name)}: "data" nests deeper than {max_depth} levels')
+            raise _too_deep(name, max_depth)
         data = list(chain.from_iterable(data))
         kinds = set(map(type, data))
     if list not in kinds:
@@ -176,9 +181,7 @@ def _flatten(name: str, data: list[Any], max_depth: int) -> list[Any]:
         for item in stack[-1]:
             if type(item) is list:
                 if depth + len(stack) > max_depth:
-                    raise BadRequest(
-                        f'input {quote(name)}: "data" nests deeper than {max_depth} levels'
-                    )
+                    raise _too_deep(name, max_depth)
                 stack.append(iter(item))
                 break
             values.append(item)
