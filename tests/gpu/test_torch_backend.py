@@ -88,8 +88,12 @@ def test_resnet50_fp16_channels_last(resnet50_onnx: Path) -> None:
     assert relative_error(got, reference(resnet50_onnx, x)) < 2e-2
 
 
-def test_padding_never_reaches_a_response(efficientnet_onnx: Path) -> None:
-    runner = engine(efficientnet_onnx, precision="fp32").new_runner()
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one-graph"])
+def test_padding_never_reaches_a_response(efficientnet_onnx: Path, split: bool) -> None:
+    """Every row count up to the max batch, as the served default runs it (a batch as graphs
+    of its rows) and as one padded graph (``gpu.split_batches: false``)."""
+    options = GpuOptions(compile="none", split_batches=split)
+    runner = engine(efficientnet_onnx, precision="fp32", gpu=options).new_runner()
     try:
         poison = np.full((MAX_BATCH, 3, 224, 224), np.nan, dtype=np.float32)
         assert np.isnan(runner.run({"input": poison})["logits"]).all()
@@ -117,7 +121,7 @@ def test_a_batch_split_into_graphs_answers_as_one_graph(efficientnet_onnx: Path)
         128,
         precision="fp32",
         image=ImagePreprocess(),
-        gpu=GpuOptions(compile="none", split_batches=True),
+        gpu=GpuOptions(compile="none"),  # split_batches: the default
     ).new_runner()
     try:
         assert split.pieces(45) == [32, 13] and split.rows_padded_to(45) == 48
