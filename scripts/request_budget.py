@@ -102,11 +102,16 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 
 
 def stage_of(frames: list[str]) -> str:
+    return stage_and_frame(frames)[0]
+
+
+def stage_and_frame(frames: list[str]) -> tuple[str, str]:
+    """A sample's stage and the frame that named it (the deepest that names one)."""
     for frame in reversed(frames):
         for stage, marks in STAGES:
             if any(mark in frame for mark in marks):
-                return stage
-    return "event loop, asyncio"
+                return stage, frame
+    return "event loop, asyncio", frames[-1] if frames else "?"
 
 
 def descendants(pid: int) -> list[int]:
@@ -177,6 +182,7 @@ def measure(args: argparse.Namespace, workers: Workers, concurrency: int) -> Non
     spy.wait()
     requests = max(result.requests, 1)
     samples: dict[str, Counter[str]] = defaultdict(Counter)
+    lines: Counter[tuple[str, str]] = Counter()  # (frame naming the stage, leaf) of --lines
     kinds: dict[int, str] = {}
     for line in record.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
@@ -187,7 +193,10 @@ def measure(args: argparse.Namespace, workers: Workers, concurrency: int) -> Non
         tid = int(thread[thread.index("(") + 1 : thread.index(")")], 0)
         kind = kinds.setdefault(tid, thread_kind(thread))
         frames = [f for f in frames if not f.startswith(("process ", "thread "))]
-        samples[kind][stage_of(frames)] += int(count)
+        stage, named = stage_and_frame(frames)
+        samples[kind][stage] += int(count)
+        if kind == "event loop" and stage in args.lines:
+            lines[(named, frames[-1] if frames else "?")] += int(count)
     cpu: defaultdict[str, float] = defaultdict(float)
     for (pid, tid), (_, ticks) in after.items():
         used = ticks - before.get((pid, tid), ("", 0))[1]
@@ -206,6 +215,12 @@ def measure(args: argparse.Namespace, workers: Workers, concurrency: int) -> Non
         print("| --- | ---: | ---: |")
         for stage, n in samples[kind].most_common():
             print(f"| {stage} | {cpu[kind] * n / total:,.1f} | {100 * n / total:.1f}% |")
+    loop = sum(samples["event loop"].values())
+    if lines and loop:
+        print("| event loop: frame naming the stage / leaf frame | us/request |")
+        print("| --- | ---: |")
+        for (named, leaf), n in lines.most_common(20):
+            print(f"| {named} / {leaf} | {cpu['event loop'] * n / loop:,.1f} |")
 
 
 def thread_kind(thread: str) -> str:
@@ -316,6 +331,13 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (--against)")
     parser.add_argument("--grpc", metavar="HOST:PORT", help="load over gRPC to this address")
+    parser.add_argument(
+        "--lines",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="also list the event loop's samples of this stage by frame and leaf (repeatable)",
+    )
     parser.add_argument(
         "--protocols", action="store_true", help="HTTP against gRPC (--grpc), no profile"
     )
