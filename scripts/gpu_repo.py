@@ -43,7 +43,7 @@ def main() -> None:
         "--split-batches",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="gpu.split_batches (unset: the served default, on): a batch as graphs of its rows",
+        help="gpu.split_batches (unset: the served default, off): a batch as graphs of its rows",
     )
     args = parser.parse_args()
     preferred = [int(size) for size in args.preferred.split(",") if size]

@@ -32,13 +32,14 @@ class GpuOptions(BaseModel):
     compiles nothing: on an H200 the first start of ResNet-50 compiles for about 75 s, a
     restart loads in well under a second (BENCHMARKS.md, "Start in seconds"). ``none``
     captures the converted graph as it is: no compile, about half the images/s."""
-    split_batches: bool = True
+    split_batches: bool = False
     """torch backend with CUDA graphs: run a batch as up to three graphs of its rows where
     that pads fewer rows than one graph of its bucket (``engines.base.split_rows``: 45 rows
     as graphs of 32 and 16, not one of 64), the rows after the first graph moved to the
-    front of the input on the device. On by default: batch 1 at c=256 on an H100 made
-    1.31-1.52x the unsplit default's requests/s with p99 under 50 ms (BENCHMARKS.md, "A
-    batch as graphs of its rows, the default"). Off: every batch pads up to its bucket."""
+    front of the input on the device. Batch 1 at c=256 on an H100 made 1.31-1.52x the
+    unsplit default's requests/s with p99 under 50 ms (BENCHMARKS.md, "A batch as graphs of
+    its rows ..."); off by default until its GPU test (row-by-row answers against ONNX
+    Runtime) has run on a GPU. Off: every batch pads up to its bucket."""
     memory_fraction: float = Field(default=1.0, gt=0, le=1)
     """The share of each GPU's memory the engine process's allocator may hold (weights,
     every runner's buffers and CUDA graphs, its cache): torch caps it per process, so with

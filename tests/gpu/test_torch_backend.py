@@ -90,8 +90,8 @@ def test_resnet50_fp16_channels_last(resnet50_onnx: Path) -> None:
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one-graph"])
 def test_padding_never_reaches_a_response(efficientnet_onnx: Path, split: bool) -> None:
-    """Every row count up to the max batch, as the served default runs it (a batch as graphs
-    of its rows) and as one padded graph (``gpu.split_batches: false``)."""
+    """Every row count up to the max batch, as one padded graph (the default) and as graphs
+    of its rows (``gpu.split_batches: true``)."""
     options = GpuOptions(compile="none", split_batches=split)
     runner = engine(efficientnet_onnx, precision="fp32", gpu=options).new_runner()
     try:
@@ -121,7 +121,7 @@ def test_a_batch_split_into_graphs_answers_as_one_graph(efficientnet_onnx: Path)
         128,
         precision="fp32",
         image=ImagePreprocess(),
-        gpu=GpuOptions(compile="none"),  # split_batches: the default
+        gpu=GpuOptions(compile="none", split_batches=True),
     ).new_runner()
     try:
         assert split.pieces(45) == [32, 13] and split.rows_padded_to(45) == 48
