@@ -17,7 +17,7 @@
 # last, e.g. TREES="base=.gpu/a833e8c before=.gpu/before this=." (default: base, this); the
 # trees named in SHARED_STORE share one engine store (trees of the same engine code: the
 # second loads what the first built). The table has a column of each and this tree's
-# ratio to each. JPEG_IMAGES (a folder of real photos, >= 48): each tree's server also takes
+# ratio to each (without "this" in TREES, the last tree's). JPEG_IMAGES (a folder of real photos, >= 48): each tree's server also takes
 # one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
 # probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
 # JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
@@ -157,7 +157,10 @@ python3 - "$OUT" ${TREES:-base=.gpu/$base this=.} <<'PY' | tee "$OUT/table.md"
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-others = [entry.split("=")[0] for entry in sys.argv[2:] if entry.split("=")[0] != "this"]
+names = [entry.split("=")[0] for entry in sys.argv[2:]]
+# The ratios are of "this" tree to each other; without "this" in TREES, of the last tree.
+ref = "this" if "this" in names or not names else names[-1]
+others = [name for name in names if name != ref]
 rates: dict[tuple[str, str, int], tuple[float, float]] = {}
 for path in sorted(out.glob("*.json")):
     document = json.loads(path.read_text())
@@ -167,8 +170,8 @@ for path in sorted(out.glob("*.json")):
         for step in target["steps"]:
             key = (path.stem, target["name"], step["concurrency"])
             rates[key] = (step["rows_per_s"], step["latency_ms"]["p99"])
-heads = [f"{o} img/s" for o in others] + ["this img/s"] + [f"this / {o}" for o in others]
-heads += ["pool img/s", "this / pool", "p99 ms " + " / ".join(others + ["this"])]
+heads = [f"{o} img/s" for o in others] + [f"{ref} img/s"] + [f"{ref} / {o}" for o in others]
+heads += ["pool img/s", f"{ref} / pool", "p99 ms " + " / ".join(others + [ref])]
 print("| load | c | " + " | ".join(heads) + " |")
 print("| --- | ---: |" + " ---: |" * len(heads))
 def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
@@ -179,10 +182,10 @@ def one(stem: str, c: int, name: str = "stoker") -> tuple[float, float] | None:
 for stem, label in (
     ("u8_rows32", "UINT8 32 rows"), ("u8_rows1", "UINT8 1 row"), ("jpeg", "JPEG 1 photo")
 ):
-    cs = sorted({c for (s, _, c) in rates if s == f"this_{stem}"})
+    cs = sorted({c for (s, _, c) in rates if s in {f"{n}_{stem}" for n in names}})
     for c in cs:
         got = {o: one(f"{o}_{stem}", c, "target") for o in others}
-        t = one(f"this_{stem}", c, "target")
+        t = one(f"{ref}_{stem}", c, "target")
         p = one(f"pool_{stem}", c, "in-process")
         cells = [f"{got[o][0]:,.0f}" if got[o] else "-" for o in others]
         cells.append(f"{t[0]:,.0f}" if t else "-")
