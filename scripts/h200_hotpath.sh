@@ -18,8 +18,9 @@
 # trees named in SHARED_STORE share one engine store (trees of the same engine code: the
 # second loads what the first built). The table has a column of each and this tree's
 # ratio to each (without "this" in TREES, the last tree's). JPEG_IMAGES (a folder of real
-# photos, >= 48): each tree's server also takes one photo a request at c = JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain
-# probe (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
+# photos, >= 48): each tree's server also takes one photo a request at c =
+# JPEG_CONCURRENCY (256), and CHAIN=1 runs the in-process chain probe
+# (scripts/jpeg_decode_bench.py --chain, batches of 256) over this tree's store last;
 # JPEG_ONLY=1 runs only the photos (the trees in TREES's order, "this" first or not); a
 # tree named NAME=DIR@jpeg runs only the photos whatever JPEG_ONLY says (for "this" too: then
 # no pool, gRPC or metrics either); NAME=DIR#fN starts that tree's server with N front ends
