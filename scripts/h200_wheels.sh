@@ -3,7 +3,7 @@
 # PYTHONPATH, and exit if they do not install or the service's modules do not import with them
 # (a core dependency added since the wheels were downloaded, e.g. pysimdjson for
 # app.json_numbers: download it as the others, cp312). The wheels, made on the development
-# machine (about 47 MB; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
+# machine (about 44 MB without py-spy, which only PYSPY=1 needs; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
 #   pip download --python-version 3.12 --only-binary=:all: --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl fastapi 'uvicorn[standard]' httptools uvloop \
@@ -24,4 +24,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     PYTHONPATH="/tmp/site:$PWD" python3 -c 'import zoo.efficientnet_lite0' 2>/dev/null ||
         echo "h200_wheels: zoo.efficientnet_lite0 does not import: the GPU tests that build" \
             "the default model will error (its wheels are in the download command above)" >&2
+elif [ -d /tmp/site ]; then
+    # A later call on the same warm machine without .whl/ (to carry photos instead: .whl/,
+    # 44 MB, and 128 photos do not travel together under the 64 MiB limit): the wheels an
+    # earlier call installed.
+    export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
