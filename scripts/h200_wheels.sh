@@ -3,7 +3,8 @@
 # PYTHONPATH, and exit if they do not install or the service's modules do not import with them
 # (a core dependency added since the wheels were downloaded, e.g. pysimdjson for
 # app.json_numbers: download it as the others, cp312). The wheels, made on the development
-# machine (about 44 MB without py-spy, which only PYSPY=1 needs; the image has torch, numpy, onnx, onnxruntime, nvidia-ml-py):
+# machine (about 44 MB without py-spy, which only PYSPY=1 needs; the image has torch, numpy,
+# onnx, onnxruntime, nvidia-ml-py):
 #   pip download --python-version 3.12 --only-binary=:all: --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
 #     --platform manylinux_2_28_x86_64 -d .whl fastapi 'uvicorn[standard]' httptools uvloop \
