@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,6 +50,32 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "UINT8": torch.uint8,
     "BOOL": torch.bool,
 }
+
+
+def run_pieces(
+    pieces: Sequence[int],
+    staged: Sequence[torch.Tensor],
+    replay: Callable[[int], Sequence[torch.Tensor]],
+    copy_out: Callable[[Sequence[torch.Tensor], int, int], None],
+) -> Sequence[torch.Tensor]:
+    """Run a batch staged at the front of ``staged`` (every input's device buffer) as graphs
+    of ``pieces`` rows (``TorchRunner.pieces``), in order: before each graph after the first,
+    its rows are moved to the front of every buffer, where the graphs read their rows (one
+    copy that does not overlap, since pieces never grow: the rows moved start at or after the
+    piece's own length); ``replay(size)`` runs the graph of ``size`` rows and gives its
+    outputs, and ``copy_out(outputs, start, size)`` takes its first ``size`` rows to the
+    batch's rows from ``start``. The last graph's outputs are returned (their shapes). All of
+    it is queued on the current stream."""
+    start = 0
+    outputs: Sequence[torch.Tensor] = ()
+    for size in pieces:
+        if start:
+            for buffer in staged:
+                buffer[:size].copy_(buffer[start : start + size])
+        outputs = replay(size)
+        copy_out(outputs, start, size)
+        start += size
+    return outputs
 
 
 def pinned(array: Any) -> bool:
@@ -300,17 +326,15 @@ class TorchRunner:
                 self._stage(slot, datatype, arrays, rows)
                 staged.append(slot.device[datatype])
             if self.engine.cuda_graphs:
-                start = 0
+
+                def replay(size: int) -> tuple[torch.Tensor, ...]:
+                    graph, outputs = self._graphs[(self.bucket(size) if spec.batched else 0, fmt)]
+                    graph.replay()
+                    return outputs
+
                 with torch.cuda.stream(self._torch_stream):
-                    for size in self.pieces(rows) if spec.batched else [rows]:
-                        if start:  # this graph's rows to the front (pieces never grow)
-                            for buffer in staged:
-                                buffer[:size].copy_(buffer[start : start + size])
-                        bucket = self.bucket(size) if spec.batched else 0
-                        graph, outputs = self._graphs[(bucket, fmt)]
-                        graph.replay()
-                        self._copy_out(outputs, start, size)
-                        start += size
+                    pieces = self.pieces(rows) if spec.batched else [rows]
+                    outputs = run_pieces(pieces, staged, replay, self._copy_out)
             else:
                 with (
                     torch.cuda.stream(self._torch_stream),
