@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from bench import launch, payloads, report
+from bench import answers, launch, payloads, report
 from bench.direct import DirectTarget
 from bench.grpc_client import GrpcTarget
 from bench.loadgen import (
@@ -155,6 +155,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "once, about 0.2 ms of client CPU a 600 KB request) or by aiohttp (about 0.5 ms)",
     )
     client.add_argument("--max-in-flight", type=int, default=16384, help="open-loop cap")
+    client.add_argument(
+        "--check-answers",
+        action="store_true",
+        help="V2 over HTTP: send each distinct request alone first, then compare every answer "
+        "under load with it row by row; one that differs is a 'wrong-answer' error "
+        "(bench.answers)",
+    )
+    client.add_argument(
+        "--check-tolerance",
+        type=float,
+        default=0.02,
+        help="--check-answers: a float row's largest relative error (L2) against its answer "
+        "alone (default 0.02)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--json", type=Path, help="write every result here")
     out.add_argument("--plots", type=Path, help="write throughput.png and latency.png here")
@@ -172,6 +186,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--protocol takes {', '.join(payloads.PROTOCOLS)}, comma-separated")
     if set(args.protocols) - {"http"} and args.payload == "jpeg":
         parser.error("gRPC has no image upload: use --payload v2-binary or v2-json with grpc")
+    if args.check_answers and (args.payload == "jpeg" or set(args.protocols) - {"http"}):
+        parser.error("--check-answers compares V2 tensor answers over HTTP: v2-binary or v2-json")
+    if not args.check_tolerance > 0:
+        parser.error("--check-tolerance must be positive")
     try:
         args.levels = levels(args.concurrency)
         width, height = (int(v) for v in args.image_size.lower().split("x"))
@@ -382,8 +400,28 @@ def start(
             )
         # A stream's messages are the ModelInferRequests of unary calls: built once.
         payload = cache.get(args.payload, model, "http" if protocol == "http" else "grpc")
+        if args.check_answers and protocol == "http":
+            payload = checked(f"{url}{http_path(args)}", payload, args)
         started.append((name, description, workers(target, payload, args.workers)))
     return started
+
+
+def checked(url: str, chosen: list[Payload], args: argparse.Namespace) -> list[Payload]:
+    """``--check-answers``: the payloads with ``url``'s answers to each alone, and a line on
+    how far apart those answers are (a tolerance above it could not tell one request's row
+    from another's)."""
+    with_answers, apart = answers.reference(url, chosen, args.check_tolerance, args.timeout)
+    if apart is None:
+        note = "no two float rows to compare"
+    else:
+        verdict = "" if apart > 2 * args.check_tolerance else " (too close: lower the tolerance)"
+        note = f"the closest two differ by {apart:.3g}{verdict}"
+    print(
+        f"answers checked at {url}: {len(with_answers)} distinct requests answered alone; "
+        f"tolerance {args.check_tolerance:g}, {note}",
+        flush=True,
+    )
+    return with_answers
 
 
 def measure(

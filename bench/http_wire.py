@@ -5,7 +5,9 @@ A general client costs the generator CPU the server is then charged for: aiohttp
 about 490 us of the client's CPU a request on a 600 KB V2 body on a 2-core machine, where the
 client shares the cores with the server (this one: about 190 us, BENCHMARKS.md, "The client's
 share"). Triton's perf_analyzer is C++ for the same reason. The answers' bodies are read and
-dropped, as the aiohttp client does; a status other than 2xx is the step's outcome as it is.
+dropped, as the aiohttp client does (with ``--check-answers`` each is compared with the
+request's answer alone, ``bench.answers``); a status other than 2xx is the step's outcome as
+it is.
 ``--http-client aiohttp`` keeps the general client, for a server this one cannot speak to.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
+from bench.answers import check
 from bench.payloads import Payload
 
 READ_LIMIT = 1 << 20
@@ -57,13 +60,13 @@ class RawHttpClient:
             ).encode() + payload.body
         return made
 
-    async def send(self, payload: Payload) -> int:
+    async def send(self, payload: Payload) -> int | str:
         data = self.request(payload)
         async with asyncio.timeout(self._timeout_s):
             reader, writer = await self._connection()
             try:
                 writer.write(data)
-                status, keep = await read_response(reader)
+                status, keep, body, header_length = await read_answer(reader)
             except BaseException:
                 writer.close()
                 raise
@@ -71,6 +74,8 @@ class RawHttpClient:
             self._idle.append((reader, writer))
         else:
             writer.close()
+        if payload.expected is not None:
+            return check(payload, status, body, header_length)
         return status
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -92,6 +97,13 @@ class RawHttpClient:
 async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     """One response read whole off ``reader`` (interim ``1xx`` answers before it skipped):
     its status, and whether the connection may be used again."""
+    status, keep, _, _ = await read_answer(reader)
+    return status, keep
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bool, bytes, int | None]:
+    """``read_response``'s status and whether to keep the connection, with the body and its
+    ``Inference-Header-Content-Length`` (a V2 binary answer's JSON header), if any."""
     while True:
         head = await reader.readuntil(b"\r\n\r\n")
         lines = head.split(b"\r\n")
@@ -104,6 +116,7 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
         if not 100 <= status < 200:
             break
     length: int | None = None
+    header_length: int | None = None
     chunked = False
     keep = status_line[0] == b"HTTP/1.1"
     for line in lines[1:]:
@@ -111,22 +124,27 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
         name = name.strip().lower()
         if name == b"content-length":
             length = int(value)
+        elif name == b"inference-header-content-length":
+            header_length = int(value)
         elif name == b"transfer-encoding":
             chunked = b"chunked" in value.lower()
         elif name == b"connection":
             keep = b"close" not in value.lower()
+    body = b""
     if chunked:
+        chunks = []
         while True:
             size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
             if size == 0:
                 while await reader.readuntil(b"\r\n") != b"\r\n":
                     pass  # trailer fields, up to the empty line
                 break
-            await reader.readexactly(size + 2)
+            chunks.append((await reader.readexactly(size + 2))[:-2])
+        body = b"".join(chunks)
     elif length is not None:
-        await reader.readexactly(length)
+        body = await reader.readexactly(length)
     elif status not in (204, 304):
         if keep:
             raise HttpStatusError("a response with neither Content-Length nor chunks")
-        await reader.read()  # delimited by the connection's close
-    return status, keep
+        body = await reader.read()  # delimited by the connection's close
+    return status, keep, body, header_length

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+from bench.answers import check
 from bench.direct import DirectClient, DirectTarget
 from bench.grpc_client import GrpcClient, GrpcTarget
 from bench.http_wire import RawHttpClient
@@ -200,7 +201,10 @@ def split(total: int, parts: int) -> list[int]:
 
 
 class Client(Protocol):
-    async def send(self, payload: Payload) -> int: ...
+    async def send(self, payload: Payload) -> int | str:
+        """The answer's status, or ``bench.answers.WRONG`` for a 2xx answer that is not the
+        payload's ``expected`` one."""
+        ...
 
     async def metrics(self) -> str | None: ...
 
@@ -225,14 +229,17 @@ class HttpClient:
             else None
         )
 
-    async def send(self, payload: Payload) -> int:
+    async def send(self, payload: Payload) -> int | str:
         if self._raw is not None:
             return await self._raw.send(payload)
         async with self._session.post(
             self._endpoint, data=payload.body, headers=payload.headers
         ) as response:
-            await response.read()
-            return response.status
+            body = await response.read()
+            if payload.expected is None:
+                return response.status
+            length = response.headers.get("Inference-Header-Content-Length")
+            return check(payload, response.status, body, None if length is None else int(length))
 
     async def metrics(self) -> str | None:
         import aiohttp

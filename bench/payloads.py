@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import orjson
@@ -21,6 +21,9 @@ from PIL import Image
 
 from engines.preprocess import ImagePreprocess, preprocess
 from engines.spec import TensorSpec, v2_datatype
+
+if TYPE_CHECKING:
+    from bench.answers import Expected
 
 Kind = Literal["v2-json", "v2-binary", "jpeg"]
 KINDS: tuple[Kind, ...] = ("v2-json", "v2-binary", "jpeg")
@@ -63,6 +66,9 @@ class Payload:
     tensors: dict[str, np.ndarray] | None = None
     images: tuple[bytes, ...] = ()
     """For an upload: its images, which the in-process target decodes as the engine does."""
+    expected: Expected | None = None
+    """``--check-answers``: the answer this request got alone, which every answer to it under
+    load is compared with (``bench.answers``)."""
 
 
 def synthetic_images(count: int, width: int, height: int, seed: int = 0) -> list[bytes]:

@@ -47,6 +47,7 @@ ANSWER = orjson.dumps(
 
 def delay_app() -> Starlette:
     one_at_a_time = asyncio.Semaphore(1)
+    mixed = 0
 
     async def ready(_: Request) -> Response:
         return Response(b'{"ready": true}', media_type="application/json")
@@ -55,7 +56,13 @@ def delay_app() -> Starlette:
         return Response(orjson.dumps({**METADATA, "name": request.path_params["name"]}))
 
     async def infer(request: Request) -> Response:
-        await request.body()
+        nonlocal mixed
+        body = await request.body()
+        if request.path_params["name"] == "mixer":
+            # y = 2x, right for the first MIXER_RIGHT requests, then its rows reversed: the
+            # answer of a server that puts a batch's rows back in the wrong places.
+            mixed += 1
+            return mixer_answer(request, body, reverse=mixed > MIXER_RIGHT)
         if request.path_params["name"] == "serial":
             async with one_at_a_time:
                 await asyncio.sleep(SERIAL_DELAY_S)
@@ -79,6 +86,21 @@ def delay_app() -> Starlette:
             Route("/infer", upload, methods=["POST"]),
         ]
     )
+
+
+MIXER_RIGHT = 4
+
+
+def mixer_answer(request: Request, body: bytes, reverse: bool) -> Response:
+    """A V2 binary answer of ``y = 2x`` to a V2 binary request of FP32 ``x``."""
+    length = int(request.headers["inference-header-content-length"])
+    (entry,) = orjson.loads(body[:length])["inputs"]
+    y = 2 * np.frombuffer(body, np.float32, offset=length).reshape(entry["shape"])
+    y = y[::-1] if reverse else y
+    output = {"name": "y", "datatype": "FP32", "shape": list(y.shape)}
+    header = orjson.dumps({"outputs": [{**output, "parameters": {"binary_data_size": y.nbytes}}]})
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+    return Response(header + y.tobytes(), headers=headers, media_type="application/octet-stream")
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +184,36 @@ def test_rate_search_stays_under_a_serial_servers_capacity(sleepy: str, tmp_path
     assert target["find_rate"]["step"]["latency_ms"]["p99"] <= 60
     assert (tmp_path / "plots" / "throughput.png").stat().st_size > 0
     assert (tmp_path / "plots" / "latency.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("payload", "client"), [("v2-binary", "raw"), ("v2-json", "aiohttp")], ids=["binary", "json"]
+)
+def test_every_answer_of_a_real_stoker_is_its_requests(
+    server: Server, tmp_path: Path, payload: str, client: str
+) -> None:
+    """``--check-answers`` against a real Stoker batching 3-row requests of 8 clients: every
+    answer decoded and each row found equal to the request's answer alone."""
+    out = tmp_path / "bench.json"
+    argv = ["--url", server.url, "--model", "tiny", "--payload", payload, "--rows", "3"]
+    argv += ["--concurrency", "8", "--duration", "1", "--warmup", "0.3", "--check-answers"]
+    assert cli.main([*argv, "--http-client", client, "--json", str(out)]) == 0
+    (step,) = orjson.loads(out.read_bytes())["targets"][0]["steps"]
+    assert step["requests"] > 0 and step["statuses"] == {"200": step["requests"]}, step
+    assert step["server"]["mean_batch_size"] > 3  # requests were batched together
+
+
+def test_an_answer_with_rows_out_of_place_is_a_wrong_answer(sleepy: str, tmp_path: Path) -> None:
+    """A server whose 200s under load carry the request's rows reversed: every such answer is
+    counted as ``wrong-answer``, an error, none as a success."""
+    out = tmp_path / "bench.json"
+    argv = ["--url", sleepy, "--model", "mixer", "--payload", "v2-binary", "--rows", "3"]
+    argv += ["--distinct", str(MIXER_RIGHT), "--concurrency", "2", "--duration", "0.5"]
+    argv += ["--warmup", "0.2", "--check-answers", "--json", str(out)]
+    assert cli.main(argv) == 0
+    (step,) = orjson.loads(out.read_bytes())["targets"][0]["steps"]
+    assert step["requests"] == 0 and step["errors"] > 0, step
+    assert set(step["statuses"]) == {"wrong-answer"}, step
 
 
 def test_stoker_metrics_give_batch_size_and_times(server: Server) -> None:
