@@ -36,7 +36,7 @@ def test_binary_and_json_answers_decode_to_their_arrays() -> None:
 def test_a_row_from_another_request_is_found_and_noise_within_the_tolerance_is_not() -> None:
     rng = np.random.default_rng(1)
     want = rng.normal(size=(4, 100)).astype(np.float32)
-    expected = Expected({"y": want}, tolerance=0.02)
+    expected = Expected.of({"y": want}, tolerance=0.02)
     noisy = want * (1 + 1e-3 * rng.standard_normal(want.shape)).astype(np.float32)
     assert mismatch(expected, {"y": noisy}) is None
     swapped = want[[0, 2, 1, 3]]
@@ -46,14 +46,14 @@ def test_a_row_from_another_request_is_found_and_noise_within_the_tolerance_is_n
     assert "row 3" in (mismatch(expected, {"y": nan}) or "")
     assert "shape" in (mismatch(expected, {"y": want[:3]}) or "")
     assert "outputs" in (mismatch(expected, {"z": want}) or "")
-    ints = Expected({"k": np.array([[1], [2]])}, tolerance=0.5)
+    ints = Expected.of({"k": np.array([[1], [2]])}, tolerance=0.5)
     assert mismatch(ints, {"k": np.array([[1], [3]])}) == "k: values differ"
 
 
 @pytest.mark.parametrize("status", [200, 400, 503])
 def test_check_marks_only_a_2xx_answer_that_is_not_the_requests(status: int) -> None:
     want = np.arange(6, dtype=np.float32).reshape(2, 3) + 1
-    payload = Payload(2, expected=Expected({"y": want}, 0.01))
+    payload = Payload(2, expected=Expected.of({"y": want}, 0.01))
     right, length = binary_answer({"y": want})
     wrong, _ = binary_answer({"y": want[::-1].copy()})
     assert check(payload, status, right, length) == status

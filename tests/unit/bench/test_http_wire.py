@@ -158,7 +158,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_used_again() -> None:
     one instead of failing on the dead one."""
     answering = Answering(close=False)
 
-    async def twice() -> list[int]:
+    async def twice() -> list[int | str]:
         server = await asyncio.start_server(answering, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         client = RawHttpClient(f"http://127.0.0.1:{port}", "/", timeout_s=30)
