@@ -16,7 +16,7 @@ each request's scheduled time so a slow client cannot hide queueing). Every step
 then measures for ``duration_s``; every worker starts its step at the same wall-clock
 instant.
 
-Kept in one module (~550 lines): the step, the HTTP and in-process clients, the recorder and
+Kept in one module (~600 lines): the step, the HTTP and in-process clients, the recorder and
 the worker protocol change together whenever what a step measures changes; none of it is on
 the service's request path.
 """
