@@ -16,6 +16,8 @@ seen. V2 over HTTP (binary or JSON outputs) only.
 from __future__ import annotations
 
 import math
+import sys
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +29,15 @@ from engines.spec import numpy_dtype
 
 WRONG = "wrong-answer"
 """The status of a 2xx answer that is not the request's."""
+_told = False  # the first wrong answer of a client process says why, on stderr
+
+
+def is_float(dtype: np.dtype[np.generic]) -> bool:
+    """Whether an output is compared within the tolerance: floats, BF16 too (``ml_dtypes``'
+    bfloat16 is not a numpy floating type). Integers, booleans and BYTES are compared exactly
+    (an argmax or top-k output can flip on a near tie that a batch's size moves: check such a
+    model's float output instead)."""
+    return bool(np.issubdtype(dtype, np.floating)) or dtype.name == "bfloat16"
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ class Expected:
     def of(cls, outputs: dict[str, np.ndarray], tolerance: float) -> Expected:
         rows = {}
         for name, array in outputs.items():
-            if np.issubdtype(array.dtype, np.floating):
+            if is_float(array.dtype):
                 flat = as_rows(array)
                 scale = np.einsum("ij,ij->i", flat, flat, dtype=np.float64)
                 scale[scale == 0] = 1.0  # a row of zeros: an absolute bound
@@ -54,8 +65,8 @@ class Expected:
 
 def as_rows(array: np.ndarray) -> np.ndarray:
     """``array`` as FP32 rows (its first axis; a scalar is one row of one)."""
-    flat = array.reshape(len(array), -1) if array.ndim else array.reshape(1, 1)
-    return flat.astype(np.float32, copy=False)
+    shape = (len(array), math.prod(array.shape[1:])) if array.ndim else (1, 1)
+    return array.reshape(shape).astype(np.float32, copy=False)
 
 
 def decode(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
@@ -69,8 +80,12 @@ def decode(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
         shape = tuple(output["shape"])
         size = (output.get("parameters") or {}).get("binary_data_size")
         if size is not None:
+            if dtype.hasobject:
+                raise ValueError(f"output {output['name']}: binary BYTES answers are not read")
             array = np.frombuffer(body, dtype, count=math.prod(shape), offset=at)
             at += int(size)
+        elif is_float(dtype):  # JSON's null (a NaN or infinity) read as NaN
+            array = np.asarray(output["data"], dtype=np.float64).astype(dtype)
         else:
             array = np.asarray(output["data"], dtype=dtype)
         outputs[output["name"]] = array.reshape(shape)
@@ -84,9 +99,11 @@ def mismatch(expected: Expected, got: dict[str, np.ndarray]) -> str | None:
         return f"outputs {sorted(got)}, expected {sorted(expected.outputs)}"
     for name, want in expected.outputs.items():
         value = got[name]
-        if value.shape != want.shape:
-            return f"{name}: shape {value.shape}, expected {want.shape}"
-        if value.tobytes() == want.tobytes():  # the same bytes: no arithmetic (most answers)
+        if value.shape != want.shape or value.dtype != want.dtype:
+            return f"{name}: {value.dtype} {value.shape}, expected {want.dtype} {want.shape}"
+        if (
+            not value.dtype.hasobject and value.tobytes() == want.tobytes()
+        ):  # the same bytes: no arithmetic (most answers)
             continue
         made = expected.rows.get(name)
         if made is None:
@@ -103,39 +120,53 @@ def mismatch(expected: Expected, got: dict[str, np.ndarray]) -> str | None:
     return None
 
 
-def separation(answers: list[dict[str, np.ndarray]]) -> float | None:
-    """The smallest relative distance between two different requests' rows of the first float
-    output (how far a row answered from another request's input would be off); None with
-    fewer than two rows or no float output."""
-    rows: list[np.ndarray] = []
+def separation(answers: list[dict[str, np.ndarray]]) -> tuple[float, int] | None:
+    """How far a row answered from another request's input would be off: the smallest
+    relative distance between two rows of different requests' first float output, pairs of
+    equal rows left out (the same input sent twice), and how many such equal pairs there
+    were; None with no two requests' float rows to compare."""
+    blocks = []
     for outputs in answers:
-        floats = [v for v in outputs.values() if np.issubdtype(v.dtype, np.floating) and v.ndim]
+        floats = [v for v in outputs.values() if is_float(v.dtype) and v.ndim]
         if floats:
-            rows.extend(floats[0].astype(np.float64).reshape(len(floats[0]), -1))
-    if len(rows) < 2:
+            blocks.append(as_rows(floats[0]).astype(np.float64))
+    if len(blocks) < 2:
         return None
-    matrix = np.stack(rows)
-    norms = np.maximum(np.linalg.norm(matrix, axis=1), 1e-30)
-    smallest = np.inf
-    for i in range(len(matrix) - 1):
-        distances = np.linalg.norm(matrix[i + 1 :] - matrix[i], axis=1) / norms[i]
-        smallest = min(smallest, float(distances.min()))
-    return smallest
+    smallest, equal = np.inf, 0
+    for i, rows in enumerate(blocks[:-1]):
+        others = np.concatenate(blocks[i + 1 :])
+        norms = np.maximum(np.linalg.norm(rows, axis=1), 1e-30)
+        for row, norm in zip(rows, norms, strict=True):
+            distances = np.linalg.norm(others - row, axis=1) / norm
+            equal += int((distances == 0).sum())
+            apart = distances[distances > 0]
+            if len(apart):
+                smallest = min(smallest, float(apart.min()))
+    return smallest, equal
 
 
 def reference(
     url: str, payloads: list[Payload], tolerance: float, timeout_s: float
-) -> tuple[list[Payload], float | None]:
+) -> tuple[list[Payload], tuple[float, int] | None]:
     """Each payload with the answer ``url`` gives it alone (sent one at a time), and the
-    separation of those answers' rows. Raises RuntimeError on an answer that is not 2xx."""
+    ``separation`` of those answers. Raises RuntimeError when a request alone is refused or
+    its answer cannot be read (a binary BYTES output)."""
     checked, answers = [], []
     for payload in payloads:
         request = urllib.request.Request(url, payload.body, payload.headers, method="POST")
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            if not 200 <= response.status < 300:
-                raise RuntimeError(f"{url} answered {response.status} to a request alone")
-            length = response.headers.get("Inference-Header-Content-Length")
-            outputs = decode(response.read(), None if length is None else int(length))
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                length = response.headers.get("Inference-Header-Content-Length")
+                body = response.read()
+        except urllib.error.HTTPError as error:
+            detail = error.read()[:300].decode("utf-8", "replace")
+            raise RuntimeError(
+                f"{url} answered {error.code} to a request alone: {detail}"
+            ) from None
+        try:
+            outputs = decode(body, None if length is None else int(length))
+        except (ValueError, KeyError, TypeError) as error:
+            raise RuntimeError(f"{url}'s answer to a request alone is not read: {error}") from None
         answers.append(outputs)
         checked.append(replace(payload, expected=Expected.of(outputs, tolerance)))
     return checked, separation(answers)
@@ -143,12 +174,18 @@ def reference(
 
 def check(payload: Payload, status: int, body: bytes, header_length: int | None) -> int | str:
     """The status to record: ``status``, or ``WRONG`` for a 2xx answer that is not the
-    payload's expected one (or cannot be read as one)."""
+    payload's expected one (or cannot be read as one); the first of a process says why."""
+    global _told
     expected = payload.expected
     if expected is None or not 200 <= status < 300:
         return status
     try:
         wrong = mismatch(expected, decode(body, header_length))
-    except (ValueError, KeyError, TypeError):
-        return WRONG
-    return status if wrong is None else WRONG
+    except (ValueError, KeyError, TypeError) as error:
+        wrong = f"not read: {error}"
+    if wrong is None:
+        return status
+    if not _told:
+        _told = True
+        print(f"bench: a wrong answer ({wrong}); later ones are counted only", file=sys.stderr)
+    return WRONG

@@ -299,7 +299,9 @@ class PayloadCache:
         if args.images is not None:
             self.images = payloads.folder_images(args.images, args.distinct * args.rows)
         else:
-            self.images = payloads.synthetic_images(args.distinct, *args.size)
+            # Requests of several rows get more images (each with 24 views, ``variant``), so
+            # their rows differ; a few: each takes ~30 ms to make.
+            self.images = payloads.synthetic_images(args.distinct * min(args.rows, 4), *args.size)
 
     def get(
         self, kind: Any, model: ModelInputs | None, protocol: ProtocolName = "http"
@@ -368,6 +370,8 @@ def start(
         return stack.enter_context(made)
 
     if url is None:
+        if args.check_answers:
+            print(f"--check-answers: the answers of {plan.name} are not checked (not HTTP)")
         inputs = in_process_inputs(args.repository, args.model)
         # Uploads are decoded in process by the model's handler; anything else goes in as
         # the tensors the engine takes.
@@ -412,10 +416,13 @@ def checked(url: str, chosen: list[Payload], args: argparse.Namespace) -> list[P
     from another's)."""
     with_answers, apart = answers.reference(url, chosen, args.check_tolerance, args.timeout)
     if apart is None:
-        note = "no two float rows to compare"
+        note = "no two requests' float rows to compare"
     else:
-        verdict = "" if apart > 2 * args.check_tolerance else " (too close: lower the tolerance)"
-        note = f"the closest two differ by {apart:.3g}{verdict}"
+        closest, equal = apart
+        verdict = "" if closest > 2 * args.check_tolerance else " (too close: lower the tolerance)"
+        note = f"the closest two rows of different requests differ by {closest:.3g}{verdict}"
+        if equal:
+            note += f"; {equal} pairs of rows are the same input, not told apart"
     print(
         f"answers checked at {url}: {len(with_answers)} distinct requests answered alone; "
         f"tolerance {args.check_tolerance:g}, {note}",

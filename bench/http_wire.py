@@ -94,15 +94,9 @@ class RawHttpClient:
         self._idle.clear()
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
-    """One response read whole off ``reader`` (interim ``1xx`` answers before it skipped):
-    its status, and whether the connection may be used again."""
-    status, keep, _, _ = await read_answer(reader)
-    return status, keep
-
-
 async def read_answer(reader: asyncio.StreamReader) -> tuple[int, bool, bytes, int | None]:
-    """``read_response``'s status and whether to keep the connection, with the body and its
+    """One response read whole off ``reader`` (interim ``1xx`` answers before it skipped):
+    its status, whether the connection may be used again, its body and its
     ``Inference-Header-Content-Length`` (a V2 binary answer's JSON header), if any."""
     while True:
         head = await reader.readuntil(b"\r\n\r\n")

@@ -144,7 +144,10 @@ def model_tensors(
         decoded = [preprocess(Image.open(io.BytesIO(data)).convert("RGB"), prep) for data in images]
         sets = []
         for i in range(count):
-            batch = np.stack([decoded[(i * rows + r) % len(decoded)] for r in range(rows)])
+            at = [i * rows + r for r in range(rows)]
+            batch = np.stack(
+                [variant(decoded[k % len(decoded)], k // len(decoded), prep.layout) for k in at]
+            )
             sets.append({tensor.name: batch if model.batched else batch[0]})
         return sets
     sets = []
@@ -152,6 +155,26 @@ def model_tensors(
         arrays = {t.name: random_rows(t, rows, rng) for t in model.inputs}
         sets.append(arrays if model.batched else {k: v[0] for k, v in arrays.items()})
     return sets
+
+
+CHANNEL_ORDERS = ((0, 1, 2), (1, 2, 0), (2, 0, 1), (0, 2, 1), (2, 1, 0), (1, 0, 2))
+
+
+def variant(image: np.ndarray, cycle: int, layout: str) -> np.ndarray:
+    """The ``cycle``-th of 24 views of a preprocessed image (0: itself; then its channels in
+    another order, flipped left-right, upside down): the rows of the requests that cycle
+    through fewer images than they have rows differ all the same (``--check-answers`` can
+    tell a row answered in another's place only if their inputs differ)."""
+    k = cycle % 24
+    if not k:
+        return image
+    channel, height, width = (0, 1, 2) if layout == "NCHW" else (2, 0, 1)
+    view = np.take(image, CHANNEL_ORDERS[k % 6], axis=channel)
+    if (k // 6) % 2:
+        view = np.flip(view, axis=width)
+    if (k // 12) % 2:
+        view = np.flip(view, axis=height)
+    return view
 
 
 def v2_json(tensors: dict[str, np.ndarray], rows: int) -> Payload:

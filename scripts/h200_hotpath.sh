@@ -50,7 +50,8 @@ url=http://127.0.0.1:$port
 
 # Every HTTP load's answers compared row by row with each request's answer alone (a
 # 'wrong-answer' is an error in the table's statuses; bench.answers); CHECK=0: not compared.
-check=$([ "${CHECK:-1}" = 1 ] && echo --check-answers)
+check=()
+[ "${CHECK:-1}" = 1 ] && check=(--check-answers)
 bench() {  # name, limit, arguments: this tree's bench, against the server at $url
     local name=$1 limit=$2
     shift 2
@@ -115,9 +116,9 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         wait $server
         continue
     fi
-    bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}" $check
+    bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}" "${check[@]}"
     if [ "$tree" = this ]; then
-        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive $check
+        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive "${check[@]}"
         bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
         bench "${tree}_grpc_rows1" 60 --protocol grpc --rows 1 --concurrency 256
         bench "${tree}_grpc_stream_rows1" 60 --protocol grpc-stream --rows 1 --concurrency 256
@@ -140,7 +141,7 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
         echo "pool exit $?"
         pack
     else
-        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 $check
+        bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 "${check[@]}"
         kill -TERM $server 2>/dev/null
         wait $server
     fi

@@ -101,10 +101,6 @@ STAGES: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def stage_of(frames: list[str]) -> str:
-    return stage_and_frame(frames)[0]
-
-
 def stage_and_frame(frames: list[str]) -> tuple[str, str]:
     """A sample's stage and the frame that named it (the deepest that names one)."""
     for frame in reversed(frames):

@@ -10,6 +10,7 @@ import pytest
 from app.protocol import RequestedOutput, encode_response
 from bench.answers import WRONG, Expected, check, decode, mismatch, separation
 from bench.payloads import Payload
+from engines.spec import numpy_dtype
 
 
 def binary_answer(outputs: dict[str, np.ndarray]) -> tuple[bytes, int]:
@@ -44,7 +45,7 @@ def test_a_row_from_another_request_is_found_and_noise_within_the_tolerance_is_n
     nan = want.copy()
     nan[3, 7] = np.nan
     assert "row 3" in (mismatch(expected, {"y": nan}) or "")
-    assert "shape" in (mismatch(expected, {"y": want[:3]}) or "")
+    assert "expected float32 (4, 100)" in (mismatch(expected, {"y": want[:3]}) or "")
     assert "outputs" in (mismatch(expected, {"z": want}) or "")
     ints = Expected.of({"k": np.array([[1], [2]])}, tolerance=0.5)
     assert mismatch(ints, {"k": np.array([[1], [3]])}) == "k: values differ"
@@ -62,9 +63,42 @@ def test_check_marks_only_a_2xx_answer_that_is_not_the_requests(status: int) -> 
     assert check(Payload(2), status, wrong, length) == status  # nothing expected
 
 
-def test_separation_is_the_closest_two_rows_relative_distance() -> None:
-    a = {"y": np.array([[1.0, 0.0], [0.0, 1.0]], dtype=np.float32)}
-    b = {"y": np.array([[1.0, 0.1]], dtype=np.float32)}
-    assert separation([a, b]) == pytest.approx(0.1)
+def test_separation_is_between_rows_of_different_requests() -> None:
+    a = {"y": np.array([[1.0, 0.0], [1.0, 0.001]], dtype=np.float32)}  # 0.001 apart, one request
+    b = {"y": np.array([[0.0, 1.0], [0.0, 2.0]], dtype=np.float32)}  # 1.0 apart, one request
+    closest, equal = separation([a, b]) or (None, None)
+    assert closest == pytest.approx(np.hypot(1, 0.999) / np.hypot(1, 0.001), rel=1e-4)
+    assert equal == 0
+    again = {"y": a["y"].copy()}  # the same input sent twice: its rows are left out
+    closest, equal = separation([a, again]) or (None, None)
+    assert closest == pytest.approx(0.001, rel=1e-2) and equal == 2
     assert separation([b]) is None
-    assert separation([{"k": np.array([[1]])}]) is None
+    assert separation([{"k": np.array([[1]])}, {"k": np.array([[2]])}]) is None
+
+
+def test_bf16_rows_are_compared_within_the_tolerance_and_json_nulls_read_as_nan() -> None:
+    bf16 = numpy_dtype("BF16")
+    want = np.random.default_rng(2).normal(size=(2, 64)).astype(np.float32).astype(bf16)
+    expected = Expected.of({"y": want}, tolerance=0.02)
+    moved = (want.astype(np.float32) * 1.004).astype(bf16)  # a rounding or two apart
+    assert not np.array_equal(moved.view(np.uint16), want.view(np.uint16))
+    assert mismatch(expected, {"y": moved}) is None
+    assert "row 0" in (mismatch(expected, {"y": want[::-1].copy()}) or "")
+    assert "expected" in (mismatch(expected, {"y": want.astype(np.float32)}) or "")  # dtype
+    x = np.array([[np.nan, 1.0]], dtype=np.float32)
+    for datatype in ("FP32", "BF16"):
+        array = x.astype(numpy_dtype(datatype))
+        body, _ = encode_response("m", "1", None, [(RequestedOutput("y", binary=False), array)])
+        assert b"null" in body
+        (y,) = decode(body, None).values()
+        assert y.dtype == array.dtype and np.isnan(y.astype(np.float32)[0, 0])
+
+
+def test_a_binary_bytes_answer_is_not_read() -> None:
+    words = np.array([[b"cat"], [b"dog"]], dtype=object)
+    body, length = binary_answer({"labels": words})
+    with pytest.raises(ValueError, match="BYTES"):
+        decode(body, length)
+    json_body, _ = encode_response("m", "1", None, [(RequestedOutput("labels", False), words)])
+    (labels,) = decode(json_body, None).values()
+    assert labels.tolist() == [["cat"], ["dog"]]

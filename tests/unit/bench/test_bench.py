@@ -7,7 +7,7 @@ import asyncio
 import io
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
@@ -25,6 +25,7 @@ from bench.grpc_client import stream_failed
 from bench.loadgen import Samples, Step, StepResult, merge, split, summarize
 from bench.payloads import ModelInputs
 from bench.scrape import ServerStats, step_stats
+from engines.preprocess import ImagePreprocess
 from engines.spec import ModelSpec, TensorSpec
 
 IMAGE_MODEL = ModelInputs("img", (TensorSpec("input", "FP32", (3, 32, 32)),), batched=True)
@@ -388,3 +389,22 @@ def test_each_stream_in_flight_has_a_connection_of_its_own() -> None:
 
     opened, channels = asyncio.run(scenario())
     assert opened == [0, 1, 2] and channels == 3
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_the_rows_of_requests_cycling_through_fewer_images_all_differ(
+    layout: Literal["NCHW", "NHWC"],
+) -> None:
+    """32-row requests made from 8 images: every row of every request is a different input
+    (the images' views, ``payloads.variant``), so a row answered in another's place shows
+    under ``--check-answers``; the first cycle is the images themselves."""
+    shape = (3, 32, 32) if layout == "NCHW" else (32, 32, 3)
+    model = ModelInputs("m", (TensorSpec("x", "UINT8", shape),), True)
+    prep = ImagePreprocess(resize_shorter=32, crop=32, layout=layout, datatype="UINT8")
+    images = payloads.synthetic_images(8, 48, 40)
+    sets = payloads.model_tensors(model, images, rows=32, count=4, configured=prep)
+    rows = np.concatenate([s["x"] for s in sets])
+    assert rows.shape == (128, *shape)
+    assert len({row.tobytes() for row in rows}) == 128
+    first = payloads.model_tensors(model, images, rows=8, count=1, configured=prep)[0]["x"]
+    np.testing.assert_array_equal(rows[:8], first)

@@ -8,15 +8,17 @@ import asyncio
 
 import pytest
 
-from bench.http_wire import HttpStatusError, RawHttpClient, read_response
+from bench.http_wire import HttpStatusError, RawHttpClient, read_answer
 from bench.payloads import Payload
 
 
 def read_one(data: bytes) -> tuple[int, bool]:
-    """``read_response`` over ``data`` (a reader made on the loop that reads it)."""
+    """``read_answer``'s status and keep over ``data`` (a reader made on the loop that reads
+    it)."""
 
     async def read() -> tuple[int, bool]:
-        return await read_response(reader_of(data))
+        status, keep, _, _ = await read_answer(reader_of(data))
+        return status, keep
 
     return asyncio.run(read())
 
@@ -42,12 +44,15 @@ async def answers_in_a_row() -> None:
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"2\r\nok\r\n0\r\nServer-Timing: x\r\n\r\n"
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n"
+        b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\nInference-Header-Content-Length: 2\r\n\r\n"
+        b"{}\x01\x02\x03\x04\x05\x06\x07"
     )
-    assert await read_response(reader) == (200, True)
-    assert await read_response(reader) == (400, True)
-    assert await read_response(reader) == (204, True)  # after the interim 100
-    assert await read_response(reader) == (200, True)  # chunks with a trailer field
-    assert await read_response(reader) == (503, True)
+    assert await read_answer(reader) == (200, True, b"hello", None)
+    assert await read_answer(reader) == (400, True, b"abcdefg", None)  # the chunks joined
+    assert await read_answer(reader) == (204, True, b"", None)  # after the interim 100
+    assert await read_answer(reader) == (200, True, b"ok", None)  # chunks, a trailer field
+    assert await read_answer(reader) == (503, True, b"", None)
+    assert await read_answer(reader) == (200, True, b"{}\x01\x02\x03\x04\x05\x06\x07", 2)
     assert reader.at_eof() or await reader.read() == b""
 
 

@@ -74,6 +74,6 @@ def test_each_row_is_answered_from_its_own_input_in_its_place(rows: int) -> None
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, BUCKETS[-1]), st.integers(1, 3))
-def test_any_plan_of_split_rows_answers_as_one_graph(rows: int, max_pieces: int) -> None:
+def test_any_plan_of_split_rows_answers_every_row_in_its_place(rows: int, max_pieces: int) -> None:
     host, want = run(rows, split_rows(rows, BUCKETS, max_pieces))
     np.testing.assert_array_equal(host, want)
