@@ -10,7 +10,8 @@ makes the answer ``wrong-answer``, an error in the step's statuses. The toleranc
 what a batch's size may change in a float answer (another kernel, another padding: FP16
 logits move by about 1e-3 of their norm), not another row's answer; ``reference`` says how
 far apart the distinct rows' answers are, so a tolerance that could not tell them apart is
-seen. V2 over HTTP (binary or JSON outputs) only.
+seen. V2 over HTTP (binary or JSON outputs) and gRPC (``raw_output_contents``, unary calls
+and streams); not uploads or the in-process targets.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import math
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import orjson
@@ -92,6 +95,26 @@ def decode(body: bytes, header_length: int | None) -> dict[str, np.ndarray]:
     return outputs
 
 
+def decode_grpc(answer: bytes, stream: bool = False) -> dict[str, np.ndarray]:
+    """A serialized ModelInferResponse's outputs (of a ModelStreamInferResponse with
+    ``stream``), from its ``raw_output_contents`` (what Stoker and Triton answer)."""
+    from app.frontend.grpc.generated import grpc_service_pb2 as pb
+
+    if stream:
+        response = pb.ModelStreamInferResponse.FromString(answer).infer_response
+    else:
+        response = pb.ModelInferResponse.FromString(answer)
+    if len(response.raw_output_contents) != len(response.outputs):
+        raise ValueError("outputs not in raw_output_contents are not read")
+    outputs: dict[str, np.ndarray] = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        dtype = numpy_dtype(output.datatype)
+        if dtype.hasobject:
+            raise ValueError(f"output {output.name}: BYTES answers over gRPC are not read")
+        outputs[output.name] = np.frombuffer(raw, dtype).reshape(tuple(output.shape))
+    return outputs
+
+
 def mismatch(expected: Expected, got: dict[str, np.ndarray]) -> str | None:
     """Why ``got`` is not ``expected``'s answer (the first output and row that differs), or
     None when every row of every output is within the tolerance."""
@@ -148,11 +171,11 @@ def separation(answers: list[dict[str, np.ndarray]]) -> tuple[float, int] | None
 def reference(
     url: str, payloads: list[Payload], tolerance: float, timeout_s: float
 ) -> tuple[list[Payload], tuple[float, int] | None]:
-    """Each payload with the answer ``url`` gives it alone (sent one at a time), and the
-    ``separation`` of those answers. Raises RuntimeError when a request alone is refused or
-    its answer cannot be read (a binary BYTES output)."""
-    checked, answers = [], []
-    for payload in payloads:
+    """Each payload with the answer ``url`` (V2 over HTTP) gives it alone (sent one at a time),
+    and the ``separation`` of those answers. Raises RuntimeError when a request alone is
+    refused or its answer cannot be read (a binary BYTES output)."""
+
+    def alone(payload: Payload) -> dict[str, np.ndarray]:
         request = urllib.request.Request(url, payload.body, payload.headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -163,24 +186,66 @@ def reference(
             raise RuntimeError(
                 f"{url} answered {error.code} to a request alone: {detail}"
             ) from None
+        return decode(body, None if length is None else int(length))
+
+    return answered(url, payloads, tolerance, alone)
+
+
+def reference_grpc(
+    address: str, payloads: list[Payload], tolerance: float, timeout_s: float
+) -> tuple[list[Payload], tuple[float, int] | None]:
+    """``reference`` over gRPC: each payload (a serialized ModelInferRequest) as a ModelInfer
+    call of its own to ``address``."""
+    import grpc
+
+    from bench.grpc_client import GRPC_INFER
+
+    with grpc.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", -1)]
+    ) as channel:
+        call: Any = channel.unary_unary(GRPC_INFER)  # bytes in, bytes out
+
+        def alone(payload: Payload) -> dict[str, np.ndarray]:
+            try:
+                answer = call(payload.body, timeout=timeout_s)
+            except grpc.RpcError as error:
+                code = error.code().name
+                why = error.details()
+                raise RuntimeError(f"{address} answered {code} to a request alone: {why}") from None
+            return decode_grpc(answer)
+
+        return answered(address, payloads, tolerance, alone)
+
+
+def answered(
+    where: str,
+    payloads: list[Payload],
+    tolerance: float,
+    alone: Callable[[Payload], dict[str, np.ndarray]],
+) -> tuple[list[Payload], tuple[float, int] | None]:
+    checked, answers = [], []
+    for payload in payloads:
         try:
-            outputs = decode(body, None if length is None else int(length))
+            outputs = alone(payload)
         except (ValueError, KeyError, TypeError) as error:
-            raise RuntimeError(f"{url}'s answer to a request alone is not read: {error}") from None
+            raise RuntimeError(
+                f"{where}'s answer to a request alone is not read: {error}"
+            ) from None
         answers.append(outputs)
         checked.append(replace(payload, expected=Expected.of(outputs, tolerance)))
     return checked, separation(answers)
 
 
-def check(payload: Payload, status: int, body: bytes, header_length: int | None) -> int | str:
+def check(payload: Payload, status: int, read: Callable[[], dict[str, np.ndarray]]) -> int | str:
     """The status to record: ``status``, or ``WRONG`` for a 2xx answer that is not the
-    payload's expected one (or cannot be read as one); the first of a process says why."""
+    payload's expected one (or cannot be read as one: ``read`` decodes it); the first of a
+    process says why."""
     global _told
     expected = payload.expected
     if expected is None or not 200 <= status < 300:
         return status
     try:
-        wrong = mismatch(expected, decode(body, header_length))
+        wrong = mismatch(expected, read())
     except (ValueError, KeyError, TypeError) as error:
         wrong = f"not read: {error}"
     if wrong is None:

@@ -158,9 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     client.add_argument(
         "--check-answers",
         action="store_true",
-        help="V2 over HTTP: send each distinct request alone first, then compare every answer "
-        "under load with it row by row; one that differs is a 'wrong-answer' error "
-        "(bench.answers)",
+        help="V2 tensors over HTTP and gRPC: send each distinct request alone first, then "
+        "compare every answer under load with it row by row; one that differs is a "
+        "'wrong-answer' error (bench.answers)",
     )
     client.add_argument(
         "--check-tolerance",
@@ -186,8 +186,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--protocol takes {', '.join(payloads.PROTOCOLS)}, comma-separated")
     if set(args.protocols) - {"http"} and args.payload == "jpeg":
         parser.error("gRPC has no image upload: use --payload v2-binary or v2-json with grpc")
-    if args.check_answers and (args.payload == "jpeg" or set(args.protocols) - {"http"}):
-        parser.error("--check-answers compares V2 tensor answers over HTTP: v2-binary or v2-json")
+    if args.check_answers and args.payload == "jpeg":
+        parser.error("--check-answers compares V2 tensor answers: v2-binary or v2-json")
     if not args.check_tolerance > 0:
         parser.error("--check-tolerance must be positive")
     try:
@@ -371,7 +371,7 @@ def start(
 
     if url is None:
         if args.check_answers:
-            print(f"--check-answers: the answers of {plan.name} are not checked (not HTTP)")
+            print(f"--check-answers: the answers of {plan.name} are not checked (no server)")
         inputs = in_process_inputs(args.repository, args.model)
         # Uploads are decoded in process by the model's handler; anything else goes in as
         # the tensors the engine takes.
@@ -405,16 +405,26 @@ def start(
         # A stream's messages are the ModelInferRequests of unary calls: built once.
         payload = cache.get(args.payload, model, "http" if protocol == "http" else "grpc")
         if args.check_answers and protocol == "http":
-            payload = checked(f"{url}{http_path(args)}", payload, args)
+            payload = checked(f"{url}{http_path(args)}", payload, args, answers.reference)
+        elif args.check_answers and plan.grpc is not None:
+            payload = checked(plan.grpc, payload, args, answers.reference_grpc)
         started.append((name, description, workers(target, payload, args.workers)))
     return started
 
 
-def checked(url: str, chosen: list[Payload], args: argparse.Namespace) -> list[Payload]:
-    """``--check-answers``: the payloads with ``url``'s answers to each alone, and a line on
-    how far apart those answers are (a tolerance above it could not tell one request's row
-    from another's)."""
-    with_answers, apart = answers.reference(url, chosen, args.check_tolerance, args.timeout)
+def checked(
+    url: str,
+    chosen: list[Payload],
+    args: argparse.Namespace,
+    reference: Callable[
+        [str, list[Payload], float, float], tuple[list[Payload], tuple[float, int] | None]
+    ],
+) -> list[Payload]:
+    """``--check-answers``: the payloads with ``url``'s answers to each alone
+    (``answers.reference`` over HTTP, ``answers.reference_grpc``), and a line on how far apart
+    those answers are (a tolerance above it could not tell one request's row from
+    another's)."""
+    with_answers, apart = reference(url, chosen, args.check_tolerance, args.timeout)
     if apart is None:
         note = "no two requests' float rows to compare"
     else:

@@ -1,6 +1,7 @@
 """The load generator's gRPC client: ModelInfer over grpc.aio with serialized requests
 (``bench.payloads.grpc_request``), sent as they are and answered without parsing, as the
-HTTP client sends bodies and reads them whole; or the same requests as messages of
+HTTP client sends bodies and reads them whole (with ``--check-answers``, parsed and compared:
+``bench.answers``); or the same requests as messages of
 ModelStreamInfer streams (``stream``), one stream a request in flight, as Triton's
 ``perf_analyzer --streaming`` sends them."""
 
@@ -8,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from app.frontend.grpc.contents import varint
+from bench.answers import check, decode_grpc
 from bench.payloads import Payload
 
 
@@ -96,12 +99,12 @@ class GrpcClient:
         self._calls.append(call)
         return call
 
-    async def send(self, payload: Payload) -> int:
+    async def send(self, payload: Payload) -> int | str:
         if self._target.stream:
             return await self._send_on_stream(payload)
         return await self._send_call(payload)
 
-    async def _send_on_stream(self, payload: Payload) -> int:
+    async def _send_on_stream(self, payload: Payload) -> int | str:
         """The request as the next message of an idle stream (a new one, on a channel of its
         own up to ``MAX_GRPC_CHANNELS``, when none is idle); a stream that fails is dropped.
         A request the server failed is 500 whatever its reason (a stream's failure is a
@@ -134,7 +137,11 @@ class GrpcClient:
             stream.cancel()
             raise
         self._idle.append(stream)
-        return 500 if stream_failed(answer) else 200
+        if stream_failed(answer):
+            return 500
+        if payload.expected is not None:
+            return check(payload, 200, partial(decode_grpc, answer, stream=True))
+        return 200
 
     @staticmethod
     async def _exchange(stream: Any, body: bytes) -> bytes:
@@ -147,7 +154,7 @@ class GrpcClient:
         assert isinstance(answer, bytes)
         return answer
 
-    async def _send_call(self, payload: Payload) -> int:
+    async def _send_call(self, payload: Payload) -> int | str:
         import grpc
 
         own = bool(self._idle) or len(self._calls) < MAX_GRPC_CHANNELS
@@ -159,7 +166,7 @@ class GrpcClient:
             self._turn += 1
             call = self._calls[self._turn % len(self._calls)]
         try:
-            await call(payload.body, timeout=self._target.timeout_s)
+            answer = await call(payload.body, timeout=self._target.timeout_s)
         except grpc.aio.AioRpcError as error:
             status = GRPC_STATUSES.get(error.code().name)
             if status is None:
@@ -168,6 +175,8 @@ class GrpcClient:
         finally:
             if own:
                 self._idle.append(call)
+        if payload.expected is not None:
+            return check(payload, 200, partial(decode_grpc, answer))
         return 200
 
     async def metrics(self) -> str | None:

@@ -14,9 +14,10 @@ it is.
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from urllib.parse import urlsplit
 
-from bench.answers import check
+from bench.answers import check, decode
 from bench.payloads import Payload
 
 READ_LIMIT = 1 << 20
@@ -75,7 +76,7 @@ class RawHttpClient:
         else:
             writer.close()
         if payload.expected is not None:
-            return check(payload, status, body, header_length)
+            return check(payload, status, partial(decode, body, header_length))
         return status
 
     async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

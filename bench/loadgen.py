@@ -31,13 +31,14 @@ import time
 import traceback
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from bench.answers import check
+from bench.answers import check, decode
 from bench.direct import DirectClient, DirectTarget
 from bench.grpc_client import GrpcClient, GrpcTarget
 from bench.http_wire import RawHttpClient
@@ -239,7 +240,8 @@ class HttpClient:
             if payload.expected is None:
                 return response.status
             length = response.headers.get("Inference-Header-Content-Length")
-            return check(payload, response.status, body, None if length is None else int(length))
+            read = partial(decode, body, None if length is None else int(length))
+            return check(payload, response.status, read)
 
     async def metrics(self) -> str | None:
         import aiohttp

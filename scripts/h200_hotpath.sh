@@ -48,7 +48,7 @@ cat "$OUT/env.txt"
 port=8125
 url=http://127.0.0.1:$port
 
-# Every HTTP load's answers compared row by row with each request's answer alone (a
+# Every HTTP and gRPC load's answers compared row by row with each request's answer alone (a
 # 'wrong-answer' is an error in the table's statuses; bench.answers); CHECK=0: not compared.
 check=()
 [ "${CHECK:-1}" = 1 ] && check=(--check-answers)
@@ -119,9 +119,9 @@ for entry in ${TREES:-base=.gpu/$base this=.}; do
     bench "${tree}_u8_rows32" 150 --rows 32 --concurrency "${U8_CONCURRENCY:-8,16,32,64,128}" "${check[@]}"
     if [ "$tree" = this ]; then
         bench "${tree}_u8_rows1" 60 --rows 1 --concurrency 256 --naive "${check[@]}"
-        bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32
-        bench "${tree}_grpc_rows1" 60 --protocol grpc --rows 1 --concurrency 256
-        bench "${tree}_grpc_stream_rows1" 60 --protocol grpc-stream --rows 1 --concurrency 256
+        bench "${tree}_grpc" 60 --protocol grpc --rows 32 --concurrency 32 "${check[@]}"
+        bench "${tree}_grpc_rows1" 60 --protocol grpc --rows 1 --concurrency 256 "${check[@]}"
+        bench "${tree}_grpc_stream_rows1" 60 --protocol grpc-stream --rows 1 --concurrency 256 "${check[@]}"
         if [ "${PYSPY:-0}" = 1 ] && command -v py-spy >/dev/null; then
             py-spy record --pid $server --subprocesses --threads --nonblocking --rate 97 \
                 --duration 8 --format raw -o "$OUT/pyspy_rows32.txt" >"$OUT/pyspy.log" 2>&1 &

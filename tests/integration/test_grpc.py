@@ -958,9 +958,10 @@ def test_sigterm_answers_every_call_in_flight_and_refuses_new_ones(tmp_path: Pat
 def test_the_bench_measures_grpc_beside_http_on_one_server(
     served: GrpcServer, tmp_path: Path
 ) -> None:
-    """``stoker bench --protocol http,grpc,grpc-stream`` against a running server: the three
-    targets answer without errors, the gRPC ones over the server's gRPC port (ModelInfer
-    calls, and messages on ModelStreamInfer streams), and the server's own counts see every
+    """``stoker bench --protocol http,grpc,grpc-stream --check-answers`` against a running
+    server: the three targets answer without errors, the gRPC ones over the server's gRPC
+    port (ModelInfer calls, and messages on ModelStreamInfer streams), every answer of each
+    the request's own (2-row requests, batched), and the server's own counts see every
     request."""
     port = served.address.rpartition(":")[2]
     before = tiny_successes(served)
@@ -974,6 +975,9 @@ def test_the_bench_measures_grpc_beside_http_on_one_server(
         "tiny",
         "--protocol",
         "http,grpc,grpc-stream",
+        "--rows",
+        "2",
+        "--check-answers",
         "--concurrency",
         "4",
         "--duration",

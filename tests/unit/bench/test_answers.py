@@ -4,11 +4,15 @@ and JSON."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 
+from app.contract import Answer
+from app.frontend.grpc import codec
 from app.protocol import RequestedOutput, encode_response
-from bench.answers import WRONG, Expected, check, decode, mismatch, separation
+from bench.answers import WRONG, Expected, check, decode, decode_grpc, mismatch, separation
 from bench.payloads import Payload
 from engines.spec import numpy_dtype
 
@@ -57,10 +61,23 @@ def test_check_marks_only_a_2xx_answer_that_is_not_the_requests(status: int) -> 
     payload = Payload(2, expected=Expected.of({"y": want}, 0.01))
     right, length = binary_answer({"y": want})
     wrong, _ = binary_answer({"y": want[::-1].copy()})
-    assert check(payload, status, right, length) == status
-    assert check(payload, status, wrong, length) == (WRONG if status == 200 else status)
-    assert check(payload, status, b"not json", None) == (WRONG if status == 200 else status)
-    assert check(Payload(2), status, wrong, length) == status  # nothing expected
+    assert check(payload, status, partial(decode, right, length)) == status
+    wrong_read = partial(decode, wrong, length)
+    assert check(payload, status, wrong_read) == (WRONG if status == 200 else status)
+    garbled = partial(decode, b"not json", None)
+    assert check(payload, status, garbled) == (WRONG if status == 200 else status)
+    assert check(Payload(2), status, wrong_read) == status  # nothing expected
+
+
+def test_grpc_answers_decode_as_the_server_encodes_them() -> None:
+    """The server's ModelInferResponse of a binary answer (``codec.infer_response``), and the
+    same as a stream's message (``codec.stream_answer``), read back to the arrays."""
+    logits = np.random.default_rng(3).normal(size=(2, 7)).astype(np.float16)
+    body, headers = encode_response("m", "1", None, [(RequestedOutput("logits", True), logits)])
+    response = codec.infer_response(Answer("m", "1", headers, body))
+    np.testing.assert_array_equal(decode_grpc(response)["logits"], logits)
+    streamed = codec.stream_answer(response)
+    np.testing.assert_array_equal(decode_grpc(streamed, stream=True)["logits"], logits)
 
 
 def test_separation_is_between_rows_of_different_requests() -> None:
