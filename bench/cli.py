@@ -13,6 +13,11 @@ concurrency sweep, then every fixed open-loop rate, runs on each target in turn
 The server's own cost, guarded: ``stoker bench --serve --direct --concurrency 1,8 --rounds
 3`` prints Stoker ÷ ONNX Runtime called directly at c=1 and c=8 (binary V2, batch 1, the
 embedded default), so a change that adds a millisecond a request shows.
+
+Kept in one module (~560 lines): the options, the targets they plan, the payloads built once
+for all of them and the loop that runs every step on each target are one flow that changes
+together when a target or an option is added; the clients and the step are
+``bench.loadgen``'s, the answers' check ``bench.answers``'s.
 """
 
 from __future__ import annotations
