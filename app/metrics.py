@@ -13,7 +13,7 @@ totals that ``/v2/models/{m}/stats`` reports, so the two can never disagree; the
 series are read from those same totals at scrape time (``TritonCollector``), so they move
 with the ``stoker_*`` ones and cost the request path nothing.
 
-Kept in one module (~530 lines): "declared once" is its point. A metric's name, its labels,
+Kept in one module (~550 lines): "declared once" is its point. A metric's name, its labels,
 the total ``/stats`` reports and the ``nv_*`` series read from that total change together;
 split, a Stoker and a Triton view of one total would live apart. What is not a declaration
 (the weighted histogram) lives in ``app.counted``.

@@ -30,6 +30,12 @@ import orjson
 from bench.payloads import Payload
 from engines.spec import numpy_dtype
 
+Reference = Callable[
+    [str, list[Payload], float, float], tuple[list[Payload], tuple[float, int] | None]
+]
+"""``reference`` or ``reference_grpc``: a target's address, the payloads, the tolerance and
+the timeout to the payloads with their answers alone and the ``separation`` of those."""
+
 WRONG = "wrong-answer"
 """The status of a 2xx answer that is not the request's."""
 _told = False  # the first wrong answer of a client process says why, on stderr
@@ -124,9 +130,8 @@ def mismatch(expected: Expected, got: dict[str, np.ndarray]) -> str | None:
         value = got[name]
         if value.shape != want.shape or value.dtype != want.dtype:
             return f"{name}: {value.dtype} {value.shape}, expected {want.dtype} {want.shape}"
-        if (
-            not value.dtype.hasobject and value.tobytes() == want.tobytes()
-        ):  # the same bytes: no arithmetic (most answers)
+        same_bytes = not value.dtype.hasobject and value.tobytes() == want.tobytes()
+        if same_bytes:  # no arithmetic (most answers)
             continue
         made = expected.rows.get(name)
         if made is None:

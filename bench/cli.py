@@ -421,9 +421,7 @@ def checked(
     url: str,
     chosen: list[Payload],
     args: argparse.Namespace,
-    reference: Callable[
-        [str, list[Payload], float, float], tuple[list[Payload], tuple[float, int] | None]
-    ],
+    reference: answers.Reference,
 ) -> list[Payload]:
     """``--check-answers``: the payloads with ``url``'s answers to each alone
     (``answers.reference`` over HTTP, ``answers.reference_grpc``), and a line on how far apart

@@ -4,13 +4,14 @@
 # PACK_NAME, or the script's name). Call pack after each load; it runs again on exit, and a
 # TERM (a `timeout` around the script) exits through it once the running command returns,
 # so a call cut at its limit still brings back what ran.
+PACK_NAME=${PACK_NAME:-$(basename "$0" .sh)}
 RESULT=$OUT
-OUT=/tmp/stoker-work-${PACK_NAME:-$(basename "$0" .sh)}
+OUT=/tmp/stoker-work-$PACK_NAME
 rm -rf "$OUT"
 mkdir -p "$OUT" "$RESULT"
 pack() {
-    tar -czf "$RESULT/${PACK_NAME:-$(basename "$0" .sh)}.tgz.part" -C "$OUT" . &&
-        mv "$RESULT/${PACK_NAME:-$(basename "$0" .sh)}.tgz.part" "$RESULT/${PACK_NAME:-$(basename "$0" .sh)}.tgz"
+    tar -czf "$RESULT/$PACK_NAME.tgz.part" -C "$OUT" . &&
+        mv "$RESULT/$PACK_NAME.tgz.part" "$RESULT/$PACK_NAME.tgz"
 }
 trap pack EXIT
 trap 'exit 143' TERM

@@ -338,6 +338,9 @@ def main() -> None:
         "--protocols", action="store_true", help="HTTP against gRPC (--grpc), no profile"
     )
     args = parser.parse_args()
+    known = {stage for stage, _ in STAGES} | {"event loop, asyncio"}
+    if set(args.lines) - known:
+        parser.error(f"--lines takes a stage of: {', '.join(sorted(known))}")
     if args.protocols and not args.grpc:
         parser.error("--protocols needs --grpc")
     url = args.url.rstrip("/")

@@ -8,7 +8,7 @@ version of every configured model, the versions refused and why, readiness and c
 The server, the CLI, the accuracy report, the bench's in-process client and its naive baseline
 all load models through here.
 
-Kept in one module (~510 lines): a version's whole life (source, engine, pool, warm-up,
+Kept in one module (~520 lines): a version's whole life (source, engine, pool, warm-up,
 batcher, close) is what "the one place" means; each step's work lives in ``engines`` and the
 batcher, and what stays here is their order and what each leaves for the next.
 """

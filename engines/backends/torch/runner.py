@@ -333,8 +333,7 @@ class TorchRunner:
                     return outputs
 
                 with torch.cuda.stream(self._torch_stream):
-                    pieces = self.pieces(rows) if spec.batched else [rows]
-                    outputs = run_pieces(pieces, staged, replay, self._copy_out)
+                    outputs = run_pieces(self.pieces(rows), staged, replay, self._copy_out)
             else:
                 with (
                     torch.cuda.stream(self._torch_stream),
